@@ -1,0 +1,111 @@
+"""The differentiable functional op `mok.moe` and the `nn.Module` `mok.MoE` (DESIGN §3).
+
+Every level is a module with the same two functions, so the ladder is one dictionary:
+    forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_*, *, precision, swiglu_limit)
+        -> (out [T, H] bf16, saved)
+    backward(saved, d_out [T, H] bf16) -> (d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_*)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+
+import torch
+from torch import nn
+
+from mok import routing
+from mok.checks import check_moe_inputs
+
+# level name -> module implementing forward/backward (DESIGN §6)
+LEVELS = {
+    "reference": "mok.reference",  # L0
+    "torch": "mok.torch_native",  # L1
+    "fused": "mok.fused",  # L2 (Hopper kernels; not built yet)
+    "megakernel": "mok.megakernel",  # L3/L4 (not built yet)
+}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" picks the deepest level that exists and runs on `device`."""
+    if backend == "auto":
+        for name in ("megakernel", "fused"):
+            if device.type == "cuda" and importlib.util.find_spec(LEVELS[name]) is not None:
+                return name
+        return "torch"
+    if backend not in LEVELS:
+        raise ValueError(f"backend: expected 'auto' or one of {list(LEVELS)}, got {backend!r}")
+    if importlib.util.find_spec(LEVELS[backend]) is None:
+        raise NotImplementedError(f"backend: level {backend!r} is not built yet; use 'reference' or 'torch'")
+    return backend
+
+
+def get_level(backend: str):
+    return importlib.import_module(LEVELS[backend])
+
+
+class _MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                precision, swiglu_limit, backend):
+        level = get_level(backend)
+        out, saved = level.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
+                                   ws_down, precision=precision, swiglu_limit=swiglu_limit)
+        ctx.level, ctx.saved = level, saved
+        ctx.mark_non_differentiable(topk_idx)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        d_x, d_tw, *d_w = ctx.level.backward(ctx.saved, d_out.contiguous())
+        ctx.saved = None  # free the saved activations as soon as they are used
+        return (d_x, None, d_tw, *d_w, None, None, None)
+
+
+def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+        w_shared_down=None, *, precision: str = "bf16", swiglu_limit: float | None = None,
+        backend: str = "auto") -> torch.Tensor:
+    """The MoE layer: out [num_tokens, hidden] bf16. mok does not route: topk_idx/topk_weights come
+    from the caller, weights already normalized. Differentiable in x, topk_weights and all weights."""
+    check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                     w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
+    backend = resolve_backend(backend, x.device)
+    return _MoEFunction.apply(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate,
+                              w_shared_up, w_shared_down, precision, swiglu_limit, backend)
+
+
+class MoE(nn.Module):
+    """A routed SwiGLU MoE block (plus an optional shared expert) with a softmax top-k router.
+
+    x [..., hidden] bf16 -> [..., hidden] bf16. The router runs in fp32 in plain PyTorch and receives
+    gradients through topk_weights; the experts run at the chosen level and precision."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, num_topk: int,
+                 shared_intermediate: int = 0, *, precision: str = "bf16",
+                 swiglu_limit: float | None = None, backend: str = "auto", device=None):
+        super().__init__()
+        self.num_topk, self.precision, self.swiglu_limit, self.backend = num_topk, precision, swiglu_limit, backend
+
+        def param(*shape, fan_in):
+            w = torch.randn(*shape, device=device) / math.sqrt(fan_in)
+            return nn.Parameter(w.to(torch.bfloat16))
+
+        self.w_router = nn.Parameter(torch.randn(num_experts, hidden, device=device) / math.sqrt(hidden))
+        self.w_gate = param(num_experts, intermediate, hidden, fan_in=hidden)
+        self.w_up = param(num_experts, intermediate, hidden, fan_in=hidden)
+        self.w_down = param(num_experts, hidden, intermediate, fan_in=intermediate)
+        shared = shared_intermediate > 0
+        self.w_shared_gate = param(shared_intermediate, hidden, fan_in=hidden) if shared else None
+        self.w_shared_up = param(shared_intermediate, hidden, fan_in=hidden) if shared else None
+        self.w_shared_down = param(hidden, shared_intermediate, fan_in=shared_intermediate) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).contiguous()  # [num_tokens, hidden]
+        logits = x.float() @ self.w_router.T  # [num_tokens, num_experts]
+        topk_idx, topk_weights = routing.softmax_topk(logits, self.num_topk)
+        out = moe(x, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down, self.w_shared_gate,
+                  self.w_shared_up, self.w_shared_down, precision=self.precision,
+                  swiglu_limit=self.swiglu_limit, backend=self.backend)
+        return out.view(shape)

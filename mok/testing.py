@@ -1,0 +1,91 @@
+"""Problems and comparisons shared by tests, benchmarks and notebooks.
+
+`make_inputs` draws a fresh MoE problem (never zeros); `rel_err` is DESIGN §9's metric
+Σ|Δ|/Σ|ref|; `TOLERANCES` names every bound a level is held to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mok import routing
+from mok.config import MoEConfig
+
+# DESIGN §9, keyed by (what is compared, against what).
+TOLERANCES = {
+    "bf16_vs_l0": 1e-2,  # any level in bf16 vs L0 bf16
+    "mxfp8_vs_l0_mxfp8": 1e-2,  # any level in mxfp8 vs L0 mxfp8 (same quantized operands)
+    "mxfp8_vs_l0_bf16": 0.1,  # mxfp8 vs the bf16 L0 (MoK's bound)
+    "l0_vs_fp64": 1e-2,  # L0 (bf16 between GEMMs) vs an fp64 evaluation without roundings
+    # With a swiglu_limit, the bf16 rounding of the saved gate/up flips clamp masks near ±L, and
+    # d_x amplifies those sparse jumps (measured: 4.4e-2 at L = 0.5 on tiny-noshared, 1.7e-2 at L = 2).
+    "l0_vs_fp64_limit": 6e-2,
+}
+
+GRAD_NAMES = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down",
+              "d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
+
+
+def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
+                routing_fn=None) -> dict:
+    """A fresh problem for `cfg`: inputs and weights ~ N(0, 1/fan_in) in bf16, routing with
+    Zipf(skew) expert popularity (or `routing_fn(num_tokens, num_experts, num_topk, generator)`),
+    and an upstream gradient d_out. Drawn on the CPU with a seeded generator, then moved: the same
+    seed gives the same problem on every device."""
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, K, I_sh = (cfg.num_tokens, cfg.hidden, cfg.intermediate, cfg.num_experts,
+                           cfg.num_topk, cfg.shared_intermediate)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    if routing_fn is None:
+        topk_idx, topk_weights = routing.random_routing(T, E, K, skew=skew, generator=g)
+    else:
+        topk_idx, topk_weights = routing_fn(T, E, K, g)
+    shared = I_sh > 0
+    return dict(
+        x=randn(T, H),  # [T, H]
+        topk_idx=topk_idx.to(device),  # [T, K]
+        topk_weights=topk_weights.to(device),  # [T, K]
+        w_gate=randn(E, I, H, scale=1 / math.sqrt(H)),  # [E, I, H]
+        w_up=randn(E, I, H, scale=1 / math.sqrt(H)),  # [E, I, H]
+        w_down=randn(E, H, I, scale=1 / math.sqrt(I)),  # [E, H, I]
+        w_shared_gate=randn(I_sh, H, scale=1 / math.sqrt(H)) if shared else None,  # [I_sh, H]
+        w_shared_up=randn(I_sh, H, scale=1 / math.sqrt(H)) if shared else None,  # [I_sh, H]
+        w_shared_down=randn(H, I_sh, scale=1 / math.sqrt(I_sh)) if shared else None,  # [H, I_sh]
+        d_out=randn(T, H),  # [T, H] upstream gradient
+    )
+
+
+def moe_args(inputs: dict) -> tuple:
+    """The positional arguments of mok.moe / a level's forward, in order."""
+    names = ("x", "topk_idx", "topk_weights", "w_gate", "w_up", "w_down",
+             "w_shared_gate", "w_shared_up", "w_shared_down")
+    return tuple(inputs[n] for n in names)
+
+
+def rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """Σ|actual − ref| / Σ|ref| in fp64 (DESIGN §9); 0 when both are all zero."""
+    a, r = actual.double(), ref.double()
+    den = r.abs().sum().item()
+    num = (a - r).abs().sum().item()
+    return num / den if den else (0.0 if num == 0 else math.inf)
+
+
+def bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Same dtype, shape and bytes (NaNs with the same payload compare equal)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def run_level(level, inputs: dict, *, precision="bf16", swiglu_limit=None) -> tuple:
+    """Forward and backward of one level module: (out, grads tuple)."""
+    out, saved = level.forward(*moe_args(inputs), precision=precision, swiglu_limit=swiglu_limit)
+    return out, level.backward(saved, inputs["d_out"])

@@ -1,0 +1,136 @@
+"""L1 `torch`: the path MoE users have today — permute, `torch._grouped_mm`, un-permute.
+
+Same function as L0 (mok.reference), written the way training code does it: routes sorted into
+expert-major segments (mok.schedule), one grouped GEMM per projection over all experts, a
+k-grouped GEMM per weight gradient, and an un-permute before the fixed-order combine. Where
+`torch._grouped_mm` cannot run (no kernel for this device/dtype), a per-expert loop stands in.
+
+Differences from L0 that stay inside the DESIGN §9 tolerance: `_grouped_mm` writes BF16 only, so the
+gate/up dgrad is two GEMMs each rounded to BF16, then summed (L0 rounds once).
+In mxfp8 mode segments are padded to 32 rows so column-wise MX blocks align with segment starts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok import schedule as sch
+from mok.reference import BF16, Saved, combine, quant, swiglu, swiglu_backward
+
+_GROUPED_MM_OK: dict[str, bool] = {}  # device type -> whether torch._grouped_mm ran there
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped a·b per expert segment: a [R, K] (segments end at offs [E]), b [E, K, N] -> [R, N]."""
+    key = a.device.type
+    if _GROUPED_MM_OK.get(key, True):
+        try:
+            out = torch._grouped_mm(a, b, offs=offs)
+            _GROUPED_MM_OK[key] = True
+            return out
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED_MM_OK[key] = False
+    out = a.new_zeros(a.shape[0], b.shape[2])  # [R, N]
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out
+
+
+def gmm_k(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """k-grouped a_tᵀ·b per segment of the shared R dim (weight gradients): a_t [R, M], b [R, N]
+    -> [E, M, N]; an expert with an empty segment gets zeros."""
+    key = a_t.device.type + "-k"
+    if _GROUPED_MM_OK.get(key, True):
+        try:
+            out = torch._grouped_mm(a_t.T, b, offs=offs)
+            _GROUPED_MM_OK[key] = True
+            return out
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED_MM_OK[key] = False
+    out = a_t.new_zeros(offs.numel(), a_t.shape[1], b.shape[1])  # [E, M, N]
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[e] = a_t[start:end].T @ b[start:end]
+        start = end
+    return out
+
+
+def _gather_routes(v: torch.Tensor, sched: sch.Schedule) -> torch.Tensor:
+    """Per-route rows v [T·K, H] -> the schedule's row layout [R, H], padding rows zero."""
+    real = sched.row_to_route >= 0  # [R]
+    return torch.where(real[:, None], v[sched.row_to_route.clamp(min=0)], torch.zeros((), dtype=v.dtype,
+                       device=v.device))
+
+
+def _linear(x, w):
+    """x·wᵀ in BF16 with fp32 accumulation (cuBLAS / CPU BLAS)."""
+    return torch.nn.functional.linear(x, w)
+
+
+def _shared_forward(x, ws_gate, ws_up, ws_down, limit):
+    gate, up = _linear(x, ws_gate), _linear(x, ws_up)  # [T, I_sh] each
+    h = swiglu(gate, up, limit).to(BF16)  # [T, I_sh]
+    return _linear(h, ws_down), gate, up  # [T, H]
+
+
+def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+            w_shared_down=None, *, precision="bf16", swiglu_limit=None):
+    p = precision
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    sched = sch.make_schedule(topk_idx, w_gate.shape[0], block_m=32 if p == "mxfp8" else 1)
+    offs = sched.expert_offsets[1:].to(torch.int32)  # [E] segment ends
+    x_rows = sch.gather_rows(quant(x, -1, p), sched)  # [R, H] permuted copy (zero padding rows)
+    gate = gmm(x_rows, quant(w_gate, -1, p).transpose(1, 2), offs)  # [R, I]
+    up = gmm(x_rows, quant(w_up, -1, p).transpose(1, 2), offs)  # [R, I]
+    h = swiglu(gate, up, swiglu_limit).to(BF16)  # [R, I]
+    y_rows = gmm(quant(h, -1, p), quant(w_down, -1, p).transpose(1, 2), offs)  # [R, H]
+    y = sch.scatter_routes(y_rows, sched)  # [T, K, H] un-permute
+    shared, sg, su = (None, None, None)
+    if w_shared_gate is not None:
+        shared, sg, su = _shared_forward(x, w_shared_gate, w_shared_up, w_shared_down, swiglu_limit)
+    out = combine(y, topk_weights, shared)  # [T, H]
+    saved = Saved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                  w_shared_down), quant(gate, -1, p), quant(up, -1, p), y, sg, su, p, swiglu_limit)
+    saved.sched = sched  # rows layout of gate/up (L1 keeps them permuted, not per route)
+    return out, saved
+
+
+def _expert_grads(x_rows, gate, up, dy_rows, w_gate, w_up, w_down, offs, p, limit):
+    """Backward of all routed experts on the permuted rows; returns (dx_rows, d_w_gate, d_w_up, d_w_down)."""
+    d_h = gmm(quant(dy_rows, -1, p), quant(w_down, -2, p), offs)  # [R, I]: K = hidden
+    d_gate, d_up = (g.to(BF16) for g in swiglu_backward(gate, up, d_h, limit))  # [R, I] each
+    h = swiglu(gate, up, limit).to(BF16)  # [R, I] recomputed
+    dx_rows = (gmm(quant(d_gate, -1, p), quant(w_gate, -2, p), offs).float()
+               + gmm(quant(d_up, -1, p), quant(w_up, -2, p), offs).float()).to(BF16)  # [R, H]
+    d_w_down = gmm_k(quant(dy_rows, -2, p), quant(h, -2, p), offs)  # [E, H, I]
+    d_w_gate = gmm_k(quant(d_gate, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
+    d_w_up = gmm_k(quant(d_up, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
+    return dx_rows, d_w_gate, d_w_up, d_w_down
+
+
+def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
+    s, sched, p = saved, saved.sched, saved.precision
+    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
+    T, K, H = s.y.shape
+    offs = sched.expert_offsets[1:].to(torch.int32)  # [E]
+    d_topk_weights = (d_out.float()[:, None, :] * s.y.float()).sum(-1)  # [T, K]
+    dy = (d_out.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
+    dy_rows = _gather_routes(dy.view(T * K, H), sched)  # [R, H]
+    x_rows = sch.gather_rows(s.x, sched)  # [R, H]
+    dx_rows, *d_w = _expert_grads(x_rows, s.gate, s.up, dy_rows, w_gate, w_up, w_down, offs, p,
+                                  s.swiglu_limit)
+    dx = sch.scatter_routes(dx_rows, sched)  # [T, K, H]
+    d_x = torch.zeros(T, H, dtype=torch.float32, device=d_out.device)  # [T, H]
+    for k in range(K):  # fixed order: increasing k, then the shared expert
+        d_x += dx[:, k].float()
+    d_shared = [None, None, None]
+    if ws_gate is not None:
+        d_h = _linear(d_out.to(BF16), ws_down.T)  # [T, I_sh]
+        d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.shared_gate, s.shared_up, d_h, s.swiglu_limit))
+        h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh]
+        d_x += _linear(d_gate, ws_gate.T).float() + _linear(d_up, ws_up.T).float()
+        d_shared = [_linear(d_gate.T, s.x.T), _linear(d_up.T, s.x.T), _linear(d_out.to(BF16).T, h.T)]
+    return (d_x.to(BF16), d_topk_weights, *d_w, *d_shared)
