@@ -1,0 +1,176 @@
+"""Route placement (DESIGN §5): where each route (t, k) lives in the expert-major row buffer.
+
+A pure function of `topk_idx` (integer ops and a stable sort only), so the same `topk_idx` gives the
+same schedule bits on CPU and GPU, run to run, whatever the kernel's grid size.
+
+Layout of the `num_rows` row buffer, for `block_m = 4`, three experts with 5, 0 and 2 routes:
+
+    rows   0..4  expert 0, routes in ascending (token, k)      segment [0, 8)
+    rows   5..7  expert 0, padding (token -1)
+    (expert 1 has no route: an empty segment [8, 8), no tile)
+    rows   8..9  expert 2, routes                              segment [8, 12)
+    rows 10..11  expert 2, padding
+
+Every segment is padded up to a multiple of `block_m` (the kernel's M tile, BLOCK_M), so each tile
+of `block_m` rows belongs to one expert and its real rows come first (`tile_num_rows` of them).
+Duplicate experts within a token are allowed: they are simply two routes with two rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mok.routing import _check_int, check_topk_idx
+
+__all__ = ["Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes", "segment"]
+
+
+@dataclass(eq=False)
+class Schedule:
+    """Route placement. Tensors are int64 on topk_idx's device; padding rows hold -1."""
+
+    num_tokens: int  # T
+    num_topk: int  # K
+    num_experts: int  # E
+    block_m: int  # rows per tile (BLOCK_M)
+    num_rows: int  # total padded rows = expert_offsets[-1]
+    tokens_per_expert: torch.Tensor  # [E], real routes per expert
+    padded_per_expert: torch.Tensor  # [E], rounded up to a multiple of block_m (0 stays 0)
+    expert_offsets: torch.Tensor  # [E + 1], expert e owns rows [off[e], off[e + 1])
+    row_to_token: torch.Tensor  # [num_rows], token id, -1 for padding
+    row_to_k: torch.Tensor  # [num_rows], k slot, -1 for padding
+    row_to_route: torch.Tensor  # [num_rows], route id t * K + k, -1 for padding
+    row_to_expert: torch.Tensor  # [num_rows], padding rows belong to their segment's expert
+    route_to_row: torch.Tensor  # [T, K], the row of each route
+    tile_offsets: torch.Tensor  # [E + 1], expert e owns tiles [tile_off[e], tile_off[e + 1])
+    tile_to_expert: torch.Tensor  # [num_tiles]
+    tile_num_rows: torch.Tensor  # [num_tiles], real rows of each tile (a prefix of the tile)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_rows // self.block_m
+
+    @property
+    def num_routes(self) -> int:
+        return self.num_tokens * self.num_topk
+
+    def equal(self, other: Schedule) -> bool:
+        """Bitwise equality of every field (tensors compared on CPU, so devices may differ)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, torch.Tensor):
+                if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    def to(self, device) -> Schedule:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Schedule(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+
+
+def max_num_rows(num_tokens: int, num_topk: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of `num_rows` for any routing: size for a row buffer allocated without a sync."""
+    return num_tokens * num_topk + num_experts * (block_m - 1)
+
+
+def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
+    """Expert-major segments, routes in ascending (token, k) inside, each padded to block_m rows.
+
+    topk_idx: int64 `[num_tokens, num_topk]`, ids in [0, num_experts); duplicates allowed.
+    NOTE: one host sync (reading num_rows) and the validation's min/max read.
+    """
+    check_topk_idx(topk_idx, num_experts)
+    _check_int("block_m", block_m, 1)
+    num_tokens, num_topk = topk_idx.shape
+    device = topk_idx.device
+    flat = topk_idx.reshape(-1)  # [R], route r = t * K + k
+    num_routes = flat.numel()
+
+    # ---- per-expert counts and offsets (integer-only: deterministic on every device) ----
+    tokens_per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded_per_expert = (tokens_per_expert + block_m - 1) // block_m * block_m  # [E]
+    zero = torch.zeros(1, dtype=torch.int64, device=device)  # [1]
+    expert_offsets = torch.cat([zero, padded_per_expert.cumsum(0)])  # [E + 1]
+    real_offsets = torch.cat([zero, tokens_per_expert.cumsum(0)])  # [E + 1], unpadded starts
+    num_rows = int(expert_offsets[-1])  # host sync
+
+    # ---- place routes: a stable sort by expert keeps ascending route id = (token, k) order ----
+    sorted_expert, order = torch.sort(flat, stable=True)  # [R] each; order[i] = route at rank i
+    rank = torch.arange(num_routes, dtype=torch.int64, device=device)  # [R]
+    rank_in_segment = rank - real_offsets[sorted_expert]  # [R]
+    rows = expert_offsets[sorted_expert] + rank_in_segment  # [R], row of route order[i]
+    route_to_row = torch.empty(num_routes, dtype=torch.int64, device=device)  # [R]
+    route_to_row[order] = rows
+    row_to_route = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # [num_rows]
+    row_to_route[rows] = order
+
+    real = row_to_route >= 0  # [num_rows]
+    row_to_token = torch.where(real, row_to_route // num_topk, -1)  # [num_rows]
+    row_to_k = torch.where(real, row_to_route % num_topk, -1)  # [num_rows]
+    experts = torch.arange(num_experts, dtype=torch.int64, device=device)  # [E]
+    row_to_expert = experts.repeat_interleave(padded_per_expert, output_size=num_rows)  # [num_rows]
+
+    # ---- tiles: block_m rows each, one expert per tile, real rows first ----
+    num_tiles = num_rows // block_m
+    tile_offsets = expert_offsets // block_m  # [E + 1]
+    tile_to_expert = row_to_expert[::block_m].contiguous()  # [num_tiles]
+    tile_num_rows = real.view(num_tiles, block_m).sum(dim=1)  # [num_tiles]
+
+    return Schedule(
+        num_tokens=num_tokens,
+        num_topk=num_topk,
+        num_experts=num_experts,
+        block_m=block_m,
+        num_rows=num_rows,
+        tokens_per_expert=tokens_per_expert,
+        padded_per_expert=padded_per_expert,
+        expert_offsets=expert_offsets,
+        row_to_token=row_to_token,
+        row_to_k=row_to_k,
+        row_to_route=row_to_route,
+        row_to_expert=row_to_expert,
+        route_to_row=route_to_row.view(num_tokens, num_topk),
+        tile_offsets=tile_offsets,
+        tile_to_expert=tile_to_expert,
+        tile_num_rows=tile_num_rows,
+    )
+
+
+# ---- helpers for the reference -----------------------------------------------------------------
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2 or t.shape[0] != rows:
+        raise ValueError(f"{name}: expected shape [{what}={rows}, hidden], got {tuple(t.shape)}")
+
+
+def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """Dispatch: x `[num_tokens, hidden]` -> `[num_rows, hidden]`, padding rows exactly zero."""
+    _check_rows("x", x, sched.num_tokens, "num_tokens")
+    if x.device != sched.row_to_token.device:
+        raise ValueError(f"x: expected device {sched.row_to_token.device}, got {x.device}")
+    real = sched.row_to_token >= 0  # [num_rows]
+    rows = x[sched.row_to_token.clamp(min=0)]  # [num_rows, hidden]
+    # torch.where, not a multiply: a NaN/Inf token must not leak into the padding rows.
+    return torch.where(real[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def scatter_routes(y_rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """Per-route output slots: y_rows `[num_rows, hidden]` -> `[num_tokens, num_topk, hidden]`."""
+    _check_rows("y_rows", y_rows, sched.num_rows, "num_rows")
+    if y_rows.device != sched.route_to_row.device:
+        raise ValueError(f"y_rows: expected device {sched.route_to_row.device}, got {y_rows.device}")
+    return y_rows[sched.route_to_row]  # [num_tokens, num_topk, hidden]
+
+
+def segment(sched: Schedule, expert: int) -> slice:
+    """Rows of `expert`'s segment (real rows first, then padding) as a slice of the row buffer."""
+    _check_int("expert", expert, 0, sched.num_experts - 1)
+    start, stop = sched.expert_offsets[expert : expert + 2].tolist()
+    return slice(start, stop)
