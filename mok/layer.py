@@ -104,7 +104,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).contiguous()  # [num_tokens, hidden]
         logits = x.float() @ self.w_router.T  # [num_tokens, num_experts]
-        topk_idx, topk_weights = routing.softmax_topk(logits, self.num_topk)
+        topk_idx, topk_weights = (t.contiguous() for t in routing.softmax_topk(logits, self.num_topk))
         out = moe(x, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down, self.w_shared_gate,
                   self.w_shared_up, self.w_shared_down, precision=self.precision,
                   swiglu_limit=self.swiglu_limit, backend=self.backend)

@@ -48,8 +48,8 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
     shared = I_sh > 0
     return dict(
         x=randn(T, H),  # [T, H]
-        topk_idx=topk_idx.to(device),  # [T, K]
-        topk_weights=topk_weights.to(device),  # [T, K]
+        topk_idx=topk_idx.contiguous().to(device),  # [T, K]
+        topk_weights=topk_weights.contiguous().to(device),  # [T, K]
         w_gate=randn(E, I, H, scale=1 / math.sqrt(H)),  # [E, I, H]
         w_up=randn(E, I, H, scale=1 / math.sqrt(H)),  # [E, I, H]
         w_down=randn(E, H, I, scale=1 / math.sqrt(I)),  # [E, H, I]

@@ -1,0 +1,105 @@
+"""The user-facing API: `mok.moe` (autograd) and `mok.MoE`, backend resolution, bad input."""
+
+import pytest
+import torch
+
+import mok
+from mok import reference as L0
+from mok.config import TINY_SHAPES
+from mok.testing import GRAD_NAMES, bitwise_equal, make_inputs, moe_args, run_level
+
+CFG = TINY_SHAPES["tiny"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_autograd_returns_the_level_gradients(backend):
+    inputs = make_inputs(CFG, seed=1)
+    args = [a.clone().requires_grad_() if a.is_floating_point() else a for a in moe_args(inputs)]
+    out = mok.moe(*args, swiglu_limit=1.5, backend=backend)
+    out.backward(inputs["d_out"])
+    ref_out, ref_grads = run_level(mok.layer.get_level(backend), inputs, swiglu_limit=1.5)
+    assert bitwise_equal(out.detach(), ref_out)
+    grads = [args[0].grad, args[2].grad, *(a.grad for a in args[3:])]
+    for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
+        assert bitwise_equal(g, r), name
+
+
+def test_module_forward_backward_and_router_gradient():
+    torch.manual_seed(0)
+    layer = mok.MoE(64, 96, num_experts=4, num_topk=2, shared_intermediate=32, backend="reference")
+    x = torch.randn(3, 7, 64).to(torch.bfloat16).requires_grad_()
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name  # the router too, via topk_weights
+    assert x.grad.abs().sum() > 0
+
+
+def test_auto_backend_runs_on_cpu():
+    inputs = make_inputs(CFG, seed=2)
+    out = mok.moe(*moe_args(inputs))  # auto: the deepest level available here
+    ref, _ = L0.forward(*moe_args(inputs))
+    assert mok.testing.rel_err(out, ref) < 1e-2
+
+
+def test_unknown_or_unbuilt_backend():
+    inputs = make_inputs(CFG, seed=2)
+    with pytest.raises(ValueError, match="backend"):
+        mok.moe(*moe_args(inputs), backend="cuda-magic")
+    with pytest.raises(NotImplementedError, match="not built"):
+        mok.moe(*moe_args(inputs), backend="megakernel")
+
+
+def _bad(**changes):
+    inputs = make_inputs(CFG, seed=3)
+    inputs.pop("d_out")
+    kwargs = {"precision": changes.pop("precision", "bf16"), "swiglu_limit": changes.pop("swiglu_limit", None)}
+    for name, fn in changes.items():
+        inputs[name] = fn(inputs[name])
+    return inputs, kwargs
+
+
+# Each case names the argument the error must name.
+BAD_INPUTS = {
+    "x-dtype": ("x", dict(x=lambda t: t.float())),
+    "x-3d": ("x", dict(x=lambda t: t[None])),
+    "x-noncontig": ("x", dict(x=lambda t: t.T.contiguous().T)),
+    "idx-dtype": ("topk_idx", dict(topk_idx=lambda t: t.int())),
+    "idx-range": ("topk_idx", dict(topk_idx=lambda t: t + CFG.num_experts - 1)),
+    "idx-negative": ("topk_idx", dict(topk_idx=lambda t: t - CFG.num_experts)),
+    "idx-tokens": ("topk_idx", dict(topk_idx=lambda t: t[:-1])),
+    "weights-dtype": ("topk_weights", dict(topk_weights=lambda t: t.bfloat16())),
+    "weights-shape": ("topk_weights", dict(topk_weights=lambda t: t[:, :1].contiguous())),
+    "w_up-shape": ("w_up", dict(w_up=lambda t: t[:-1])),
+    "w_down-layout": ("w_down", dict(w_down=lambda t: t.transpose(1, 2).contiguous())),
+    "w_gate-dtype": ("w_gate", dict(w_gate=lambda t: t.half())),
+    "shared-partial": ("w_shared", dict(w_shared_up=lambda t: None)),
+    "shared-shape": ("w_shared_down", dict(w_shared_down=lambda t: t[:, 1:].contiguous())),
+    "precision": ("precision", dict(precision="fp4")),
+    "limit": ("swiglu_limit", dict(swiglu_limit=-1.0)),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=str)
+def test_bad_input_names_the_argument(case):
+    name, changes = BAD_INPUTS[case]
+    inputs, kwargs = _bad(**changes)
+    with pytest.raises(ValueError, match=name):
+        mok.moe(**inputs, **kwargs, backend="reference")
+
+
+def test_mxfp8_needs_block_multiples():
+    cfg = CFG.scaled(intermediate=48)
+    inputs = make_inputs(cfg, seed=1)
+    inputs.pop("d_out")
+    with pytest.raises(ValueError, match="intermediate"):
+        mok.moe(**inputs, precision="mxfp8", backend="reference")
+
+
+def test_device_mismatch_is_named():
+    inputs = make_inputs(CFG, seed=1)
+    inputs.pop("d_out")
+    inputs["w_up"] = inputs["w_up"].to("meta")
+    with pytest.raises(ValueError, match="w_up"):
+        mok.moe(**inputs, backend="reference")

@@ -1,0 +1,97 @@
+"""Every level against L0 under the named tolerances of DESIGN §9, forward and every gradient.
+
+CPU: L1 on the tiny shapes (its per-expert / CPU grouped_mm path). GPU (marked): L0 and L1 on the
+device, on tiny shapes and on the standard shapes scaled down in tokens, plus bitwise repeatability.
+New levels join by adding their name to LEVELS_UNDER_TEST.
+"""
+
+import pytest
+import torch
+
+from mok import reference as L0
+from mok.config import STANDARD_SHAPES, TINY_SHAPES
+from mok.layer import get_level
+from mok.routing import hot_expert_routing
+from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, make_inputs, rel_err, run_level
+
+LEVELS_UNDER_TEST = ["torch"]
+TOL = {"bf16": TOLERANCES["bf16_vs_l0"], "mxfp8": TOLERANCES["mxfp8_vs_l0_mxfp8"]}
+
+
+def poison(level):
+    """Fill the caching allocator with NaNs so an output a level forgets to write is never a
+    lucky zero: allocate, fill and free a large block before each run (GPU only)."""
+    if torch.cuda.is_available():
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    return level
+
+
+def check_against_l0(level_name, inputs, precision, limit):
+    out0, grads0 = run_level(L0, inputs, precision=precision, swiglu_limit=limit)
+    out, grads = run_level(poison(get_level(level_name)), inputs, precision=precision, swiglu_limit=limit)
+    assert out.dtype == torch.bfloat16 and out.shape == out0.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, out0) <= TOL[precision], "out"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        if g0 is None:
+            assert g is None, name
+            continue
+        assert g.dtype == g0.dtype and g.shape == g0.shape, name
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, g0) <= TOL[precision], name
+
+
+@pytest.mark.parametrize("level", LEVELS_UNDER_TEST)
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("cfg", list(TINY_SHAPES.values()), ids=lambda c: c.name)
+def test_level_matches_l0_cpu(level, precision, cfg):
+    check_against_l0(level, make_inputs(cfg, seed=21), precision, limit=0.8 if cfg.has_shared else None)
+
+
+@pytest.mark.parametrize("level", LEVELS_UNDER_TEST)
+def test_level_hot_expert_and_empty_experts_cpu(level):
+    cfg = TINY_SHAPES["tiny-noshared"]
+    inputs = make_inputs(cfg, seed=8, routing_fn=lambda T, E, K, g: hot_expert_routing(T, E - 2, K, generator=g))
+    check_against_l0(level, inputs, "bf16", None)
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+def _gpu_shape(cfg, num_tokens=512):
+    """Standard shape with fewer tokens: the full width, expert count and top-k the kernels tile
+    for, at a size L0's Python loop checks in seconds."""
+    return cfg.scaled(num_tokens=min(cfg.num_tokens, num_tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", LEVELS_UNDER_TEST)
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("cfg", list(TINY_SHAPES.values()) + [_gpu_shape(c) for c in STANDARD_SHAPES.values()],
+                         ids=lambda c: c.name)
+def test_level_matches_l0_gpu(level, precision, cfg, device):
+    check_against_l0(level, make_inputs(cfg, device=device, seed=31), precision, limit=7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["reference"] + LEVELS_UNDER_TEST)
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_level_repeat_runs_bitwise_gpu(level, precision, device):
+    cfg = _gpu_shape(STANDARD_SHAPES["qwen3-30b-a3b"], 1000)
+    a = run_level(get_level(level), make_inputs(cfg, device=device, seed=41), precision=precision)
+    b = run_level(poison(get_level(level)), make_inputs(cfg, device=device, seed=41), precision=precision)
+    assert bitwise_equal(a[0], b[0])
+    for name, x, y in zip(GRAD_NAMES, a[1], b[1]):
+        assert bitwise_equal(x, y), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_reference_gpu_matches_cpu(precision, device):
+    """L0 is one spec on every device: GPU and CPU agree within the bf16 tolerance."""
+    cfg = TINY_SHAPES["tiny"]
+    out_c, g_c = run_level(L0, make_inputs(cfg, seed=5), precision=precision)
+    out_g, g_g = run_level(L0, make_inputs(cfg, device=device, seed=5), precision=precision)
+    assert rel_err(out_g.cpu(), out_c) <= TOL[precision]
+    for name, a, b in zip(GRAD_NAMES, g_g, g_c):
+        if b is not None:
+            assert rel_err(a.cpu(), b) <= TOL[precision], name
