@@ -29,17 +29,18 @@ GRAD_NAMES = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down",
 
 
 def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
-                routing_fn=None) -> dict:
+                routing_fn=None, draw_on="cpu") -> dict:
     """A fresh problem for `cfg`: inputs and weights ~ N(0, 1/fan_in) in bf16, routing with
     Zipf(skew) expert popularity (or `routing_fn(num_tokens, num_experts, num_topk, generator)`),
-    and an upstream gradient d_out. Drawn on the CPU with a seeded generator, then moved: the same
-    seed gives the same problem on every device."""
-    g = torch.Generator().manual_seed(seed)
+    and an upstream gradient d_out. Drawn on `draw_on` with a seeded generator, then moved: with the
+    default (CPU) the same seed gives the same problem on every device; benchmarks draw on the GPU,
+    where the standard shapes' gigabytes of weights take milliseconds instead of minutes."""
+    g = torch.Generator(device=draw_on).manual_seed(seed)
     T, H, I, E, K, I_sh = (cfg.num_tokens, cfg.hidden, cfg.intermediate, cfg.num_experts,
                            cfg.num_topk, cfg.shared_intermediate)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+        return (torch.randn(*shape, generator=g, device=draw_on) * scale).to(torch.bfloat16).to(device)
 
     if routing_fn is None:
         topk_idx, topk_weights = routing.random_routing(T, E, K, skew=skew, generator=g)

@@ -1,0 +1,237 @@
+"""The one benchmark harness (DESIGN §8): tidy rows with provenance, never prints-only.
+
+    python -m mok.bench moe  [--shapes ...] [--levels torch] [--precisions bf16 mxfp8] [--passes ...]
+    python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
+
+Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up),
+tflops (MoK's FLOP convention, mok.config), the cuBLAS dense ceiling measured in the same process
+on the same aggregate GEMM shapes, frac_of_ceiling, speedup_vs_torch (L1), peak_mem_gb (memory the
+pass allocates on top of its inputs), and provenance: gpu, torch, cuda, commit, date.
+Peers (Liger-Kernel's Triton fused MoE) run side by side when importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
+from mok.layer import get_level
+from mok.testing import make_inputs, moe_args
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
+KEY = ["shape", "level", "precision", "pass"]
+
+
+# --- timing and provenance ------------------------------------------------------------------------
+
+def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.cuda.is_available()
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mem_gb(fn) -> float:
+    """GB allocated by one call of fn on top of what was allocated before it (0 on the CPU)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def provenance() -> dict:
+    commit = os.environ.get("MOK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
+    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, cuda=torch.version.cuda or "none", commit=commit,
+                date=datetime.date.today().isoformat())
+
+
+def write_rows(rows: list[dict], path: Path, key=KEY) -> pd.DataFrame:
+    """Merge rows into the CSV at path: a new row replaces an old one with the same key."""
+    new = pd.DataFrame(rows)
+    if path.exists():
+        old = pd.read_csv(path)
+        new = pd.concat([old, new]).drop_duplicates(subset=key, keep="last")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new.to_csv(path, index=False)
+    return new
+
+
+# --- the dense ceiling ------------------------------------------------------------------------------
+
+def gemm_shapes(cfg: MoEConfig, pass_: str) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the dense GEMMs with the MoE's aggregate shapes; their FLOPs are cfg.flops(pass_)."""
+    out = []
+    for rows, width in ((cfg.num_routes, cfg.intermediate), (cfg.num_tokens, cfg.shared_intermediate)):
+        if width == 0:
+            continue
+        H = cfg.hidden
+        fwd = [(rows, 2 * width, H), (rows, H, width)]  # gate+up, down
+        bwd = [(rows, width, H), (rows, H, 2 * width),  # dgrad of down, of gate+up
+               (H, width, rows), (2 * width, H, rows)]  # wgrad of down, of gate+up
+        out += {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
+    return out
+
+
+def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device) -> float:
+    total = 0.0
+    for M, N, K in gemm_shapes(cfg, pass_):
+        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        b = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+        total += time_ms(lambda: a @ b.T, iters=iters)
+        del a, b
+    return total
+
+
+# --- levels and peers -------------------------------------------------------------------------------
+
+def level_pass_fn(level_name: str, inputs: dict, precision: str, pass_: str):
+    """A no-argument callable running one pass of a mok level."""
+    level = get_level(level_name)
+    args = moe_args(inputs)
+    fwd = lambda: level.forward(*args, precision=precision)  # noqa: E731
+    if pass_ == "fwd":
+        return fwd
+    if pass_ == "bwd":
+        _, saved = fwd()  # the backward is a pure function of the saved state: repeatable
+        return lambda: level.backward(saved, inputs["d_out"])
+    return lambda: level.backward(fwd()[1], inputs["d_out"])
+
+
+def liger_pass_fn(inputs: dict, pass_: str):
+    """Liger-Kernel's Triton fused MoE (routed experts; the shared expert through cuBLAS, as L1 does),
+    or None when liger_kernel is not importable."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError as e:
+        print(f"peer liger skipped: {e}", file=sys.stderr)
+        return None
+    w_gate_up = torch.cat([inputs["w_gate"], inputs["w_up"]], dim=1).requires_grad_()  # [E, 2I, H]
+    w_down = inputs["w_down"].clone().requires_grad_()
+    x = inputs["x"].clone().requires_grad_()
+    idx, w = inputs["topk_idx"].int(), inputs["topk_weights"].clone().requires_grad_()
+    shared = [inputs[n].clone().requires_grad_() if inputs[n] is not None else None
+              for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+
+    def fwd():
+        out = LigerFusedMoEFunction.apply(x, w_gate_up, w_down, idx, w)
+        if shared[0] is not None:
+            lin = torch.nn.functional.linear
+            h = torch.nn.functional.silu(lin(x, shared[0])) * lin(x, shared[1])
+            out = out + lin(h, shared[2])
+        return out
+
+    if pass_ == "fwd":
+        return fwd
+    if pass_ == "bwd":
+        out = fwd()
+        return lambda: out.backward(inputs["d_out"], retain_graph=True)
+    return lambda: fwd().backward(inputs["d_out"])
+
+
+def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0) -> list[dict]:
+    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
+    prov = provenance()
+    rows = []
+
+    def row(level, kind, precision, pass_, ms, ceiling_ms, mem):
+        tflops = cfg.flops(pass_) / ms / 1e9
+        ceiling = cfg.flops(pass_) / ceiling_ms / 1e9
+        rows.append(dict(shape=cfg.name, level=level, kind=kind, precision=precision, **{"pass": pass_},
+                         time_ms=ms, tflops=tflops, ceiling_tflops=ceiling, frac_of_ceiling=tflops / ceiling,
+                         peak_mem_gb=mem, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
+                         intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
+                         shared_intermediate=cfg.shared_intermediate, iters=n(pass_), **prov))
+
+    def n(pass_):  # DESIGN §8: ≥ 20 timings forward, ≥ 10 with a backward
+        return iters if pass_ == "fwd" else max(10, iters // 2)
+
+    for pass_ in passes:
+        ceiling_ms = dense_ceiling_ms(cfg, pass_, n(pass_), device)
+        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"))
+        for precision in precisions:
+            for level in levels:
+                fn = level_pass_fn(level, inputs, precision, pass_)
+                row(level, "mok", precision, pass_, time_ms(fn, n(pass_)), ceiling_ms, peak_mem_gb(fn))
+                del fn
+            if "liger" in peers and precision == "bf16":
+                fn = liger_pass_fn(inputs, pass_)
+                if fn is not None:
+                    row("liger", "peer", "bf16", pass_, time_ms(fn, n(pass_)), ceiling_ms, peak_mem_gb(fn))
+                    rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
+                    del fn
+    torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}
+    for r in rows:
+        base = torch_ms.get((r["precision"], r["pass"])) or torch_ms.get(("bf16", r["pass"]))
+        r["speedup_vs_torch"] = base / r["time_ms"] if base else float("nan")
+    return rows
+
+
+# --- CLI --------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["quant"]:
+        from mok import bench_quant
+        return bench_quant.main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["moe", "quant"], help="which benchmark")
+    p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
+    p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, ...)")
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    p.add_argument("--peers", nargs="*", default=["liger"], help="peers to run when importable")
+    p.add_argument("--iters", type=int, default=20, help="timed runs of a forward (half, ≥ 10, with backward)")
+    p.add_argument("--out", type=Path, default=DATA / "moe.csv")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    all_rows = []
+    for name in tqdm(args.shapes, desc="shapes"):
+        rows = bench_shape(get_shape(name), args.levels, args.precisions, args.passes, args.peers,
+                           args.iters, device)
+        write_rows(rows, args.out)  # as it goes: a killed sweep keeps what it measured
+        all_rows += rows
+        torch.cuda.empty_cache() if device == "cuda" else None
+    cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]
+    print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
