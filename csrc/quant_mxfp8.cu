@@ -1,0 +1,35 @@
+// Instantiates the MXFP8 kernels behind the host API of mok/api.h. Torch-free.
+#include "mok/api.h"
+#include "mok/quant/mxfp8_dequantize.cuh"
+#include "mok/quant/mxfp8_quantize.cuh"
+
+namespace mok {
+
+cudaError_t mxfp8_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel, int variant,
+                                   cudaStream_t stream) {
+  return mxfp8::launch_quantize_rowwise(x, data, scales, numel, variant, stream);
+}
+
+cudaError_t mxfp8_quantize_colwise(const void* x, void* data, void* scales, int64_t rows, int64_t cols,
+                                   int variant, cudaStream_t stream) {
+  return mxfp8::launch_quantize_tiled(x, data, scales, nullptr, nullptr, rows, cols, variant, stream);
+}
+
+cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col,
+                                void* scales_col, int64_t rows, int64_t cols, int variant,
+                                cudaStream_t stream) {
+  return mxfp8::launch_quantize_tiled(x, data_col, scales_col, data_row, scales_row, rows, cols, variant,
+                                      stream);
+}
+
+cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void* out, int64_t numel,
+                                     cudaStream_t stream) {
+  return mxfp8::launch_dequantize_rowwise(data, scales, out, numel, stream);
+}
+
+cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
+                                     int64_t cols, cudaStream_t stream) {
+  return mxfp8::launch_dequantize_colwise(data, scales, out, rows, cols, stream);
+}
+
+}  // namespace mok

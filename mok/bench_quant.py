@@ -1,0 +1,220 @@
+"""Benchmark of the MXFP8 kernels (mok.ops): effective bandwidth against the same-run copy bandwidth,
+and speed-up over the L0 quantizer (mok.mxfp8) run on the same GPU.
+
+Effective bandwidth counts the fewest bytes each kernel must move: every input byte read once, every
+output byte written once (bf16 x: 2 B/element; E4M3 data: 1 B/element; E8M0 scales: 1/32 B/element).
+The ceiling is a device-to-device copy (`dst.copy_(src)`, 1 GiB, read + write) timed in the same run.
+Kernel times are CUDA-event medians over CUDA-graph replays (no Python overhead inside the timed
+region); inputs smaller than 4x the L2 rotate among several copies so that they come from HBM.
+
+    python -m mok.bench_quant                    # writes data/bench/quant.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from mok import mxfp8, ops
+from mok.config import STANDARD_SHAPES
+
+L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
+OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise")
+VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1), "dual": (0, 1)}  # docs/mxfp8_kernels.md
+
+
+def quant_shapes() -> list[tuple[str, tuple]]:
+    """16384 x 7168, then each standard shape's activations [num_tokens, hidden] and weights
+    [num_experts, intermediate, hidden]."""
+    shapes = [("16384x7168", (16384, 7168))]
+    for cfg in STANDARD_SHAPES.values():
+        shapes.append((f"{cfg.name}/x", (cfg.num_tokens, cfg.hidden)))
+        shapes.append((f"{cfg.name}/w_gate", (cfg.num_experts, cfg.intermediate, cfg.hidden)))
+    return shapes
+
+
+def bytes_moved(op: str, numel: int) -> int:
+    """Bytes read + written by `op` on `numel` elements (scales: numel / 32 bytes per direction)."""
+    scales = numel // mxfp8.BLOCK_SIZE
+    return {
+        "rowwise": 2 * numel + numel + scales,
+        "colwise": 2 * numel + numel + scales,
+        "dual": 2 * numel + 2 * (numel + scales),
+        "dequant_rowwise": numel + scales + 2 * numel,
+        "dequant_colwise": numel + scales + 2 * numel,
+    }[op]
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def graph_time_ms(calls: list, calls_per_graph: int = 20, replays: int = 15) -> float:
+    """Median time of one call: `calls_per_graph` calls (cycling through `calls`) captured in one CUDA
+    graph, the graph replayed `replays` times with CUDA events around each replay."""
+    for fn in calls:  # warm-up (and the JIT build) outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(calls_per_graph):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_graph)
+    return statistics.median(times)
+
+
+def eager_time_ms(fn, reps: int = 3) -> float:
+    """Median of `reps` timed calls after one warm-up (for the slow L0 reference)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
+    """Device-to-device copy, bytes read + written per second, in GB/s."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")  # [nbytes]
+    dst = torch.empty_like(src)  # [nbytes]
+    ms = graph_time_ms([lambda: dst.copy_(src)], calls_per_graph=10)
+    return 2 * nbytes / ms / 1e6
+
+
+# ---- one shape ----------------------------------------------------------------------------------
+
+
+def _kernel_calls(op: str, xs: list, variant: int) -> tuple[list, object]:
+    """Closures that run `op` on each input with preallocated outputs, and the first call's outputs."""
+    ext = ops.load_extension()
+    if op.startswith("dequant"):
+        rowwise = op == "dequant_rowwise"
+        outs = [(torch.empty(d.shape, dtype=torch.bfloat16, device="cuda"), d, s) for d, s in xs]
+        return [lambda o=o: ext.mxfp8_dequantize(o[1], o[2], o[0], rowwise) for o in outs], outs[0][0]
+    fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
+          "dual": ops.mxfp8_quantize_dual}[op]
+    outs = [fn(x, variant) for x in xs]  # allocate once; the graph re-runs the raw binding into them
+    if op == "dual":
+        calls = [lambda x=x, o=o: ext.mxfp8_quantize_dual(x, *o[0], *o[1], variant) for x, o in zip(xs, outs)]
+    else:
+        raw = getattr(ext, f"mxfp8_quantize_{op}")
+        calls = [lambda x=x, o=o: raw(x, *o, variant) for x, o in zip(xs, outs)]
+    return calls, outs[0]
+
+
+def _l0_fn(op: str, x: torch.Tensor, quantized: dict):
+    if op == "rowwise":
+        return lambda: mxfp8.quantize(x, dim=-1)
+    if op == "colwise":
+        return lambda: mxfp8.quantize(x, dim=-2)
+    if op == "dual":
+        return lambda: (mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2))
+    dim = -1 if op == "dequant_rowwise" else -2
+    data, scales = quantized[dim]
+    return lambda: mxfp8.dequantize(data, scales, dim=dim)
+
+
+def _same_bits(got, want) -> bool:
+    if isinstance(got, torch.Tensor):
+        if got.dtype == torch.bfloat16:  # dequantized: NaN payloads may differ; random data has none
+            return torch.equal(got.view(torch.int16), want.view(torch.int16))
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return all(_same_bits(g, w) for g, w in zip(got, want))
+
+
+def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, variants: bool = True) -> list[dict]:
+    numel = math.prod(shape)
+    copies = max(1, math.ceil(L2_ROTATE_BYTES / (2 * numel)))
+    xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]  # shape, each
+    quantized = {dim: [ops.mxfp8_quantize_rowwise(x) if dim == -1 else ops.mxfp8_quantize_colwise(x)
+                       for x in xs] for dim in (-1, -2)}
+    rows = []
+    for op in OPS:
+        inputs = quantized[-1 if op == "dequant_rowwise" else -2] if op.startswith("dequant") else xs
+        l0_ms, exact, want = float("nan"), None, None
+        if l0:
+            l0_fn = _l0_fn(op, xs[0], {d: q[0] for d, q in quantized.items()})
+            want = l0_fn()
+            l0_ms = eager_time_ms(l0_fn)
+        for variant in VARIANTS.get(op, (0,)) if variants else (0,):
+            calls, first_out = _kernel_calls(op, inputs, variant)
+            ms = graph_time_ms(calls)
+            if l0:
+                calls[0]()
+                exact = _same_bits(first_out, want)
+            nbytes = bytes_moved(op, numel)
+            gbps = nbytes / ms / 1e6
+            rows.append({"shape_name": name, "shape": "x".join(map(str, shape)), "op": op,
+                         "variant": variant, "time_ms": ms, "bytes": nbytes, "gbps": gbps,
+                         "copy_gbps": copy_gbps, "frac_of_copy": gbps / copy_gbps, "l0_time_ms": l0_ms,
+                         "speedup_vs_l0": l0_ms / ms, "bitexact_vs_l0": exact})
+        del want
+    return rows
+
+
+# ---- provenance and main ------------------------------------------------------------------------
+
+
+def provenance() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], check=False, capture_output=True,
+                                text=True, cwd=ops.REPO, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "commit": commit or os.environ.get("MOK_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = True) -> list[dict]:
+    """Tidy rows, one per (shape, op, variant), provenance columns included."""
+    ops.require_hopper()
+    copy_gbps = copy_bandwidth_gbps()
+    meta = provenance()
+    rows = [{"shape_name": "copy-1GiB", "shape": str(2**30), "op": "copy", "variant": 0,
+             "time_ms": 2 * 2**30 / copy_gbps / 1e6, "bytes": 2 * 2**30, "gbps": copy_gbps,
+             "copy_gbps": copy_gbps, "frac_of_copy": 1.0, "l0_time_ms": float("nan"),
+             "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}]
+    for name, shape in shapes or quant_shapes():
+        rows += bench_shape(name, shape, copy_gbps, l0=l0, variants=variants)
+        torch.cuda.empty_cache()
+    return [{**row, **meta} for row in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ops.REPO / "data" / "bench" / "quant.csv"))
+    parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
+    args = parser.parse_args()
+    import pandas as pd
+
+    df = pd.DataFrame(bench_quant(l0=not args.no_l0))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False)
+    cols = ["shape_name", "op", "variant", "time_ms", "gbps", "frac_of_copy", "speedup_vs_l0", "bitexact_vs_l0"]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

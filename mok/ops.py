@@ -1,0 +1,175 @@
+"""Python entry points of mok's CUDA kernels (csrc/), built on first use for Hopper (sm_90a).
+
+The build: `torch.utils.cpp_extension.load` compiles csrc/bindings.cpp and csrc/*.cu with an explicit
+`-gencode=arch=compute_90a,code=sm_90a`, into the git-ignored `.cache/torch_extensions/` inside the
+repository. The extension's name carries a hash of every file under csrc/, so an edited kernel is
+rebuilt and a stale build is never loaded. `MOK_VERBOSE_BUILD=1` shows the compiler's output.
+
+MXFP8 ops (bit-exact with the L0 spec `mok.mxfp8`, DESIGN §4): bf16 in, outputs in the logical layout.
+
+    mxfp8_quantize_rowwise(x)  -> (data, scales)   blocks along dim -1; scales [..., rows, cols // 32]
+    mxfp8_quantize_colwise(x)  -> (data, scales)   blocks along dim -2; scales [..., rows // 32, cols]
+    mxfp8_quantize_dual(x)     -> ((data_row, scales_row), (data_col, scales_col)), one read of x
+    mxfp8_dequantize(data, scales, dim=-1) -> bf16
+
+x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
+cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+CACHE = REPO / ".cache" / "torch_extensions"
+ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+BLOCK_SIZE = 32  # MXFP8 elements per scale (mok.mxfp8.BLOCK_SIZE)
+
+
+# ---- build --------------------------------------------------------------------------------------
+
+
+def csrc_hash() -> str:
+    """Short hash of every file under csrc/ (paths and contents): part of the extension's name."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(CSRC)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def require_hopper() -> None:
+    """Raise a clear error unless the current CUDA device is a Hopper GPU (compute capability 9.0)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("mok.ops: the csrc kernels need a Hopper GPU (sm_90a), but torch sees no CUDA "
+                           f"device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda}); "
+                           "use the L0/L1 levels on this machine")
+    capability = torch.cuda.get_device_capability()
+    if capability != (9, 0):
+        name = torch.cuda.get_device_name()
+        raise RuntimeError(f"mok.ops: the csrc kernels are built for Hopper (sm_90a, compute capability 9.0), "
+                           f"got {name} with compute capability {capability[0]}.{capability[1]}")
+
+
+@functools.cache
+def load_extension():
+    """Build (or load from .cache/) and return the compiled extension module."""
+    require_hopper()
+    from torch.utils.cpp_extension import load
+
+    name = f"mok_ext_{csrc_hash()}"
+    build_dir = CACHE / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [CSRC / "bindings.cpp", *sorted(CSRC.glob("*.cu"))]
+    return load(
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_include_paths=[str(CSRC / "include")],
+        extra_cflags=["-O3"],
+        # ARCH_FLAGS given explicitly: torch then adds no arch flags of its own (no plain sm_90 pass).
+        extra_cuda_cflags=["-O3", "-lineinfo", "--ftz=false", "--prec-div=true", *ARCH_FLAGS],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("MOK_VERBOSE_BUILD", "0") == "1",
+    )
+
+
+# ---- input checks -------------------------------------------------------------------------------
+
+
+def _fail(name: str, expected: str, actual) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {actual}")
+
+
+def _check_cuda_tensor(name: str, t, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype != dtype:
+        _fail(name, f"dtype {dtype}", t.dtype)
+    if t.dim() not in (2, 3):
+        _fail(name, "a 2D [rows, cols] or 3D [experts, rows, cols] tensor", f"shape {tuple(t.shape)}")
+    if t.device.type != "cuda":
+        _fail(name, "a CUDA tensor", f"device {t.device}")
+    if not t.is_contiguous():
+        _fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
+    if t.data_ptr() % 16 != 0:
+        _fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
+              f"address {t.data_ptr():#x}")
+
+
+def _check_blocks(name: str, shape: tuple, rowwise: bool, colwise: bool) -> None:
+    rows, cols = shape[-2], shape[-1]
+    if rowwise and cols % BLOCK_SIZE:
+        _fail(name, f"cols (last dim) a multiple of {BLOCK_SIZE} for row-wise blocks", f"shape {shape}")
+    if colwise and rows % BLOCK_SIZE:
+        _fail(name, f"rows (dim -2) a multiple of {BLOCK_SIZE} for column-wise blocks", f"shape {shape}")
+    if colwise and cols % 8:
+        _fail(name, "cols (last dim) a multiple of 8 for column-wise kernels (16-byte row segments)",
+              f"shape {shape}")
+
+
+def _scales_shape(shape: tuple, dim: int) -> tuple:
+    out = list(shape)
+    out[dim] //= BLOCK_SIZE
+    return tuple(out)
+
+
+# ---- MXFP8 ---------------------------------------------------------------------------------------
+
+
+def mxfp8_quantize_rowwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along dim -1. Returns data float8_e4m3fn (x.shape), scales uint8 [..., cols // 32]."""
+    _check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=True, colwise=False)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales = torch.empty(_scales_shape(tuple(x.shape), -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
+    load_extension().mxfp8_quantize_rowwise(x, data, scales, variant)
+    return data, scales
+
+
+def mxfp8_quantize_colwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along dim -2. Returns data float8_e4m3fn (x.shape), scales uint8 [..., rows // 32, cols]."""
+    _check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=False, colwise=True)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
+    load_extension().mxfp8_quantize_colwise(x, data, scales, variant)
+    return data, scales
+
+
+def mxfp8_quantize_dual(x: torch.Tensor, variant: int = 0):
+    """Row-wise and column-wise quantization from one read of x:
+    ((data_row, scales_row), (data_col, scales_col)), each equal to the single-direction op's output."""
+    _check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
+    shape = tuple(x.shape)
+    data_row = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales_row = torch.empty(_scales_shape(shape, -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
+    data_col = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales_col = torch.empty(_scales_shape(shape, -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
+    load_extension().mxfp8_quantize_dual(x, data_row, scales_row, data_col, scales_col, variant)
+    return (data_row, scales_row), (data_col, scales_col)
+
+
+def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """q * 2^e rounded to bf16 (NaN for a 0xFF scale); dim = -1 (row-wise scales) or -2 (column-wise)."""
+    _check_cuda_tensor("data", data, torch.float8_e4m3fn)
+    _check_cuda_tensor("scales", scales, torch.uint8)
+    if dim not in (-1, -2, data.dim() - 1, data.dim() - 2):
+        _fail("dim", f"-1 or -2 (or {data.dim() - 1} / {data.dim() - 2}) for data of rank {data.dim()}", dim)
+    rowwise = dim in (-1, data.dim() - 1)
+    shape = tuple(data.shape)
+    _check_blocks("data", shape, rowwise=rowwise, colwise=not rowwise)
+    expected = _scales_shape(shape, -1 if rowwise else -2)
+    if tuple(scales.shape) != expected:
+        _fail("scales", f"shape {expected} for data of shape {shape} and dim {dim}", tuple(scales.shape))
+    if scales.device != data.device:
+        _fail("scales", f"device {data.device} (data's)", scales.device)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)  # data.shape
+    load_extension().mxfp8_dequantize(data, scales, out, rowwise)
+    return out

@@ -1,0 +1,268 @@
+"""MXFP8 kernels (mok.ops) against the L0 spec (mok.mxfp8): bit for bit, data bytes and scale bytes.
+
+The L0 reference runs on the CPU (the spec as written); kernels run on the Hopper GPU. Inputs are
+drawn fresh on every run (the seed is in each failure message). Outputs come from a caching
+allocator poisoned with 0x55 bytes first, so an element the kernel never writes cannot pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mok import mxfp8, ops
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def _random_bf16(shape: tuple, seed: int) -> torch.Tensor:
+    """randn with per-row and per-column power-of-two magnitudes (scales spread over ~2^±40) and a
+    sprinkle of exact zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)  # shape fp32
+    x = x * torch.exp2(torch.randint(-30, 31, (*shape[:-1], 1), generator=gen).float())  # per-row magnitude
+    x = x * torch.exp2(torch.randint(-10, 11, (shape[-1],), generator=gen).float())  # per-column magnitude
+    x = torch.where(torch.rand(shape, generator=gen) < 0.02, 0.0, x)  # shape
+    return x.bfloat16()
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave 0x55 bytes in the blocks the caching allocator hands out next."""
+    junk = torch.full((max(nbytes, 1) * 4,), 0x55, dtype=torch.uint8, device="cuda")  # [4 * nbytes]
+    del junk
+
+
+def _assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
+    a = actual.cpu().view(torch.uint8)  # same shape, raw bytes
+    e = expected.view(torch.uint8)  # same shape, raw bytes
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} vs L0 {tuple(e.shape)} (seed {seed})"
+    diff = (a != e).nonzero()
+    if len(diff):
+        first = diff[:4].tolist()
+        got = [hex(a[tuple(i)].item()) for i in first]
+        want = [hex(e[tuple(i)].item()) for i in first]
+        raise AssertionError(f"{what}: {len(diff)} of {a.numel()} bytes differ from L0 (seed {seed}); "
+                             f"first at {first}: got {got}, L0 {want}")
+
+
+def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", "dual")) -> None:
+    """Runs each op on x (CPU bf16) on the GPU and compares it with L0 bit for bit."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    xg = x.cuda()
+    ref_row = mxfp8.quantize(x, dim=-1) if cols % 32 == 0 else None
+    ref_col = mxfp8.quantize(x, dim=-2) if rows % 32 == 0 else None
+    for op in ops_list:
+        _poison_allocator(x.numel() * 2)
+        if op == "rowwise":
+            outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg), ref_row)]
+        elif op == "colwise":
+            outs = [("colwise", ops.mxfp8_quantize_colwise(xg), ref_col)]
+        else:
+            got_row, got_col = ops.mxfp8_quantize_dual(xg)
+            outs = [("dual/row", got_row, ref_row), ("dual/col", got_col, ref_col)]
+        for name, (data, scales), (ref_data, ref_scales) in outs:
+            _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {tuple(x.shape)}", seed)
+            _assert_bytes_equal(data, ref_data, f"{name} data, x {tuple(x.shape)}", seed)
+
+
+def _assert_bf16_equal(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
+    """Bit-exact except that any NaN equals any NaN (NaN payloads differ between CPU and GPU casts)."""
+    a, e = actual.cpu(), expected
+    nan_a, nan_e = a.isnan(), e.isnan()
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ from L0 (seed {seed})"
+    _assert_bytes_equal(a[~nan_a].view(torch.int16), e[~nan_e].view(torch.int16), what, seed)
+
+
+# ---- quantization: random inputs ------------------------------------------------------------------
+
+# Rows and columns off multiples of 128 on purpose (row-wise allows any rows; column-wise any
+# multiple of 8 columns); 3D = [experts, rows, cols]; 4104 columns = 64 tiles + a partial one.
+ROWWISE_SHAPES = [(1, 32), (37, 96), (130, 224), (257, 7168), (3, 33, 64), (2, 5, 4096), (0, 64)]
+COLWISE_SHAPES = [(32, 8), (64, 72), (96, 200), (160, 1024), (3, 64, 96), (2, 32, 4104), (4, 32, 0)]
+DUAL_SHAPES = [(32, 32), (64, 96), (96, 224), (320, 2080), (3, 64, 160), (2, 128, 7168)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", ROWWISE_SHAPES, ids=str)
+def test_rowwise_matches_l0(shape):
+    seed = _seed()
+    _check_quantize(_random_bf16(shape, seed), seed, ["rowwise"])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", COLWISE_SHAPES, ids=str)
+def test_colwise_matches_l0(shape):
+    seed = _seed()
+    _check_quantize(_random_bf16(shape, seed), seed, ["colwise"])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", DUAL_SHAPES, ids=str)
+def test_dual_matches_l0(shape):
+    seed = _seed()
+    _check_quantize(_random_bf16(shape, seed), seed, ["dual"])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("op,variant", [("rowwise", 1), ("rowwise", 2), ("colwise", 1), ("dual", 1)])
+def test_benchmark_variants_match_l0(op, variant):
+    """The kernel variants kept for the benchmark record compute the same bits."""
+    seed = _seed()
+    x = _random_bf16((192, 1056), seed)  # [rows, cols]
+    fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
+          "dual": lambda t, v: ops.mxfp8_quantize_dual(t, v)[1]}[op]
+    data, scales = fn(x.cuda(), variant)
+    ref_data, ref_scales = mxfp8.quantize(x, dim=-1 if op == "rowwise" else -2)
+    _assert_bytes_equal(scales, ref_scales, f"{op} v{variant} scales", seed)
+    _assert_bytes_equal(data, ref_data, f"{op} v{variant} data", seed)
+
+
+# ---- quantization: edge cases ---------------------------------------------------------------------
+
+
+def _every_bf16_as_block_amax(seed: int) -> torch.Tensor:
+    """[65536, 32]: block i holds bf16 bit pattern i (both signs, NaNs and Infs included) at a random
+    position, the other 31 values no larger in magnitude. Covers every amax the ceil rule can see."""
+    gen = torch.Generator().manual_seed(seed)
+    pattern = torch.arange(0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # [65536]
+    others = pattern.float()[:, None] * (2 * torch.rand(0x10000, 31, generator=gen) - 1)  # [65536, 31]
+    x = torch.cat([pattern[:, None], others.bfloat16()], dim=1)  # [65536, 32] |others| <= |pattern|
+    perm = torch.rand(0x10000, 32, generator=gen).argsort(dim=1)  # [65536, 32]
+    return x.gather(1, perm)  # [65536, 32]
+
+
+def _special_blocks(seed: int) -> torch.Tensor:
+    """[num_blocks, 32] bf16 rows of the L0 edge-case table (docs/mxfp8.md), at random positions."""
+    gen = torch.Generator().manual_seed(seed)
+    nan, inf = float("nan"), float("inf")
+    tiny = torch.tensor([0x0001, 0x807F, 0x0040, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    floor = torch.tensor(1e-12, dtype=torch.float32)
+    below, above = floor.bfloat16().float(), (floor * 1.01).bfloat16().float()  # around the amax floor
+    rows = [
+        torch.zeros(32), -torch.zeros(32), torch.tensor([0.0, -0.0] * 16),
+        torch.cat([tiny, torch.zeros(28)]), torch.full((32,), below.item()), torch.full((32,), above.item()),
+        torch.tensor([nan] + [1.0] * 31), torch.tensor([inf] + [1.0] * 31), torch.tensor([-inf] + [2.0] * 31),
+        torch.tensor([inf, -inf, nan] + [0.0] * 29), torch.tensor([3.3895e38, -3.3895e38] + [1.0] * 30),
+    ]
+    for k in range(-30, 31, 3):
+        for amax in (448.0, 450.0, 446.0, 1.75, 1.7578125, 1.0, 2.0):  # the ceil rule's flip points
+            small = (torch.rand(31, generator=gen) * 2 - 1) * amax
+            rows.append(torch.cat([torch.tensor([amax]), small]) * 2.0**k)
+            rows.append(-rows[-1])
+    x = torch.stack(rows).bfloat16()  # [num_blocks, 32]
+    perm = torch.rand(x.shape, generator=gen).argsort(dim=1)  # [num_blocks, 32]
+    x = x.gather(1, perm)  # [num_blocks, 32]
+    pad = -x.shape[0] % 32  # column-wise and dual need rows % 32 == 0
+    return torch.cat([x, torch.ones(pad, 32, dtype=torch.bfloat16)])  # [32 * n, 32]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_every_bf16_amax_matches_l0():
+    seed = _seed()
+    x = _every_bf16_as_block_amax(seed)  # [65536, 32] blocks along rows
+    _check_quantize(x, seed, ["rowwise", "dual"])
+    _check_quantize(x.T.contiguous(), seed, ["colwise", "dual"])  # [32, 65536] blocks along columns
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_special_values_match_l0():
+    seed = _seed()
+    x = _special_blocks(seed)  # [32 * n, 32]
+    _check_quantize(x, seed)
+    _check_quantize(x.T.contiguous(), seed)  # the same blocks column-wise
+    _check_quantize(torch.stack([x, -x]), seed)  # 3D [2, 32 * n, 32]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_quantize_is_deterministic():
+    x = _random_bf16((4, 256, 1024), _seed()).cuda()  # [experts, rows, cols]
+    first = ops.mxfp8_quantize_dual(x)
+    second = ops.mxfp8_quantize_dual(x)
+    for a, b in zip(first, second):
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
+# ---- dequantization -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape,dim", [((37, 96), -1), ((3, 5, 64), -1), ((64, 72), -2), ((2, 96, 200), -2),
+                                       ((2, 96, 200), 1)], ids=str)
+def test_dequantize_every_byte_matches_l0(shape, dim):
+    """Random data bytes (all 256 E4M3 codes, NaN too) and scale bytes (0..255: subnormal 2^-127,
+    overflow to Inf, the NaN scale)."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)  # shape
+    scale_shape = list(shape)
+    scale_shape[dim] //= 32
+    scales = torch.randint(0, 256, scale_shape, generator=gen, dtype=torch.uint8)  # shape, dim / 32
+    _poison_allocator(data.numel() * 2)
+    got = ops.mxfp8_dequantize(data.cuda(), scales.cuda(), dim=dim)
+    _assert_bf16_equal(got, mxfp8.dequantize(data, scales, dim=dim), f"dequantize {shape} dim {dim}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_roundtrip_matches_l0_fake_quantize():
+    seed = _seed()
+    x = _random_bf16((2, 64, 512), seed)  # [experts, rows, cols]
+    (dr, sr), (dc, sc) = ops.mxfp8_quantize_dual(x.cuda())
+    _assert_bf16_equal(ops.mxfp8_dequantize(dr, sr, -1), mxfp8.fake_quantize(x, -1), "roundtrip row", seed)
+    _assert_bf16_equal(ops.mxfp8_dequantize(dc, sc, -2), mxfp8.fake_quantize(x, -2), "roundtrip col", seed)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def test_cpu_tensor_is_rejected_before_any_build():
+    x = torch.randn(64, 64).bfloat16()  # [rows, cols] on the CPU
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        ops.mxfp8_quantize_rowwise(x)
+    with pytest.raises(ValueError, match=r"x: expected dtype torch.bfloat16, got torch.float32"):
+        ops.mxfp8_quantize_colwise(x.float())
+    with pytest.raises(ValueError, match=r"x: expected a 2D \[rows, cols\] or 3D"):
+        ops.mxfp8_quantize_dual(x.flatten())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_no_gpu_gives_a_clear_error():
+    with pytest.raises(RuntimeError, match="need a Hopper GPU"):
+        ops.load_extension()
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(64, 96, device="cuda").bfloat16()  # [rows, cols]
+    with pytest.raises(ValueError, match=r"x: expected a contiguous tensor"):
+        ops.mxfp8_quantize_rowwise(x.T)
+    with pytest.raises(ValueError, match=r"x: expected a 16-byte aligned"):
+        ops.mxfp8_quantize_rowwise(x.flatten()[4:4 + 32 * 96].view(32, 96))  # 8-byte offset
+    with pytest.raises(ValueError, match=r"x: expected cols \(last dim\) a multiple of 32"):
+        ops.mxfp8_quantize_rowwise(x[:, :80].contiguous())
+    with pytest.raises(ValueError, match=r"x: expected rows \(dim -2\) a multiple of 32"):
+        ops.mxfp8_quantize_colwise(x[:40].contiguous())
+    with pytest.raises(ValueError, match=r"x: expected cols \(last dim\) a multiple of 8"):
+        ops.mxfp8_quantize_colwise(x[:, :36].contiguous())
+    data, scales = ops.mxfp8_quantize_rowwise(x)
+    with pytest.raises(ValueError, match=r"scales: expected shape \(2, 96\)"):
+        ops.mxfp8_dequantize(data, scales, dim=-2)
+    with pytest.raises(ValueError, match=r"dim: expected -1 or -2"):
+        ops.mxfp8_dequantize(data, scales, dim=-3)
+    with pytest.raises(ValueError, match=r"scales: expected dtype torch.uint8"):
+        ops.mxfp8_dequantize(data, scales.int(), dim=-1)
