@@ -1,0 +1,333 @@
+"""Expert parallelism (EP), the plain-PyTorch reference of L4: dispatch and combine over
+torch.distributed all-to-all, for any number of ranks (gloo on CPU, NCCL on GPU).
+
+World of R ranks. Experts are split contiguously: rank r owns experts [r·E/R, (r+1)·E/R). Every rank
+holds its own tokens (x_local [T_r, H], topk_idx_local with GLOBAL expert ids); the global token
+order is (rank, local token). Each route (t, k) sends the BF16 row x[t] to the expert's owner.
+
+Determinism across EP degrees: the sender packs its routes expert-major, (t, k) ascending; the
+receiver takes the blocks in source-rank order and regroups them per local expert. Since global
+token order is (rank, local token), each expert then sees exactly the rows, in exactly the order,
+of the single-process schedule (DESIGN §5), and L0's expert math gives identical bits.
+
+Design note and measured choices: docs/ep.md. Launcher for tests and notebooks: `run_local_ep`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mok._ep_worker import run_local_ep  # noqa: F401  (re-exported: the launcher lives beside its worker)
+from mok.checks import _fail, check_tensor
+from mok.config import PRECISIONS
+
+BF16 = torch.bfloat16
+
+
+# --- partition and byte model ---------------------------------------------------------------------
+
+def num_local_experts(num_experts: int, world_size: int) -> int:
+    """E/R, with a clear error when the experts do not split evenly over the ranks."""
+    if world_size < 1:
+        _fail("world_size", "a positive number of ranks", world_size)
+    if num_experts < 1 or num_experts % world_size:
+        _fail("num_experts", f"a positive multiple of the world size {world_size}", num_experts)
+    return num_experts // world_size
+
+
+def bytes_per_row(hidden: int, precision: str = "bf16") -> int:
+    """Payload of one dispatched row: bf16 2·H; mxfp8 H E4M3 bytes + H/32 E8M0 scales."""
+    if precision == "bf16":
+        return 2 * hidden
+    if precision == "mxfp8":
+        if hidden % 32:
+            _fail("hidden", "a multiple of 32 for an mxfp8 payload", hidden)
+        return hidden + hidden // 32
+    _fail("precision", f"one of {PRECISIONS}", repr(precision))
+
+
+def rows_per_rank(topk_idx_local: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
+    """int64 [R]: routes this rank sends to each rank (its own included)."""
+    e_local = num_local_experts(num_experts, world_size)
+    return torch.bincount(topk_idx_local.flatten().cpu() // e_local, minlength=world_size)  # [R]
+
+
+def dispatch_bytes(topk_idx_local, num_experts: int, world_size: int, rank: int, hidden: int,
+                   precision: str = "bf16", *, include_local: bool = False) -> int:
+    """Bytes this rank puts on the wire in dispatch (one row per route; rows to itself excluded
+    unless include_local). Combine sends the same rows back, always in BF16 (DESIGN §4)."""
+    rows = rows_per_rank(topk_idx_local, num_experts, world_size)  # [R]
+    if not include_local:
+        rows[rank] = 0
+    return int(rows.sum()) * bytes_per_row(hidden, precision)
+
+
+def ep_traffic(topk_idx: torch.Tensor, num_experts: int, world_size: int, hidden: int,
+               tokens_per_rank: list[int] | None = None) -> list[dict]:
+    """Tidy rows {rank, direction, precision, routes, token_rows, bytes, bytes_dedup} for a global
+    topk_idx [T, K] split over ranks (evenly, or by tokens_per_rank). `bytes` counts one row per
+    off-rank route, as this reference sends; `bytes_dedup` one row per (token, destination rank)
+    pair, as a kernel that sends a token once per rank and fans it out there would."""
+    T = topk_idx.shape[0]
+    if tokens_per_rank is None:
+        tokens_per_rank = [T // world_size + (r < T % world_size) for r in range(world_size)]
+    if len(tokens_per_rank) != world_size or sum(tokens_per_rank) != T:
+        _fail("tokens_per_rank", f"{world_size} counts summing to {T}", tokens_per_rank)
+    e_local = num_local_experts(num_experts, world_size)
+    out = []
+    for r, chunk in enumerate(topk_idx.cpu().split(tokens_per_rank)):
+        dest = chunk // e_local  # [T_r, K] destination rank of every route
+        remote = dest != r  # [T_r, K]
+        routes = int(remote.sum())
+        onehot = torch.zeros(chunk.shape[0], world_size, dtype=torch.bool)  # [T_r, R]
+        onehot.scatter_(1, dest, True)
+        onehot[:, r] = False
+        token_rows = int(onehot.sum())
+        for direction, precs in (("dispatch", PRECISIONS), ("combine", ("bf16",))):
+            for p in precs:
+                out.append({"rank": r, "direction": direction, "precision": p, "routes": routes,
+                            "token_rows": token_rows, "bytes": routes * bytes_per_row(hidden, p),
+                            "bytes_dedup": token_rows * bytes_per_row(hidden, p)})
+    return out
+
+
+# --- dispatch and combine -------------------------------------------------------------------------
+
+@dataclass
+class DispatchState:
+    """Everything combine (and the backward) needs to send rows back where they came from."""
+    x_recv: torch.Tensor  # [N_recv, H] received rows, expert-major, ascending (global token, k)
+    num_tokens_per_expert: list[int]  # [E/R] rows of each local expert, in x_recv order
+    send_order: torch.Tensor  # [T_r·K] route ids t·K + k in the order they were sent
+    send_splits: list[int]  # [R] rows sent to each rank
+    recv_splits: list[int]  # [R] rows received from each rank
+    recv_perm: torch.Tensor  # [N_recv] received (source-major) row of each expert-major row
+    num_tokens: int  # T_r
+    num_topk: int  # K
+    group: object  # the process group
+
+
+def _check_dispatch_inputs(x_local, topk_idx_local, num_experts, world_size) -> None:
+    num_local_experts(num_experts, world_size)
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() != 2:
+        _fail("x_local", "a 2D tensor [num_tokens, hidden]", getattr(x_local, "shape", type(x_local)))
+    T, H = x_local.shape
+    check_tensor("x_local", x_local, BF16, (T, H), x_local.device)
+    if not isinstance(topk_idx_local, torch.Tensor) or topk_idx_local.dim() != 2:
+        _fail("topk_idx_local", "a 2D tensor [num_tokens, num_topk]", getattr(topk_idx_local, "shape", None))
+    check_tensor("topk_idx_local", topk_idx_local, torch.int64, (T, None), x_local.device)
+    if topk_idx_local.numel() and (int(topk_idx_local.min()) < 0 or int(topk_idx_local.max()) >= num_experts):
+        _fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
+              f"ids in [{int(topk_idx_local.min())}, {int(topk_idx_local.max())}]")
+
+
+def _to_experts(send_rows: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    """[N_send, H] rows in send order -> [N_recv, H] on the owners, expert-major."""
+    recv = send_rows.new_empty(sum(state.recv_splits), send_rows.shape[1])  # [N_recv, H] source-major
+    dist.all_to_all_single(recv, send_rows.contiguous(), state.recv_splits, state.send_splits,
+                           group=state.group)
+    return recv[state.recv_perm]  # [N_recv, H] expert-major
+
+
+def _from_experts(rows: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    """[N_recv, H] expert-major rows -> [T_r·K, H] indexed by route id t·K + k on the token's owner."""
+    src_major = torch.empty_like(rows)  # [N_recv, H]
+    src_major[state.recv_perm] = rows
+    back = rows.new_empty(sum(state.send_splits), rows.shape[1])  # [T_r·K, H] in send order
+    dist.all_to_all_single(back, src_major, state.send_splits, state.recv_splits, group=state.group)
+    out = torch.empty_like(back)  # [T_r·K, H] route order
+    out[state.send_order] = back
+    return out
+
+
+def ep_dispatch(x_local: torch.Tensor, topk_idx_local: torch.Tensor, num_experts: int,
+                group=None) -> DispatchState:
+    """Send x[t] for every route (t, k) to the owner of expert topk_idx_local[t, k]."""
+    world_size = dist.get_world_size(group)
+    _check_dispatch_inputs(x_local, topk_idx_local, num_experts, world_size)
+    e_local = num_experts // world_size
+    T, K = topk_idx_local.shape
+    flat = topk_idx_local.flatten()  # [T·K] global expert of each route t·K + k
+    # Stable sort: expert-major, ascending (t, k) inside each expert; destinations are contiguous.
+    send_order = torch.sort(flat, stable=True).indices  # [T·K]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E] = [R, E/R]: rows per (dest, expert)
+    recv_counts = torch.empty_like(counts)  # [R, E/R] flattened: rows per (source, local expert)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    counts, recv_counts = counts.view(world_size, e_local).cpu(), recv_counts.view(world_size, e_local).cpu()
+    # Received rows arrive source-major, then expert, then (t, k); a stable sort by local expert keeps
+    # the source order inside each expert, and (source rank, local token) is the global token order.
+    expert_of_row = torch.arange(e_local).repeat(world_size).repeat_interleave(recv_counts.flatten())
+    state = DispatchState(
+        x_recv=x_local.new_empty(0, x_local.shape[1]),
+        num_tokens_per_expert=recv_counts.sum(0).tolist(),
+        send_order=send_order,
+        send_splits=counts.sum(1).tolist(),
+        recv_splits=recv_counts.sum(1).tolist(),
+        recv_perm=torch.sort(expert_of_row, stable=True).indices.to(x_local.device),  # [N_recv]
+        num_tokens=T, num_topk=K, group=group)
+    state.x_recv = _to_experts(x_local[send_order // K], state)  # [N_recv, H]
+    return state
+
+
+def ep_combine(y_rows: torch.Tensor, state: DispatchState, topk_weights_local: torch.Tensor,
+               shared_local: torch.Tensor | None = None, *, return_routes: bool = False):
+    """Send every route's output row home, then out[t] = bf16(Σ_k w[t,k]·y[t,k] + shared[t]) in fp32,
+    increasing k (reference.combine). y_rows [N_recv, H] is in state.x_recv's order.
+    With return_routes, also returns y [T_r, K, H] (what the backward needs for d_topk_weights)."""
+    from mok import reference
+
+    check_tensor("y_rows", y_rows, BF16, tuple(state.x_recv.shape), state.x_recv.device)
+    T, K = state.num_tokens, state.num_topk
+    check_tensor("topk_weights_local", topk_weights_local, torch.float32, (T, K), y_rows.device)
+    y = _from_experts(y_rows, state).view(T, K, y_rows.shape[1])  # [T_r, K, H]
+    out = reference.combine(y, topk_weights_local, shared_local)  # [T_r, H]
+    return (out, y) if return_routes else out
+
+
+# --- the EP MoE layer -----------------------------------------------------------------------------
+
+@dataclass
+class EPSaved:
+    """What ep_moe_forward keeps for ep_moe_backward (the rank-local share of reference.Saved)."""
+    state: DispatchState
+    x_shared: torch.Tensor  # [T_sh, H] the shared expert's tokens: all ranks' (exact) or this rank's
+    token_offset: int  # first row of this rank's tokens in x_shared
+    exact_shared: bool
+    topk_weights: torch.Tensor  # [T_r, K]
+    weights: tuple  # local (w_gate, w_up, w_down) [E/R, ...] and replicated shared (or None) ×3
+    gate: torch.Tensor  # [N_recv, I] per received row (MXFP8 round trip in mxfp8 mode)
+    up: torch.Tensor  # [N_recv, I]
+    y: torch.Tensor  # [T_r, K, H] per-route expert outputs, back home
+    shared_gate: torch.Tensor | None  # [T_sh, I_sh]
+    shared_up: torch.Tensor | None  # [T_sh, I_sh]
+    precision: str
+    swiglu_limit: float | None
+
+
+def _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
+                        shared, precision, swiglu_limit, world_size) -> None:
+    if precision not in PRECISIONS:
+        _fail("precision", f"one of {PRECISIONS}", repr(precision))
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
+        _fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
+    if not isinstance(w_gate_local, torch.Tensor) or w_gate_local.dim() != 3:
+        _fail("w_gate_local", "a 3D tensor [num_experts / world_size, intermediate, hidden]",
+              getattr(w_gate_local, "shape", None))
+    e_local, I = w_gate_local.shape[:2]
+    _check_dispatch_inputs(x_local, topk_idx_local, e_local * world_size, world_size)
+    H, dev = x_local.shape[1], x_local.device
+    check_tensor("topk_weights_local", topk_weights_local, torch.float32, tuple(topk_idx_local.shape), dev)
+    check_tensor("w_gate_local", w_gate_local, BF16, (e_local, I, H), dev)
+    check_tensor("w_up_local", w_up_local, BF16, (e_local, I, H), dev)
+    check_tensor("w_down_local", w_down_local, BF16, (e_local, H, I), dev)
+    if any(w is None for w in shared) and any(w is not None for w in shared):
+        _fail("w_shared_gate/w_shared_up/w_shared_down", "all three or none", "only some")
+    if precision == "mxfp8" and (H % 32 or I % 32):
+        _fail("hidden/intermediate", "multiples of 32 in mxfp8 mode", (H, I))
+
+
+def _all_gather_tokens(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """[T_r, ...] on every rank -> ([T, ...] all ranks' rows in rank order, this rank's first row)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)  # [1]
+    ns = [torch.empty_like(n) for _ in range(world_size)]
+    dist.all_gather(ns, n, group=group)
+    ns = [int(v) for v in ns]
+    padded = t.new_zeros(max(ns), *t.shape[1:])  # [max T_r, ...]: gloo gathers equal sizes only
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:m] for p, m in zip(parts, ns)]), sum(ns[:rank])
+
+
+def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
+                   w_shared_gate=None, w_shared_up=None, w_shared_down=None, *, precision="bf16",
+                   swiglu_limit=None, exact_shared=True, group=None) -> tuple[torch.Tensor, EPSaved]:
+    """The MoE layer with EP: out_local [T_r, H] bf16 and the saved state. Routed weights are this
+    rank's experts [E/R, ...]. The shared expert is replicated and runs in BF16 (DESIGN §4).
+
+    exact_shared: a GEMM's row results may depend on its number of rows (CPU BLAS and cuBLAS pick
+    kernels by M), so the shared expert on T_r rows can differ in a last bit from the single-process
+    one on T rows. True (default) all-gathers the tokens and runs it on all T rows: bitwise equal to
+    L0 whatever the EP degree, at R× the shared compute. False runs it on the local rows only, as a
+    deployment does."""
+    from mok import reference
+
+    shared = (w_shared_gate, w_shared_up, w_shared_down)
+    world_size = dist.get_world_size(group)
+    _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
+                        shared, precision, swiglu_limit, world_size)
+    state = ep_dispatch(x_local, topk_idx_local, w_gate_local.shape[0] * world_size, group)
+    N, I = state.x_recv.shape[0], w_gate_local.shape[1]
+    y_rows = torch.empty_like(state.x_recv)  # [N_recv, H]
+    gate = x_local.new_empty(N, I)  # [N_recv, I]
+    up = x_local.new_empty(N, I)  # [N_recv, I]
+    for e, seg in enumerate(_segments(state)):
+        if seg.stop > seg.start:
+            y_rows[seg], gate[seg], up[seg] = reference.expert_forward(
+                state.x_recv[seg], w_gate_local[e], w_up_local[e], w_down_local[e],
+                precision=precision, swiglu_limit=swiglu_limit)
+
+    T = x_local.shape[0]
+    exact_shared = bool(exact_shared and w_shared_gate is not None)
+    x_shared, offset = _all_gather_tokens(x_local, group) if exact_shared else (x_local, 0)  # [T_sh, H]
+    shared_out, shared_gate, shared_up = None, None, None
+    if w_shared_gate is not None:
+        shared_out, shared_gate, shared_up = reference.expert_forward(
+            x_shared, *shared, precision="bf16", swiglu_limit=swiglu_limit)  # [T_sh, H]
+        shared_out = shared_out[offset: offset + T]  # [T_r, H]
+    out, y = ep_combine(y_rows, state, topk_weights_local, shared_out, return_routes=True)
+    weights = (w_gate_local, w_up_local, w_down_local, *shared)
+    saved = EPSaved(state, x_shared, offset, exact_shared, topk_weights_local, weights, gate, up, y,
+                    shared_gate, shared_up, precision, swiglu_limit)
+    return out, saved
+
+
+def _segments(state: DispatchState) -> list[slice]:
+    """Row range of each local expert in state.x_recv."""
+    ends = torch.tensor(state.num_tokens_per_expert, dtype=torch.int64).cumsum(0).tolist()
+    return [slice(end - n, end) for n, end in zip(state.num_tokens_per_expert, ends)]
+
+
+def ep_moe_backward(saved: EPSaved, d_out_local: torch.Tensor) -> tuple:
+    """Gradients (d_x_local, d_topk_weights_local, d_w_gate_local, d_w_up_local, d_w_down_local,
+    d_w_shared_gate, d_w_shared_up, d_w_shared_down), reference.moe_backward's order.
+
+    dy = bf16(d_out·w) travels the dispatch path, each expert's dx comes back the combine path and is
+    summed in increasing k: routed grads, d_x and d_topk_weights equal the single-process bits.
+    Shared weight gradients: with exact_shared, the full gradient over all T tokens (the same on every
+    rank, equal to L0's; do not reduce it again); without, this rank's partial over its own tokens
+    (reduce over ranks, as data parallelism does)."""
+    from mok import reference
+
+    s, st = saved, saved.state
+    T, K, H = s.y.shape
+    check_tensor("d_out_local", d_out_local, BF16, (T, H), s.y.device)
+    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
+    d_topk_weights = (d_out_local.float()[:, None, :] * s.y.float()).sum(-1)  # [T_r, K] fp32
+    dy = (d_out_local.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16).view(T * K, H)
+    dy_recv = _to_experts(dy[st.send_order], st)  # [N_recv, H] expert-major, like x_recv
+
+    dx_rows = torch.empty_like(dy_recv)  # [N_recv, H]
+    d_w = [torch.zeros_like(w) for w in (w_gate, w_up, w_down)]  # experts without rows: zero
+    for e, seg in enumerate(_segments(st)):
+        if seg.stop > seg.start:
+            dx_rows[seg], d_w[0][e], d_w[1][e], d_w[2][e] = reference.expert_backward(
+                st.x_recv[seg], s.gate[seg], s.up[seg], dy_recv[seg], w_gate[e], w_up[e], w_down[e],
+                precision=s.precision, swiglu_limit=s.swiglu_limit)
+    dx = _from_experts(dx_rows, st).view(T, K, H)  # [T_r, K, H] per route, home again
+
+    d_x = torch.zeros(T, H, dtype=torch.float32, device=d_out_local.device)  # [T_r, H] fp32
+    for k in range(K):  # fixed order: increasing k, then the shared expert
+        d_x += dx[:, k].float()
+    d_shared = (None, None, None)
+    if ws_gate is not None:
+        d_out_shared = _all_gather_tokens(d_out_local, st.group)[0] if s.exact_shared else d_out_local
+        dx_shared, *d_shared = reference.expert_backward(
+            s.x_shared, s.shared_gate, s.shared_up, d_out_shared, ws_gate, ws_up, ws_down,
+            precision="bf16", swiglu_limit=s.swiglu_limit)  # dx_shared [T_sh, H]
+        d_x += dx_shared[s.token_offset: s.token_offset + T].float()
+    return (d_x.to(BF16), d_topk_weights, *d_w, *d_shared)
