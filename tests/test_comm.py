@@ -230,8 +230,9 @@ def check_nccl_against_single_process(world_size):
         for j in range(5, 8):
             assert all((g is None and ref[j] is None) or torch.equal(g, ref[j])
                        for g in (r["cases"][i]["grads"][j] for r in ranks)), f"case {i}, {j}"
-    for r in ranks:
-        assert all(msg is not None for msg in r["errors"].values())
+    for r in ranks:  # at R = 1 every num_experts divides evenly
+        assert all(msg is not None for case, msg in r["errors"].items()
+                   if world_size > 1 or case != "not_divisible"), r["errors"]
 
 
 @pytest.mark.gpu
