@@ -52,7 +52,11 @@ def bytes_per_row(hidden: int, precision: str = "bf16") -> int:
 def rows_per_rank(topk_idx_local: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
     """int64 [R]: routes this rank sends to each rank (its own included)."""
     e_local = num_local_experts(num_experts, world_size)
-    return torch.bincount(topk_idx_local.flatten().cpu() // e_local, minlength=world_size)  # [R]
+    flat = topk_idx_local.flatten().cpu()  # [T_r·K]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        _fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
+              f"ids in [{int(flat.min())}, {int(flat.max())}]")
+    return torch.bincount(flat // e_local, minlength=world_size)  # [R]
 
 
 def dispatch_bytes(topk_idx_local, num_experts: int, world_size: int, rank: int, hidden: int,

@@ -301,6 +301,8 @@ def test_dispatch_bytes_counts_off_rank_routes():
         assert comm.dispatch_bytes(idx, E, R, rank, H) == remote * 2 * H
         assert comm.dispatch_bytes(idx, E, R, rank, H, "mxfp8") == remote * (H + H // 32)
         assert comm.dispatch_bytes(idx, E, R, rank, H, include_local=True) == T * K * 2 * H
+    with pytest.raises(ValueError, match=r"topk_idx_local: expected global expert ids in \[0, 16\)"):
+        comm.dispatch_bytes(idx + E, E, R, 0, H)
 
 
 def test_ep_traffic_rows():
