@@ -69,7 +69,8 @@ def _gpu_shape(cfg, num_tokens=512):
 @pytest.mark.parametrize("cfg", list(TINY_SHAPES.values()) + [_gpu_shape(c) for c in STANDARD_SHAPES.values()],
                          ids=lambda c: c.name)
 def test_level_matches_l0_gpu(level, precision, cfg, device):
-    check_against_l0(level, make_inputs(cfg, device=device, seed=31), precision, limit=7.0)
+    inputs = make_inputs(cfg, device=device, seed=31, draw_on=device)  # GBs of weights: draw them there
+    check_against_l0(level, inputs, precision, limit=7.0)
 
 
 @pytest.mark.gpu
@@ -77,8 +78,9 @@ def test_level_matches_l0_gpu(level, precision, cfg, device):
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_level_repeat_runs_bitwise_gpu(level, precision, device):
     cfg = _gpu_shape(STANDARD_SHAPES["qwen3-30b-a3b"], 1000)
-    a = run_level(get_level(level), make_inputs(cfg, device=device, seed=41), precision=precision)
-    b = run_level(poison(get_level(level)), make_inputs(cfg, device=device, seed=41), precision=precision)
+    a = run_level(get_level(level), make_inputs(cfg, device=device, seed=41, draw_on=device), precision=precision)
+    b = run_level(poison(get_level(level)), make_inputs(cfg, device=device, seed=41, draw_on=device),
+                  precision=precision)
     assert bitwise_equal(a[0], b[0])
     for name, x, y in zip(GRAD_NAMES, a[1], b[1]):
         assert bitwise_equal(x, y), name

@@ -10,7 +10,7 @@ import torch
 
 from mok.routing import hot_expert_routing, load_stats, random_routing, sigmoid_bias_topk, softmax_topk
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.gpu  # skipped centrally (tests/conftest.py) without a GPU
 
 
 def gen(seed: int) -> torch.Generator:

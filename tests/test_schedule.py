@@ -11,7 +11,7 @@ from mok.config import TINY_SHAPES
 from mok.routing import hot_expert_routing, random_routing
 from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.gpu  # skipped centrally (tests/conftest.py) without a GPU
 
 
 def naive_schedule(topk_idx: list[list[int]], num_experts: int, block_m: int) -> dict:
