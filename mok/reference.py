@@ -131,6 +131,7 @@ class Saved:
     shared_up: torch.Tensor | None  # [T, I_sh]
     precision: str
     swiglu_limit: float | None
+    sched: object = None  # levels that keep gate/up in a schedule's row layout (L1) put it here
 
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down,

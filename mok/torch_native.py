@@ -93,8 +93,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         shared, sg, su = _shared_forward(x, w_shared_gate, w_shared_up, w_shared_down, swiglu_limit)
     out = combine(y, topk_weights, shared)  # [T, H]
     saved = Saved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-                  w_shared_down), quant(gate, -1, p), quant(up, -1, p), y, sg, su, p, swiglu_limit)
-    saved.sched = sched  # rows layout of gate/up (L1 keeps them permuted, not per route)
+                  w_shared_down), quant(gate, -1, p), quant(up, -1, p), y, sg, su, p, swiglu_limit,
+                  sched=sched)  # gate/up stay in the permuted row layout
     return out, saved
 
 
