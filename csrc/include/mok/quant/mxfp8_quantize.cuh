@@ -184,19 +184,27 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
   if (rows % kBlockSize != 0 || cols % kChunkElems != 0 || (dual && cols % kBlockSize != 0))
     return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
-  constexpr int kWarps = 8;
-  auto launch = [&](auto kernel, int tile_cols) {
+  auto launch = [&](auto kernel, int tile_cols, int warps) {
     const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, tile_cols);
-    kernel<<<ceil_div(tiles, kWarps), kWarps * kWarpSize, 0, stream>>>(
+    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(
         static_cast<const uint8_t*>(x), static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
         static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row), rows, cols);
     return cudaGetLastError();
   };
+  // variant: row lanes (rows per thread = 32 / row lanes) x warps per CTA. Fewer rows per thread means
+  // fewer registers, so more resident warps; more rows, more bytes in flight per thread.
+  //   0: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
   switch (variant * 2 + (dual ? 1 : 0)) {
-    case 0: return launch(quantize_tiled_kernel<4, kWarps, false>, ColTile<4>::kCols);
-    case 1: return launch(quantize_tiled_kernel<4, kWarps, true>, ColTile<4>::kCols);
-    case 2: return launch(quantize_tiled_kernel<2, kWarps, false>, ColTile<2>::kCols);
-    case 3: return launch(quantize_tiled_kernel<2, kWarps, true>, ColTile<2>::kCols);
+    case 0: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
+    case 1: return launch(quantize_tiled_kernel<4, 8, true>, ColTile<4>::kCols, 8);
+    case 2: return launch(quantize_tiled_kernel<2, 8, false>, ColTile<2>::kCols, 8);
+    case 3: return launch(quantize_tiled_kernel<2, 8, true>, ColTile<2>::kCols, 8);
+    case 4: return launch(quantize_tiled_kernel<8, 8, false>, ColTile<8>::kCols, 8);
+    case 5: return launch(quantize_tiled_kernel<8, 8, true>, ColTile<8>::kCols, 8);
+    case 6: return launch(quantize_tiled_kernel<4, 4, false>, ColTile<4>::kCols, 4);
+    case 7: return launch(quantize_tiled_kernel<4, 4, true>, ColTile<4>::kCols, 4);
+    case 8: return launch(quantize_tiled_kernel<8, 4, false>, ColTile<8>::kCols, 4);
+    case 9: return launch(quantize_tiled_kernel<8, 4, true>, ColTile<8>::kCols, 4);
     default: return cudaErrorInvalidValue;
   }
 }
