@@ -28,8 +28,8 @@ for tests and notebooks). Any rank; blocks run along `dim`, whose size must be a
 NOTE (for kernel writers): the spec divides. torch on CUDA turns `t / python_scalar` into a multiply by
 the reciprocal; an exhaustive check over every positive fp32 amax found the same ceil exponent either
 way (fl(1/448) rounds up), but the divisor here is a tensor so the code is the spec. Also
-`fmaxf(NaN, 1e-12f)` is 1e-12f in CUDA: find non-finite blocks separately. Whether torch's fp32 ->
-e4m3fn cast saturates or gives NaN above 464 has varied; the explicit clamp makes `quantize` not care.
+`fmaxf(NaN, 1e-12f)` is 1e-12f in CUDA: find non-finite blocks separately. torch's fp32 -> e4m3fn cast
+gives NaN from 464 up in 2.11 (CPU and CUDA) but saturates in 2.13: the clamp makes `quantize` not care.
 """
 
 from __future__ import annotations
