@@ -35,13 +35,7 @@ def quant(x: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
     expert segment of tokens, for weight gradients) is padded with zero rows, as the kernels do."""
     if precision == "bf16":
         return x
-    n = x.shape[dim]
-    pad = -n % mxfp8.BLOCK_SIZE
-    if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    return mxfp8.fake_quantize(x, dim=dim).narrow(dim, 0, n)
+    return mxfp8.fake_quantize(x, dim=dim, pad=True)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
