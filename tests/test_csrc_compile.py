@@ -62,36 +62,13 @@ def test_headers_compile_standalone(tmp_path):
     assert not failures, "headers that do not compile on their own:\n" + "\n".join(failures)
 
 
-# Benchmark-only variants whose register cap (__launch_bounds__ min blocks) costs a small spill, kept to
-# record what was tried (docs/mxfp8_kernels.md). Mangled-name fragment -> largest spill allowed, bytes.
-SPILL_ALLOWED = {
-    "quantize_tiled_kernelILi4ELi8ELb1ELi3E": 8,   # dual, variant 5 (3 CTAs/SM)
-    "quantize_tiled_kernelILi2ELi8ELb1ELi2E": 20,  # dual, variant 6 (2 CTAs/SM)
-}
-
-
-def _spills(report: str) -> dict[str, int]:
-    """Kernel (mangled name) -> bytes spilled (stores + loads) from a ptxas -v report."""
-    out, name = {}, None
-    for line in report.splitlines():
-        entry = re.search(r"Compiling entry function '([^']+)'", line)
-        if entry:
-            name = entry.group(1)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if spill and name:
-            out[name] = int(spill.group(1)) + int(spill.group(2))
-    return out
-
-
 @pytest.mark.parametrize("unit", UNITS, ids=[u.name for u in UNITS])
 def test_unit_compiles_without_spills(unit, tmp_path):
     result = _nvcc(unit, tmp_path / "unit.o", ["-Xptxas", "-v", "-Xcompiler", "-Wall"])
     assert result.returncode == 0, f"nvcc failed on {unit.name}:\n{result.stderr}"
     report = result.stderr  # ptxas -v writes its resource report to stderr
-    spills = _spills(report)
-    assert spills, f"no kernels compiled for sm_90a in {unit.name}:\n{report}"
-    for name, nbytes in spills.items():
-        allowed = next((b for frag, b in SPILL_ALLOWED.items() if frag in name), 0)
-        assert nbytes <= 2 * allowed, f"{name} spills {nbytes} bytes (stores + loads) in {unit.name}"
+    assert "Compiling entry function" in report, f"no kernels compiled for sm_90a in {unit.name}:\n{report}"
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert not any(spills), f"register spills in {unit.name}:\n{report}"
     warnings = [line for line in report.splitlines() if "warning" in line.lower()]
     assert not warnings, f"compiler warnings in {unit.name}:\n" + "\n".join(warnings)

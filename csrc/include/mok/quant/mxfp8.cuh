@@ -61,16 +61,6 @@ MOK_DEVICE Scale scale_from_amax_bits(uint32_t amax_bits) {
   return s;
 }
 
-// The Scale of a byte that scale_from_amax_bits produced (2^-e has biased exponent 127 - e = 254 - byte):
-// lets a kernel keep one register per scale instead of three.
-MOK_DEVICE Scale scale_from_byte(uint32_t byte) {
-  Scale s;
-  s.finite = byte != kScaleNaN;
-  s.byte = byte;
-  s.inv = __uint_as_float((254u - byte) << 23);  // meaningless for a NaN block, whose data is replaced
-  return s;
-}
-
 // 2^e from an E8M0 byte, as fp32 bits: byte << 23 for 1..254; byte 0 is 2^-127, a subnormal (bit 22);
 // byte 0xFF is NaN.
 MOK_DEVICE float scale_byte_to_f32(uint32_t byte) {

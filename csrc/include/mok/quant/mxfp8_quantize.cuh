@@ -88,9 +88,8 @@ MOK_DEVICE void load_tile_and_col_scales(const uint8_t* __restrict__ x, int64_t 
 }
 
 // kDual = false: column-wise only. kDual = true: also row-wise, into data_row / scales_row.
-// kMinBlocks > 0 caps registers (__launch_bounds__) so that many CTAs stay resident per SM.
-template <int kRowLanes, int kWarps, bool kDual, int kMinBlocks = 0>
-__global__ void __launch_bounds__(kWarps * kWarpSize, kMinBlocks)
+template <int kRowLanes, int kWarps, bool kDual>
+__global__ void __launch_bounds__(kWarps * kWarpSize)
     quantize_tiled_kernel(const uint8_t* __restrict__ x, uint8_t* __restrict__ data_col,
                           uint8_t* __restrict__ scales_col, uint8_t* __restrict__ data_row,
                           uint8_t* __restrict__ scales_row, int64_t rows, int64_t cols) {
@@ -113,27 +112,25 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, kMinBlocks)
   for (int k = 0; k < 8; ++k) col_inv[k] = cs[k].inv;
   const uint2 col_nan = nan_byte_mask(cs);
 
-  // Row scale bytes, four per word (one register per 4 rows; scale_from_byte recovers the rest).
-  uint32_t rs[(kRowsPerThread + 3) / 4] = {};
+  Scale rs[kRowsPerThread];
   if constexpr (kDual) {
     // Row amax of this thread's 8 columns, two rows per word, then over the block's 4 col lanes.
+    uint32_t acc[kRowsPerThread / 2];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread / 2; ++i) {
-      uint32_t acc = amax2_fold(amax2_acc(0u, v[2 * i])) | (amax2_fold(amax2_acc(0u, v[2 * i + 1])) << 16);
-      acc = warp_vmaxu2_xor(warp_vmaxu2_xor(acc, 1), 2);
-      const uint32_t pair = scale_from_amax_bits(acc & 0xFFFFu).byte | (scale_from_amax_bits(acc >> 16).byte << 8);
-      rs[i / 2] |= pair << (16 * (i % 2));  // rows 2i, 2i + 1
+      acc[i] = amax2_fold(amax2_acc(0u, v[2 * i])) | (amax2_fold(amax2_acc(0u, v[2 * i + 1])) << 16);
+      acc[i] = warp_vmaxu2_xor(warp_vmaxu2_xor(acc[i], 1), 2);
+      rs[2 * i] = scale_from_amax_bits(acc[i] & 0xFFFFu);
+      rs[2 * i + 1] = scale_from_amax_bits(acc[i] >> 16);
     }
   }
   if (!valid) return;  // no shuffles below
 
-  const int64_t first = (row0 + row_lane) * cols + col;  // [row, col] element index of row i = 0
-  const int64_t stride = kRowLanes * cols;                // elements from row i to row i + 1
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t offset = first + i * stride;
+    const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
     st_v2(data_col + offset, quantize8(v[i], col_inv, col_nan));
-    if constexpr (kDual) st_v2(data_row + offset, quantize8(v[i], scale_from_byte((rs[i / 4] >> (8 * (i % 4))) & 0xFF)));
+    if constexpr (kDual) st_v2(data_row + offset, quantize8(v[i], rs[i]));
   }
   if (row_lane == 0) {  // [row0 / 32, col .. col + 8) of the column-wise scales
     uint2 bytes;
@@ -146,13 +143,11 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, kMinBlocks)
     constexpr int kRowsPerLane = kRowsPerThread / kChunksPerBlock;
     const int sub = col_lane % kChunksPerBlock;
 #pragma unroll
-    for (int k = 0; k < kRowsPerLane; ++k) {
-      const int i = sub * kRowsPerLane + k;  // run-time row index: shift, never index `rs` (local memory)
-      const uint64_t lo = rs[0] | (kRowsPerThread > 4 ? uint64_t(rs[kRowsPerThread > 4 ? 1 : 0]) << 32 : 0);
-      uint64_t bytes = lo;
-      if constexpr (kRowsPerThread > 8) bytes = i < 8 ? lo : (rs[2] | (uint64_t(rs[3]) << 32));
-      const int64_t row = row0 + row_lane + kRowLanes * i;
-      st_u8(scales_row + row * (cols / kBlockSize) + col / kBlockSize, (bytes >> (8 * (i % 8))) & 0xFFu);
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      if (i / kRowsPerLane == sub) {
+        const int64_t row = row0 + row_lane + kRowLanes * i;
+        st_u8(scales_row + row * (cols / kBlockSize) + col / kBlockSize, rs[i].byte);
+      }
     }
   }
 }
@@ -199,8 +194,6 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
   // variant: row lanes (rows per thread = 32 / row lanes) x warps per CTA. Fewer rows per thread means
   // fewer registers, so more resident warps; more rows, more bytes in flight per thread.
   //   0: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
-  //   5: 4 x 8 with registers capped for 4 (column-wise) / 3 (dual) CTAs per SM
-  //   6: 2 x 8 with registers capped for 2 CTAs per SM (dual spills 20 bytes)
   switch (variant * 2 + (dual ? 1 : 0)) {
     case 0: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
     case 1: return launch(quantize_tiled_kernel<4, 8, true>, ColTile<4>::kCols, 8);
@@ -212,10 +205,6 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
     case 7: return launch(quantize_tiled_kernel<4, 4, true>, ColTile<4>::kCols, 4);
     case 8: return launch(quantize_tiled_kernel<8, 4, false>, ColTile<8>::kCols, 4);
     case 9: return launch(quantize_tiled_kernel<8, 4, true>, ColTile<8>::kCols, 4);
-    case 10: return launch(quantize_tiled_kernel<4, 8, false, 4>, ColTile<4>::kCols, 8);
-    case 11: return launch(quantize_tiled_kernel<4, 8, true, 3>, ColTile<4>::kCols, 8);
-    case 12: return launch(quantize_tiled_kernel<2, 8, false, 2>, ColTile<2>::kCols, 8);
-    case 13: return launch(quantize_tiled_kernel<2, 8, true, 2>, ColTile<2>::kCols, 8);
     default: return cudaErrorInvalidValue;
   }
 }
