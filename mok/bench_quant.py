@@ -13,6 +13,7 @@ region); inputs smaller than 4x the L2 rotate among several copies so that they 
 from __future__ import annotations
 
 import argparse
+import sys
 import datetime
 import math
 import os
@@ -202,11 +203,11 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = Tr
     return [{**row, **meta} for row in rows]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ops.REPO / "data" / "bench" / "quant.csv"))
     parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import pandas as pd
 
     df = pd.DataFrame(bench_quant(l0=not args.no_l0))
@@ -215,7 +216,8 @@ def main() -> None:
     cols = ["shape_name", "op", "variant", "time_ms", "gbps", "frac_of_copy", "speedup_vs_l0", "bitexact_vs_l0"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
