@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import subprocess
@@ -73,8 +74,9 @@ def provenance() -> dict:
     commit = os.environ.get("MOK_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 check=False, cwd=Path(__file__).parent, timeout=10)
+            commit = git.stdout.strip() or "unknown"
         except (OSError, subprocess.SubprocessError):
             commit = "unknown"
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -114,8 +116,7 @@ def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device) -> float:
     for M, N, K in gemm_shapes(cfg, pass_):
         a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         b = torch.randn(N, K, device=device, dtype=torch.bfloat16)
-        total += time_ms(lambda: a @ b.T, iters=iters)
-        del a, b
+        total += time_ms(functools.partial(torch.mm, a, b.T), iters=iters)
     return total
 
 
@@ -125,7 +126,7 @@ def level_pass_fn(level_name: str, inputs: dict, precision: str, pass_: str):
     """A no-argument callable running one pass of a mok level."""
     level = get_level(level_name)
     args = moe_args(inputs)
-    fwd = lambda: level.forward(*args, precision=precision)  # noqa: E731
+    fwd = functools.partial(level.forward, *args, precision=precision)
     if pass_ == "fwd":
         return fwd
     if pass_ == "bwd":

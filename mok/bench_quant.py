@@ -13,12 +13,12 @@ region); inputs smaller than 4x the L2 rotate among several copies so that they 
 from __future__ import annotations
 
 import argparse
-import sys
 import datetime
 import math
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch

@@ -78,8 +78,6 @@ def _shared_forward(x, ws_gate, ws_up, ws_down, limit):
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
             w_shared_down=None, *, precision="bf16", swiglu_limit=None):
     p = precision
-    T, H = x.shape
-    K = topk_idx.shape[1]
     sched = sch.make_schedule(topk_idx, w_gate.shape[0], block_m=32 if p == "mxfp8" else 1)
     offs = sched.expert_offsets[1:].to(torch.int32)  # [E] segment ends
     x_rows = sch.gather_rows(quant(x, -1, p), sched)  # [R, H] permuted copy (zero padding rows)
