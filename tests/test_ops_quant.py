@@ -128,6 +128,32 @@ def test_benchmark_variants_match_l0(op, variant):
     _assert_bytes_equal(data, ref_data, f"{op} v{variant} data", seed)
 
 
+# Variants 5-7 stage tiles through shared memory on a persistent grid (one CTA per resident slot, each
+# walking tiles b, b + G, ...; docs/mxfp8_kernels.md); 8 is the previous default, straight from global.
+# 24576 x 544: more tiles than resident CTAs x stages for every pipelined variant (so each stage's
+# mbarrier wraps its phase parity several times), and 544 = 512 + 32 columns leaves a partial last
+# column tile (32 of 512 or of 256 columns). 3D folds experts into rows; 1064 columns (column-wise
+# only: not a multiple of 32) leaves a partial tile of 40 columns (80-byte bulk copies).
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", [(24576, 544), (3, 96, 1056), (64, 1064)], ids=str)
+def test_pipelined_variants_match_l0(shape):
+    seed = _seed()
+    x = _random_bf16(shape, seed)  # shape
+    ref_row = mxfp8.quantize(x, dim=-1) if shape[-1] % 32 == 0 else None
+    ref_col = mxfp8.quantize(x, dim=-2)
+    xg = x.cuda()  # shape
+    for variant in (5, 6, 7, 8):
+        _poison_allocator(x.numel() * 2)
+        outs = [(f"colwise v{variant}", ops.mxfp8_quantize_colwise(xg, variant), ref_col)]
+        if ref_row is not None:
+            got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
+            outs += [(f"dual/row v{variant}", got_row, ref_row), (f"dual/col v{variant}", got_col, ref_col)]
+        for name, (data, scales), (ref_data, ref_scales) in outs:
+            _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
+            _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
+
+
 # ---- quantization: edge cases ---------------------------------------------------------------------
 
 

@@ -62,4 +62,47 @@ MOK_DEVICE uint32_t warp_vmaxu2_xor(uint32_t v, int lane_mask) {
 
 MOK_HOST_DEVICE constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// ---- shared memory, mbarriers and the bulk copy engine (sm_90) ----------------------------------------
+// A 1D bulk copy (`cp.async.bulk`, TMA without a tensor map) moves `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) from global to shared memory and counts them against an mbarrier's
+// transaction count; a consumer waits on the barrier's phase parity. One CTA is its own cluster here.
+
+namespace ptx {
+
+MOK_DEVICE uint32_t smem_addr(const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); }
+
+MOK_DEVICE void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+
+// Makes the initialized barriers visible to the async proxy (the bulk copy engine); __syncthreads after.
+MOK_DEVICE void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// One arrival that also expects `bytes` more of this phase's transactions.
+MOK_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible).
+MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done)
+                 : "r"(smem_addr(bar)), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+
+MOK_DEVICE void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+}  // namespace ptx
+
 }  // namespace mok

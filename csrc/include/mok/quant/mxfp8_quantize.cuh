@@ -7,6 +7,8 @@
 // Bytes: per bf16 element, 2 read + 1 written (+ 1/32 for the scale); dual writes 2 + 2/32.
 #pragma once
 
+#include <atomic>
+
 #include "mok/quant/mxfp8.cuh"
 
 namespace mok::mxfp8 {
@@ -59,17 +61,25 @@ struct ColTile {
   static_assert(kColLanes % kChunksPerBlock == 0, "row-wise blocks (dual) stay inside a warp tile");
 };
 
-// Loads a thread's kRowsPerThread chunks and computes its 8 column scales (all lanes must call).
-template <int kRowLanes>
-MOK_DEVICE void load_tile_and_col_scales(const uint8_t* __restrict__ x, int64_t row0, int64_t col,
-                                         int64_t cols, bool valid, int row_lane,
-                                         uint4 (&v)[ColTile<kRowLanes>::kRowsPerThread], Scale (&cs)[8]) {
+// Outputs of the column-wise / dual kernels (the row-wise pair is null for column-wise only).
+struct TiledOut {
+  uint8_t* data_col;    // [rows, cols] E4M3
+  uint8_t* scales_col;  // [rows / 32, cols] E8M0
+  uint8_t* data_row;    // [rows, cols] E4M3 (dual)
+  uint8_t* scales_row;  // [rows, cols / 32] E8M0 (dual)
+};
+
+// Quantizes a thread's kRowsPerThread chunks `v` (8 columns from `col`, rows row0 + row_lane + kRowLanes
+// * i) column-wise and, for kDual, row-wise, and stores both. All 32 lanes must call it (shuffles); lanes
+// with `valid` false (columns past the end) compute on whatever they hold and store nothing. NOTE: the
+// shuffles only mix lanes of equal `valid`: col lanes of one column (xor >= kColLanes), or the 4 col
+// lanes of one row-wise block (xor 1, 2; dual needs cols % 32 == 0).
+template <int kRowLanes, bool kDual>
+MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRowsPerThread], int64_t row0,
+                                        int64_t col, int64_t cols, bool valid, int row_lane, int col_lane,
+                                        const TiledOut& out) {
   constexpr int kRowsPerThread = ColTile<kRowLanes>::kRowsPerThread;
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t row = row0 + row_lane + kRowLanes * i;
-    v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  // ---- column scales: per-thread max over its rows, then over the row lanes
   uint32_t acc[4] = {0u, 0u, 0u, 0u};  // column pairs (2k, 2k + 1)
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
@@ -78,6 +88,7 @@ MOK_DEVICE void load_tile_and_col_scales(const uint8_t* __restrict__ x, int64_t 
     acc[2] = amax2_acc(acc[2], v[i].z);
     acc[3] = amax2_acc(acc[3], v[i].w);
   }
+  Scale cs[8];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -85,58 +96,37 @@ MOK_DEVICE void load_tile_and_col_scales(const uint8_t* __restrict__ x, int64_t 
     cs[2 * k] = scale_from_amax_bits(acc[k] & 0xFFFFu);
     cs[2 * k + 1] = scale_from_amax_bits(acc[k] >> 16);
   }
-}
-
-// kDual = false: column-wise only. kDual = true: also row-wise, into data_row / scales_row.
-template <int kRowLanes, int kWarps, bool kDual>
-__global__ void __launch_bounds__(kWarps * kWarpSize)
-    quantize_tiled_kernel(const uint8_t* __restrict__ x, uint8_t* __restrict__ data_col,
-                          uint8_t* __restrict__ scales_col, uint8_t* __restrict__ data_row,
-                          uint8_t* __restrict__ scales_row, int64_t rows, int64_t cols) {
-  using Tile = ColTile<kRowLanes>;
-  constexpr int kRowsPerThread = Tile::kRowsPerThread;
-  const int64_t col_tiles = ceil_div(cols, Tile::kCols);
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
-  if (tile >= (rows / kBlockSize) * col_tiles) return;  // whole warps leave together
-  const int lane = static_cast<int>(lane_id());
-  const int row_lane = lane / Tile::kColLanes, col_lane = lane % Tile::kColLanes;
-  const int64_t row0 = (tile / col_tiles) * kBlockSize;                       // first row of the block
-  const int64_t col = (tile % col_tiles) * Tile::kCols + col_lane * kChunkElems;  // first of 8 columns
-  const bool valid = col < cols;  // cols % 8 == 0: a chunk is all in or all out
-
-  uint4 v[kRowsPerThread];
-  Scale cs[8];
-  load_tile_and_col_scales<kRowLanes>(x, row0, col, cols, valid, row_lane, v, cs);
   float col_inv[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) col_inv[k] = cs[k].inv;
   const uint2 col_nan = nan_byte_mask(cs);
 
+  // ---- row scales (dual): this thread's 8 columns, two rows per word, then over the block's 4 col lanes
   Scale rs[kRowsPerThread];
   if constexpr (kDual) {
-    // Row amax of this thread's 8 columns, two rows per word, then over the block's 4 col lanes.
-    uint32_t acc[kRowsPerThread / 2];
+    uint32_t racc[kRowsPerThread / 2];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread / 2; ++i) {
-      acc[i] = amax2_fold(amax2_acc(0u, v[2 * i])) | (amax2_fold(amax2_acc(0u, v[2 * i + 1])) << 16);
-      acc[i] = warp_vmaxu2_xor(warp_vmaxu2_xor(acc[i], 1), 2);
-      rs[2 * i] = scale_from_amax_bits(acc[i] & 0xFFFFu);
-      rs[2 * i + 1] = scale_from_amax_bits(acc[i] >> 16);
+      racc[i] = amax2_fold(amax2_acc(0u, v[2 * i])) | (amax2_fold(amax2_acc(0u, v[2 * i + 1])) << 16);
+      racc[i] = warp_vmaxu2_xor(warp_vmaxu2_xor(racc[i], 1), 2);
+      rs[2 * i] = scale_from_amax_bits(racc[i] & 0xFFFFu);
+      rs[2 * i + 1] = scale_from_amax_bits(racc[i] >> 16);
     }
   }
   if (!valid) return;  // no shuffles below
 
+  // ---- stores
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
-    st_v2(data_col + offset, quantize8(v[i], col_inv, col_nan));
-    if constexpr (kDual) st_v2(data_row + offset, quantize8(v[i], rs[i]));
+    st_v2(out.data_col + offset, quantize8(v[i], col_inv, col_nan));
+    if constexpr (kDual) st_v2(out.data_row + offset, quantize8(v[i], rs[i]));
   }
   if (row_lane == 0) {  // [row0 / 32, col .. col + 8) of the column-wise scales
     uint2 bytes;
     bytes.x = cs[0].byte | (cs[1].byte << 8) | (cs[2].byte << 16) | (cs[3].byte << 24);
     bytes.y = cs[4].byte | (cs[5].byte << 8) | (cs[6].byte << 16) | (cs[7].byte << 24);
-    st_v2(scales_col + (row0 / kBlockSize) * cols + col, bytes);
+    st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, bytes);
   }
   if constexpr (kDual) {
     // The block's 4 col lanes all hold its kRowsPerThread row scales; lane j of the 4 stores a share.
@@ -146,8 +136,120 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     for (int i = 0; i < kRowsPerThread; ++i) {
       if (i / kRowsPerLane == sub) {
         const int64_t row = row0 + row_lane + kRowLanes * i;
-        st_u8(scales_row + row * (cols / kBlockSize) + col / kBlockSize, rs[i].byte);
+        st_u8(out.scales_row + row * (cols / kBlockSize) + col / kBlockSize, rs[i].byte);
       }
+    }
+  }
+}
+
+// kDual = false: column-wise only. kDual = true: also row-wise. One warp tile per warp, loads straight
+// from global memory (all issued before any use).
+template <int kRowLanes, int kWarps, bool kDual>
+__global__ void __launch_bounds__(kWarps * kWarpSize)
+    quantize_tiled_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
+  using Tile = ColTile<kRowLanes>;
+  const int64_t col_tiles = ceil_div(cols, Tile::kCols);
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  if (tile >= (rows / kBlockSize) * col_tiles) return;  // whole warps leave together
+  const int lane = static_cast<int>(lane_id());
+  const int row_lane = lane / Tile::kColLanes, col_lane = lane % Tile::kColLanes;
+  const int64_t row0 = (tile / col_tiles) * kBlockSize;                       // first row of the block
+  const int64_t col = (tile % col_tiles) * Tile::kCols + col_lane * kChunkElems;  // first of 8 columns
+  const bool valid = col < cols;  // cols % 8 == 0: a chunk is all in or all out
+
+  uint4 v[Tile::kRowsPerThread];
+#pragma unroll
+  for (int i = 0; i < Tile::kRowsPerThread; ++i) {
+    const int64_t row = row0 + row_lane + kRowLanes * i;
+    v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  quantize_and_store_tile<kRowLanes, kDual>(v, row0, col, cols, valid, row_lane, col_lane, out);
+}
+
+// ---- column-wise and dual, pipelined: CTA tiles staged through shared memory by the bulk copy engine ----
+// A persistent grid (one CTA per resident slot) walks the CTA tiles in order: CTA b takes tiles b, b + G,
+// b + 2G, ... (G = gridDim.x). A CTA tile is 32 rows x kTileCols = kWarps * 64 columns (32 KB of bf16 at 8
+// warps); warp w quantizes its columns [64 w, 64 w + 64) with quantize_tiled_kernel<4>'s register layout,
+// reading its 8 chunks from shared memory instead of global memory. A tile's 32 row segments arrive by 32
+// 1D bulk copies (lane r of warp 0 copies row r) into one of kNumStages stages, completing on the stage's
+// mbarrier: kNumStages - 1 tiles stream in while the CTA quantizes one, so the loads never wait on the
+// quantization (the old kernels' latency limit: dual spent its long compute phase with nothing in flight).
+// Per tile: wait for the stage's phase -> read 8 x 16 B per thread into registers -> __syncthreads (every
+// warp is done with the stage) -> warp 0 refills the stage with the tile kNumStages ahead -> quantize and
+// store from registers. Shared reads: 8 lanes of one row lane read 128 contiguous bytes of one row, so the
+// 4 phases of a 16-byte warp load are conflict-free.
+constexpr int kPipelineBarrierBytes = 128;  // the stages' mbarriers, then the stages (128-byte aligned)
+
+template <int kWarps, int kNumStages>
+struct PipelinedTile {
+  static constexpr int kTileCols = kWarps * ColTile<4>::kCols;
+  static constexpr int kRowBytes = kTileCols * 2;  // a row segment of a stage, bf16
+  static constexpr int kStageBytes = kBlockSize * kRowBytes;
+  static constexpr int kSmemBytes = kPipelineBarrierBytes + kNumStages * kStageBytes;
+  static_assert(kNumStages * 8 <= kPipelineBarrierBytes, "the mbarriers fit before the stages");
+  static_assert(kRowBytes % 128 == 0, "stage rows stay 16-byte aligned for the bulk copies");
+};
+
+template <int kWarps, int kNumStages, bool kDual>
+__global__ void __launch_bounds__(kWarps * kWarpSize)
+    quantize_pipelined_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
+  using Tile = ColTile<4>;
+  using Pipe = PipelinedTile<kWarps, kNumStages>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);       // [kNumStages] mbarriers: stage landed
+  uint8_t* stages = smem + kPipelineBarrierBytes;           // [kNumStages][32][kTileCols] bf16
+  // NOTE: tile indices in 32 bits (the launcher checks num_tiles < 2^31): cheaper divisions, fewer registers.
+  const uint32_t col_tiles = static_cast<uint32_t>(ceil_div(cols, Pipe::kTileCols));
+  const uint32_t num_tiles = static_cast<uint32_t>(rows / kBlockSize) * col_tiles;
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize), lane = static_cast<int>(lane_id());
+  const int row_lane = lane / Tile::kColLanes, col_lane = lane % Tile::kColLanes;
+  const int tile_col = warp * Tile::kCols + col_lane * kChunkElems;  // this thread's 8 columns in a tile
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kNumStages; ++s) ptx::mbarrier_init(&full[s], 1);  // one arrival: warp 0, lane 0
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // Warp 0 only: start the copy of CTA tile `tile` into `stage`. A partial last column tile copies
+  // cols - col0 columns per row (cols % 8 == 0: a multiple of 16 bytes); the rest of the stage is stale.
+  auto load = [&](uint32_t tile, int stage) {
+    const int64_t row = static_cast<int64_t>(tile / col_tiles) * kBlockSize + lane;
+    const int64_t col0 = static_cast<int64_t>(tile % col_tiles) * Pipe::kTileCols;
+    const uint32_t bytes = static_cast<uint32_t>(min(static_cast<int64_t>(Pipe::kTileCols), cols - col0)) * 2;
+    if (lane == 0) ptx::mbarrier_arrive_expect_tx(&full[stage], bytes * kBlockSize);
+    __syncwarp();
+    ptx::bulk_copy_g2s(stages + stage * Pipe::kStageBytes + lane * Pipe::kRowBytes, x + (row * cols + col0) * 2,
+                       bytes, &full[stage]);
+  };
+  if (warp == 0) {
+#pragma unroll
+    for (int s = 0; s < kNumStages; ++s) {
+      const uint32_t tile = blockIdx.x + s * gridDim.x;  // gridDim.x <= resident CTAs: no wrap-around
+      if (tile < num_tiles) load(tile, s);
+    }
+  }
+
+  int stage = 0;
+  uint32_t parity = 0;  // of the stage's current phase: flips each time the stages wrap around
+  for (uint32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    ptx::mbarrier_wait_parity(&full[stage], parity);
+    const uint8_t* src = stages + stage * Pipe::kStageBytes + tile_col * 2;
+    uint4 v[Tile::kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < Tile::kRowsPerThread; ++i)  // rows row_lane + 4 i of the stage
+      v[i] = *reinterpret_cast<const uint4*>(src + (row_lane + 4 * i) * Pipe::kRowBytes);
+    __syncthreads();  // NOTE: every warp has its chunks in registers: the stage may be overwritten
+    const uint32_t next = tile + kNumStages * gridDim.x;
+    if (warp == 0 && next < num_tiles) load(next, stage);
+
+    const int64_t row0 = static_cast<int64_t>(tile / col_tiles) * kBlockSize;
+    const int64_t col = static_cast<int64_t>(tile % col_tiles) * Pipe::kTileCols + tile_col;
+    quantize_and_store_tile<4, kDual>(v, row0, col, cols, col < cols, row_lane, col_lane, out);
+    if (++stage == kNumStages) {
+      stage = 0;
+      parity ^= 1u;
     }
   }
 }
@@ -175,6 +277,40 @@ inline cudaError_t launch_quantize_rowwise(const void* x, void* data, void* scal
   }
 }
 
+// Persistent launch of quantize_pipelined_kernel: as many CTAs as fit on the device at once (at most one
+// per tile). The shared-memory opt-in and the occupancy query run once per device and are cached, so a
+// launch inside a CUDA graph capture makes no such calls (every caller runs it once before capturing).
+template <int kWarps, int kNumStages, bool kDual>
+inline cudaError_t launch_quantize_pipelined(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
+                                             cudaStream_t stream) {
+  using Pipe = PipelinedTile<kWarps, kNumStages>;
+  constexpr int kThreads = kWarps * kWarpSize;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> resident_ctas[kMaxDevices];  // per device; 0 = not set up yet
+  const auto kernel = quantize_pipelined_kernel<kWarps, kNumStages, kDual>;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int resident = device < kMaxDevices ? resident_ctas[device].load() : 0;
+  if (resident == 0) {
+    int per_sm = 0, sms = 0;
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Pipe::kSmemBytes)) ||
+        (err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared)) ||
+        (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, Pipe::kSmemBytes)) ||
+        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
+      return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    resident = per_sm * sms;
+    if (device < kMaxDevices) resident_ctas[device].store(resident);
+  }
+  const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, Pipe::kTileCols);
+  if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
+  kernel<<<static_cast<unsigned>(tiles < resident ? tiles : resident), kThreads, Pipe::kSmemBytes, stream>>>(
+      x, out, rows, cols);
+  return cudaGetLastError();
+}
+
 // rows = product of all dims but the last (a multiple of 32), cols % 8 == 0.
 // data_row / scales_row are null for column-wise only.
 inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* scales_col, void* data_row,
@@ -184,19 +320,25 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
   if (rows % kBlockSize != 0 || cols % kChunkElems != 0 || (dual && cols % kBlockSize != 0))
     return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
+  const auto* in = static_cast<const uint8_t*>(x);
+  const TiledOut out{static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
+                     static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row)};
   auto launch = [&](auto kernel, int tile_cols, int warps) {
     const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, tile_cols);
-    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(
-        static_cast<const uint8_t*>(x), static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
-        static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row), rows, cols);
+    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(in, out, rows, cols);
     return cudaGetLastError();
   };
-  // variant: row lanes (rows per thread = 32 / row lanes) x warps per CTA. Fewer rows per thread means
-  // fewer registers, so more resident warps; more rows, more bytes in flight per thread.
-  //   0: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
+  // variant: 1-4 and 8 one warp tile per warp, straight from global memory: row lanes (rows per thread =
+  // 32 / row lanes) x warps per CTA. Fewer rows per thread means fewer registers, so more resident warps;
+  // more rows, more bytes in flight per thread.
+  //   8: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
+  // 5-7 pipelined (shared-memory stages, persistent grid; 4 row lanes): warps per CTA x stages.
+  //   5: 8 x 3 (32 KB tiles, 96 KB)    6: 4 x 4 (16 KB tiles, 64 KB)    7: 8 x 2 (32 KB tiles, 64 KB)
+  // 0 (default): 8 column-wise (0.95 of copy, docs/mxfp8_kernels.md), 5 dual.
+  if (variant == 0) variant = dual ? 5 : 8;
   switch (variant * 2 + (dual ? 1 : 0)) {
-    case 0: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
-    case 1: return launch(quantize_tiled_kernel<4, 8, true>, ColTile<4>::kCols, 8);
+    case 16: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
+    case 17: return launch(quantize_tiled_kernel<4, 8, true>, ColTile<4>::kCols, 8);
     case 2: return launch(quantize_tiled_kernel<2, 8, false>, ColTile<2>::kCols, 8);
     case 3: return launch(quantize_tiled_kernel<2, 8, true>, ColTile<2>::kCols, 8);
     case 4: return launch(quantize_tiled_kernel<8, 8, false>, ColTile<8>::kCols, 8);
@@ -205,6 +347,12 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
     case 7: return launch(quantize_tiled_kernel<4, 4, true>, ColTile<4>::kCols, 4);
     case 8: return launch(quantize_tiled_kernel<8, 4, false>, ColTile<8>::kCols, 4);
     case 9: return launch(quantize_tiled_kernel<8, 4, true>, ColTile<8>::kCols, 4);
+    case 10: return launch_quantize_pipelined<8, 3, false>(in, out, rows, cols, stream);
+    case 11: return launch_quantize_pipelined<8, 3, true>(in, out, rows, cols, stream);
+    case 12: return launch_quantize_pipelined<4, 4, false>(in, out, rows, cols, stream);
+    case 13: return launch_quantize_pipelined<4, 4, true>(in, out, rows, cols, stream);
+    case 14: return launch_quantize_pipelined<8, 2, false>(in, out, rows, cols, stream);
+    case 15: return launch_quantize_pipelined<8, 2, true>(in, out, rows, cols, stream);
     default: return cudaErrorInvalidValue;
   }
 }
