@@ -1,0 +1,172 @@
+"""Figure helpers for the notebooks: one seaborn theme, titles, axes with units, legends, PNG files.
+
+Every helper draws into a new figure (or a given Axes) and returns the Figure; `save(fig, out_dir,
+name)` writes `<out_dir>/<name>.png`. Data comes in as tidy pandas DataFrames.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+DPI = 150
+PHASE_COLORS = {"dispatch": "#0173b2", "compute": "#029e73", "combine": "#de8f05"}
+
+
+def theme() -> None:
+    """The one look of every mok figure."""
+    sns.set_theme(context="notebook", style="whitegrid", palette="colorblind",
+                  rc={"figure.dpi": 100, "axes.titleweight": "bold", "axes.titlesize": 12,
+                      "legend.fontsize": 9, "legend.title_fontsize": 9})
+
+
+def save(fig, out_dir, name: str) -> Path:
+    """Write fig to <out_dir>/<name>.png (folders created) and return the path."""
+    if not name or "/" in name or name.endswith(".png"):
+        raise ValueError(f"name: expected a bare file stem like '01_padding', got {name!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    return path
+
+
+def label(ax, title: str, xlabel: str, ylabel: str, legend_title: str | None = None):
+    """Title and axis labels (say the unit: 'time (µs)'); a legend title if there is a legend."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if legend_title is not None and ax.get_legend() is not None:
+        ax.get_legend().set_title(legend_title)
+    return ax
+
+
+def _axes(ax, figsize):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize, layout="constrained")
+        return fig, ax
+    return ax.figure, ax
+
+
+# ---- generic ------------------------------------------------------------------------------------
+
+
+def line(df: pd.DataFrame, x: str, y: str, *, hue=None, style=None, title: str, xlabel: str, ylabel: str,
+         legend_title=None, logx=False, logy=False, ax=None, figsize=(6.4, 4.0), **kw):
+    """Lines with markers, one per hue (and style)."""
+    fig, ax = _axes(ax, figsize)
+    kw = {"markers": True, "dashes": style is not None, "palette": "colorblind" if hue is not None else None, **kw}
+    sns.lineplot(df, x=x, y=y, hue=hue, style=style, ax=ax, **kw)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    label(ax, title, xlabel, ylabel, legend_title)
+    return fig
+
+
+def bars(df: pd.DataFrame, x: str, y: str, *, hue=None, title: str, xlabel: str, ylabel: str,
+         legend_title=None, logy=False, annotate: str | None = None, ax=None, figsize=(7.0, 4.0), **kw):
+    """Grouped bars; annotate="{:.0f}" writes each bar's value on it."""
+    fig, ax = _axes(ax, figsize)
+    kw = {"palette": "colorblind" if hue is not None else None, "errorbar": None, **kw}
+    sns.barplot(df, x=x, y=y, hue=hue, ax=ax, **kw)
+    if logy:
+        ax.set_yscale("log")
+    if annotate:
+        for c in ax.containers:
+            ax.bar_label(c, fmt=annotate.format, fontsize=7, padding=1)
+    label(ax, title, xlabel, ylabel, legend_title)
+    return fig
+
+
+def heatmap(table: pd.DataFrame, *, title: str, xlabel: str, ylabel: str, cbar_label: str, fmt=".2f",
+            cmap="viridis", center=None, ax=None, figsize=(6.4, 4.0), **kw):
+    """An annotated heatmap of a 2D table (index = rows, columns = columns)."""
+    fig, ax = _axes(ax, figsize)
+    sns.heatmap(table, annot=True, fmt=fmt, cmap=cmap, center=center, ax=ax,
+                cbar_kws={"label": cbar_label}, linewidths=0.5, **kw)
+    label(ax, title, xlabel, ylabel)
+    return fig
+
+
+# ---- notebook 01: route placement --------------------------------------------------------------
+
+
+def route_placement(sched, title: str = "Route placement: the expert-major row buffer"):
+    """Two panels: (a) the token × k table, each route coloured by its expert and labelled with its
+    row; (b) the row buffer as tiles of block_m rows, each row labelled t·k, padding rows hatched."""
+    E, bm = sched.num_experts, sched.block_m
+    base = sns.color_palette("colorblind", 10)
+    colors = [base[i] for i in (0, 1, 2, 4, 9, 5, 6, 8, 3, 7)] * (E // 10 + 1)  # neighbours differ
+    idx = sched.row_to_expert.new_zeros(sched.num_tokens, sched.num_topk)  # [T, K]
+    real = (sched.row_to_route >= 0).nonzero().squeeze(1)  # real rows
+    idx.view(-1)[sched.row_to_route[real]] = sched.row_to_expert[real]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.32 * max(sched.num_tokens, 2 * sched.num_tiles) + 1.6),
+                               layout="constrained", gridspec_kw={"width_ratios": [1, 1.6]})
+    for t in range(sched.num_tokens):
+        for k in range(sched.num_topk):
+            e = int(idx[t, k])
+            a.add_patch(plt.Rectangle((k, t), 1, 1, color=colors[e], alpha=0.75))
+            a.text(k + 0.5, t + 0.5, f"e{e}→r{int(sched.route_to_row[t, k])}", ha="center", va="center",
+                   fontsize=8)
+    a.set(xlim=(0, sched.num_topk), ylim=(sched.num_tokens, 0), xticks=np.arange(sched.num_topk) + 0.5,
+          xticklabels=range(sched.num_topk), yticks=np.arange(sched.num_tokens) + 0.5,
+          yticklabels=range(sched.num_tokens))
+    a.grid(False)
+    label(a, "(a) who goes where: topk_idx", "slot k", "token t")
+    for row in range(sched.num_rows):
+        tile, col = divmod(row, bm)
+        e, t = int(sched.row_to_expert[row]), int(sched.row_to_token[row])
+        pad = t < 0
+        b.add_patch(plt.Rectangle((col, tile), 1, 1, facecolor="white" if pad else colors[e],
+                                  edgecolor=colors[e], hatch="//" if pad else None, alpha=0.75, lw=1.5))
+        b.text(col + 0.5, tile + 0.5, "pad" if pad else f"t{t}·k{int(sched.row_to_k[row])}",
+               ha="center", va="center", fontsize=8)
+    b.set(xlim=(0, bm), ylim=(sched.num_tiles, 0), xticks=np.arange(bm) + 0.5, xticklabels=range(bm),
+          yticks=np.arange(sched.num_tiles) + 0.5,
+          yticklabels=[f"tile {i} (e{int(e)})" for i, e in enumerate(sched.tile_to_expert)])
+    b.grid(False)
+    label(b, f"(b) row buffer: {sched.num_rows} rows in tiles of BLOCK_M = {bm}", "row within the tile",
+          "tile (expert)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[e], alpha=0.75) for e in range(E)]
+    b.legend(handles, [f"expert {e}" for e in range(E)], title="expert", loc="upper left",
+             bbox_to_anchor=(1.01, 1))
+    fig.suptitle(title, fontweight="bold")
+    return fig
+
+
+# ---- notebook 03: timelines ---------------------------------------------------------------------
+
+
+def gantt(panels: dict, *, title: str, xlabel: str = "time (µs)", figsize=None):
+    """One Gantt panel per entry of panels (panel title -> tidy tasks with resource, phase,
+    minibatch, start_us, end_us), sharing the time axis; bars coloured by phase, labelled by
+    minibatch when there are several."""
+    n = len(panels)
+    fig, axes = plt.subplots(n, 1, figsize=figsize or (10, 1.2 + 1.35 * n), sharex=True,
+                             layout="constrained", squeeze=False)
+    for ax, (name, tasks) in zip(axes[:, 0], panels.items()):
+        resources = list(dict.fromkeys(tasks["resource"]))
+        several = tasks["minibatch"].nunique() > 1
+        for _, t in tasks.iterrows():
+            y = resources.index(t["resource"])
+            w = t["end_us"] - t["start_us"]
+            ax.barh(y, w, left=t["start_us"], color=PHASE_COLORS[t["phase"]], edgecolor="white", height=0.6)
+            if several and w > 0.03 * tasks["end_us"].max():
+                ax.text(t["start_us"] + w / 2, y, str(t["minibatch"]), ha="center", va="center",
+                        color="white", fontsize=8, fontweight="bold")
+        end = tasks["end_us"].max()
+        ax.axvline(end, color="black", lw=1, ls="--")
+        ax.text(end, len(resources) - 0.45, f" {end:,.0f} µs", va="bottom", fontsize=9)
+        ax.set(yticks=range(len(resources)), yticklabels=resources, ylim=(len(resources) - 0.4, -0.6))
+        ax.set_title(name, fontsize=10, loc="left")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    axes[0, 0].legend(handles, list(PHASE_COLORS), title="phase", loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes[-1, 0].set_xlabel(xlabel)
+    fig.suptitle(title, fontweight="bold")
+    return fig

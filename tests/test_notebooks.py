@@ -1,0 +1,77 @@
+"""The notebooks: each one has the parameter contract of STYLE.md rule 8, is committed stripped, and runs
+to the end in smoke mode with papermill (cwd notebooks/, figures into a temporary folder).
+
+Smoke runs take ~10-15 s each on 2 cores (a kernel start, the torch import, small sizes), each into its
+own temporary folder; one test per notebook, so a failure names its notebook.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+EXPECTED = ["01_routing", "02_mxfp8_quantization", "03_fused_communication", "04_end_to_end"]
+# STYLE.md rule 8: the same contract in every notebook (annotation -> type of the literal).
+CONTRACT = {"smoke": "bool", "device": "str", "seed": "int", "level": "str", "source": "str", "out_dir": "str"}
+LITERAL_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+IDS = [p.stem for p in NOTEBOOKS]
+
+
+def test_the_four_notebooks_exist():
+    assert [p.stem for p in NOTEBOOKS] == EXPECTED
+
+
+def parameters_cell(nb) -> nbformat.NotebookNode:
+    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"expected one cell tagged 'parameters', found {len(cells)}"
+    assert cells[0].cell_type == "code"
+    return cells[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_parameter_contract(path):
+    nb = nbformat.read(path, as_version=4)
+    tree = ast.parse(parameters_cell(nb).source)
+    params = {}
+    for stmt in tree.body:
+        assert isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name), (
+            f"{path.name}: the parameters cell holds annotated assignments only, got {ast.dump(stmt)[:80]}")
+        assert isinstance(stmt.annotation, ast.Name) and stmt.annotation.id in LITERAL_TYPES, (
+            f"{path.name}: {stmt.target.id} must be annotated bool/int/float/str")
+        assert isinstance(stmt.value, ast.Constant), f"{path.name}: {stmt.target.id} must be a literal"
+        value = stmt.value.value
+        assert type(value) is LITERAL_TYPES[stmt.annotation.id] or (
+            stmt.annotation.id == "float" and type(value) is int), f"{path.name}: {stmt.target.id} = {value!r}"
+        params[stmt.target.id] = (stmt.annotation.id, value)
+    for name, kind in CONTRACT.items():
+        assert name in params and params[name][0] == kind, f"{path.name}: missing `{name}: {kind}`"
+    assert params["smoke"][1] is False and params["source"][1] in ("precomputed", "live")
+    assert params["level"][1] == "reference" and params["device"][1] == "cpu"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_committed_stripped(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "), "a title first"
+    assert "You will learn" in nb.cells[0].source
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs not stripped"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_runs_in_smoke_mode(path, tmp_path):
+    papermill = pytest.importorskip("papermill")
+    out_dir = tmp_path / "figures"
+    papermill.execute_notebook(str(path), str(tmp_path / path.name), kernel_name="python3", cwd=str(path.parent),
+                               parameters={"smoke": True, "out_dir": str(out_dir)}, progress_bar=False)
+    figures = sorted(p.name for p in out_dir.glob("*.png"))
+    prefix = path.stem[:2]
+    assert len(figures) >= 3 and all(f.startswith(prefix + "_") for f in figures), figures
+    assert all((out_dir / f).stat().st_size > 10_000 for f in figures), "a PNG with content"
