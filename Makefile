@@ -9,6 +9,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 FIGDIR := build/figures
+# the figures the README shows: regenerated here, committed under docs/figures/
+README_FIGURES := 01_route_placement 02_sqnr 03_timeline 04_tflops
 
 .PHONY: test figures lint clean
 
@@ -39,7 +41,8 @@ figures: $(VENV)/.notebooks
 	  $(PY) -m papermill -k python3 --cwd notebooks "$$nb" "build/notebooks/$$(basename $$nb)" \
 	    -p out_dir "../$(FIGDIR)" || exit 1; \
 	done
-	@echo "figures in $(FIGDIR)/"
+	for f in $(README_FIGURES); do cp $(FIGDIR)/$$f.png docs/figures/; done
+	@echo "figures in $(FIGDIR)/ (README's copies in docs/figures/)"
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check mok tests
