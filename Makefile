@@ -32,6 +32,7 @@ $(VENV)/.notebooks: pyproject.toml $(VENV)/.torch
 	touch $@
 
 test: $(VENV)/.dev $(VENV)/.notebooks
+	$(PY) -m ruff check mok tests
 	$(PY) -m pytest -q
 
 figures: $(VENV)/.notebooks

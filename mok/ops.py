@@ -137,7 +137,8 @@ def mxfp8_quantize_colwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Ten
     _check_cuda_tensor("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=False, colwise=True)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
-    scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
+    # [..., rows / 32, cols]
+    scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)
     load_extension().mxfp8_quantize_colwise(x, data, scales, variant)
     return data, scales
 

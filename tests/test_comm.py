@@ -48,7 +48,8 @@ def make_case(gen, T, H, I, E, K, shared_I, precision, limit, empty_expert, dist
 def make_cases(world_size):
     gen = torch.Generator().manual_seed(SEED + world_size)
     # Token splits: uneven; at R=4 one rank holds no token at all.
-    split = {1: lambda T: [T], 2: lambda T: [T - T // 3, T // 3], 4: lambda T: [T // 2, 0, T - T // 2 - 3, 3]}[world_size]
+    split = {1: lambda T: [T], 2: lambda T: [T - T // 3, T // 3],
+             4: lambda T: [T // 2, 0, T - T // 2 - 3, 3]}[world_size]
     cases = [
         make_case(gen, 37, 64, 96, 4, 2, 64, "bf16", None, empty_expert=1),
         make_case(gen, 37, 64, 96, 4, 2, 64, "mxfp8", 1.5, empty_expert=3),

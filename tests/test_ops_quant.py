@@ -172,7 +172,8 @@ def _special_blocks(seed: int) -> torch.Tensor:
     """[num_blocks, 32] bf16 rows of the L0 edge-case table (docs/mxfp8.md), at random positions."""
     gen = torch.Generator().manual_seed(seed)
     nan, inf = float("nan"), float("inf")
-    tiny = torch.tensor([0x0001, 0x807F, 0x0040, 0x8001], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    tiny_bits = torch.tensor([0x0001, 0x807F, 0x0040, 0x8001], dtype=torch.int32).to(torch.int16)
+    tiny = tiny_bits.view(torch.bfloat16).float()
     floor = torch.tensor(1e-12, dtype=torch.float32)
     below, above = floor.bfloat16().float(), (floor * 1.01).bfloat16().float()  # around the amax floor
     rows = [
