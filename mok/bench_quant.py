@@ -13,24 +13,21 @@ region); inputs smaller than 4x the L2 rotate among several copies so that they 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from mok import mxfp8, ops
+from mok import bench, mxfp8, ops
 from mok.config import STANDARD_SHAPES
 
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
 OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise")
-# docs/mxfp8_kernels.md. Variant 0 is an alias: column-wise 0 = 8 (one warp tile per warp, from global),
-# dual 0 = 5 (pipelined through shared memory); the alias target is left out.
-VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1, 2, 3, 4, 5, 6, 7), "dual": (0, 1, 2, 3, 4, 6, 7, 8)}
+# docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
+# the alias target is left out.
+VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1, 2, 3, 4, 5, 6, 7), "dual": (0, 1, 2, 3, 4, 5, 6, 7)}
 
 
 def quant_shapes() -> list[tuple[str, tuple]]:
@@ -82,26 +79,12 @@ def graph_time_ms(calls: list, calls_per_graph: int = 20, replays: int = 15) -> 
     return statistics.median(times)
 
 
-def eager_time_ms(fn, reps: int = 3) -> float:
-    """Median of `reps` timed calls after one warm-up (for the slow L0 reference)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def copy_bandwidth_gbps(nbytes: int = 2**32) -> float:
     """Device-to-device copy (`dst.copy_(src)`, eager: inside a CUDA graph the copy becomes a memcpy
     node that ran at ~2.7 TB/s on the H200, against ~4.3 eager), bytes read + written per second, GB/s."""
     src = torch.randint(0, 255, (nbytes // 4,), dtype=torch.int32, device="cuda")  # [nbytes / 4]
     dst = torch.empty_like(src)  # [nbytes / 4]
-    ms = eager_time_ms(lambda: dst.copy_(src), reps=10)
+    ms = bench.time_ms(lambda: dst.copy_(src), iters=10, warmup=1)
     return 2 * nbytes / ms / 1e6
 
 
@@ -159,7 +142,7 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
         if l0:
             l0_fn = _l0_fn(op, xs[0], {d: q[0] for d, q in quantized.items()})
             want = l0_fn()
-            l0_ms = eager_time_ms(l0_fn)
+            l0_ms = bench.time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
         for variant in VARIANTS.get(op, (0,)) if variants else (0,):
             calls, first_out = _kernel_calls(op, inputs, variant)
             ms = graph_time_ms(calls)
@@ -179,22 +162,11 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
 # ---- provenance and main ------------------------------------------------------------------------
 
 
-def provenance() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], check=False, capture_output=True,
-                                text=True, cwd=ops.REPO, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "commit": commit or os.environ.get("MOK_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = True) -> list[dict]:
     """Tidy rows, one per (shape, op, variant), provenance columns included."""
     ops.require_hopper()
     copy_gbps = copy_bandwidth_gbps()
-    meta = provenance()
+    meta = bench.provenance()
     rows = [{"shape_name": "copy-4GiB", "shape": str(2**32), "op": "copy", "variant": 0,
              "time_ms": 2 * 2**32 / copy_gbps / 1e6, "bytes": 2 * 2**32, "gbps": copy_gbps,
              "copy_gbps": copy_gbps, "frac_of_copy": 1.0, "l0_time_ms": float("nan"),
