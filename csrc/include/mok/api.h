@@ -25,4 +25,24 @@ cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void*
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
                                      int64_t cols, cudaStream_t stream);
 
+// ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
+// Rows follow mok/schedule.py with tiles of 64 rows: tile_to_expert [num_rows / 64] (int32), row_to_token
+// [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
+// k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
+// results are bitwise the same for any value).
+
+// GEMM1 with fused dispatch and SwiGLU: x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate,
+// hidden]; h, gate, up [num_rows, intermediate] (zeros in padding rows).
+cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* h,
+                                            void* gate, void* up, int64_t num_rows, int64_t hidden,
+                                            int64_t intermediate, int64_t num_experts, float swiglu_limit,
+                                            bool has_limit, int num_sms, cudaStream_t stream);
+
+// GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
+// out [num_rows, n].
+cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* tile_to_expert,
+                                            void* out, int64_t num_rows, int64_t n, int64_t k, int64_t num_experts,
+                                            int num_sms, cudaStream_t stream);
+
 }  // namespace mok

@@ -1,0 +1,139 @@
+// PTX wrappers of the Hopper (sm_90a) GEMM machinery: wgmma (warpgroup MMA, accumulators in registers),
+// shared-memory matrix descriptors, the tensor copy engine (TMA) for tiles, 16-byte cp.async with
+// zero-fill for gathered rows, and the mbarrier/proxy plumbing between them. Torch-free.
+//
+// The mbarrier basics (init, arrive.expect_tx, try_wait.parity, 1D bulk copy) live in mok/common.cuh;
+// this header adds what the GEMMs need on top, in the same namespace.
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>  // CUtensorMap
+
+#include "mok/common.cuh"
+
+namespace mok::ptx {
+
+// ---- mbarrier ------------------------------------------------------------------------------------------
+
+// One plain arrival (release: the thread's prior shared-memory reads/writes are ordered before it).
+MOK_DEVICE void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+MOK_DEVICE uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// try_wait.parity in a loop that traps (the launch fails with "unspecified launch failure") instead of
+// hanging forever after kWaitTimeoutNs (DESIGN §9: device spin-waits carry a timeout).
+// NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510).
+constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
+
+MOK_DEVICE void mbarrier_wait_parity_or_trap(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  uint64_t start = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done)
+                 : "r"(smem_addr(bar)), "r"(parity)
+                 : "memory");
+    if (done) return;
+    if (spins == 0) start = global_timer_ns();
+    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs) __trap();
+  }
+}
+
+// ---- cp.async (16 bytes, L2 only) with zero-fill -------------------------------------------------------
+// Copies `src_bytes` (0 or 16) from global and fills the rest of the 16 bytes with zeros: src_bytes = 0
+// writes a zero chunk and reads nothing (used for padding rows and for columns past K).
+
+MOK_DEVICE void cp_async_16_zfill(void* smem_dst, const void* gmem_src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// An arrival on `bar` that fires once all of this thread's earlier cp.async copies have landed. `.noinc`:
+// the arrival counts against the count the barrier was initialized with (one per issuing thread).
+MOK_DEVICE void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+MOK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Orders this thread's view of shared memory written through the generic proxy (ordinary stores,
+// cp.async) before its later async-proxy accesses (wgmma operand reads, TMA).
+MOK_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---- TMA: one 3D tile of a tensor map into shared memory -------------------------------------------------
+// Coordinates are innermost first (elements). Out-of-bounds elements are written as zeros and still
+// count towards the transaction bytes, so a stage always expects the full box.
+
+MOK_DEVICE void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int32_t c0, int32_t c1, int32_t c2,
+                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+
+MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+}
+
+// ---- wgmma ---------------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"), for a K-major operand tile whose
+// rows are 128 bytes (64 bf16) stored with the 128-byte swizzle, 8-row atoms of 1024 bytes back to back:
+//   bits  0-13  start address >> 4
+//   bits 16-29  leading-dimension byte offset >> 4 (unused for swizzled K-major layouts; 1 by convention)
+//   bits 32-45  stride-dimension byte offset >> 4 = 1024 >> 4 (from one 8-row atom to the next)
+//   bits 49-51  base offset = 0 (atoms are 1024-byte aligned)
+//   bits 62-63  layout: 1 = 128-byte swizzle
+// The k-th 16-element slice of the 64-element row starts 32·k bytes further: advancing the start address
+// is enough, the hardware applies the XOR on the address bits (which is why atoms must be 1024-aligned).
+constexpr uint32_t kSw128AtomBytes = 1024;
+
+MOK_DEVICE uint64_t smem_desc_sw128(const void* smem_tile) {
+  const uint64_t addr = smem_addr(smem_tile);
+  return ((addr >> 4) & 0x3FFFull) | (1ull << 16) | (static_cast<uint64_t>(kSw128AtomBytes >> 4) << 32) |
+         (1ull << 62);
+}
+
+// The descriptor of the same tile `bytes` further along K (bytes a multiple of 16, within the row).
+MOK_HOST_DEVICE constexpr uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
+MOK_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+MOK_DEVICE void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int kPending>
+MOK_DEVICE void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads/writes of an accumulator register across the asynchronous MMA.
+MOK_DEVICE void fence_operand(float& reg) { asm volatile("" : "+f"(reg)::"memory"); }
+
+// D[64x64] (+)= A[64x16] · B[64x16]ᵀ, A and B K-major bf16 in shared memory, D fp32 in registers.
+// Fragment of D held by thread t of the warpgroup (warp w = t / 32, lane l): d[4i + 2h + j] is
+// row 16w + l/4 + 8h, column 8i + 2(l%4) + j, for i in [0, 8), h, j in {0, 1}.
+// scale-d = 1: always accumulate (callers zero the accumulators first).
+MOK_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+}  // namespace mok::ptx

@@ -1,0 +1,47 @@
+// Host side of TMA: a CUtensorMap for a stack of expert weight matrices, encoded through the driver entry
+// point that the CUDA runtime hands out (no link against libcuda). Torch-free, host-only code.
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
+#include <cuda_runtime_api.h>
+
+namespace mok::gemm {
+
+// The driver's cuTensorMapEncodeTiled (ABI of CUDA 12.0), looked up once per process.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  return encode;
+}
+
+// w: bf16 [num_experts, rows, k] (nn.Linear layout: rows = output features, k contiguous). The map's
+// dims, innermost first, are (k, rows, num_experts); a box of (box_k, box_rows, 1) lands in shared memory
+// as box_rows rows of box_k * 2 bytes with the 128-byte swizzle (box_k * 2 must be 128). Elements past
+// k or rows read as zeros (and rows past the last expert too): a tile never reads a neighbouring expert.
+// Needs: w 16-byte aligned, k % 8 == 0 (row stride a multiple of 16 bytes).
+inline cudaError_t encode_weight_map(CUtensorMap* map, const void* w, int64_t num_experts, int64_t rows,
+                                     int64_t k, uint32_t box_k, uint32_t box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorSymbolNotFound;
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || k % 8 != 0 || box_k * 2 != 128) return cudaErrorInvalidValue;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(num_experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2, static_cast<cuuint64_t>(rows * k) * 2};  // bytes
+  const cuuint32_t box[3] = {box_k, box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(w), dims, strides, box,
+                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace mok::gemm
