@@ -1,0 +1,201 @@
+"""Grouped BF16 GEMMs (mok.ops, L2 building blocks) against L0 (mok.reference.mm / swiglu per expert).
+
+Expectations are computed on the CPU from L0's pieces, expert by expert over the schedule's segments;
+kernels run on the Hopper GPU. The GEMMs' fp32 sums run in another order than the CPU's, so results
+are compared with DESIGN §9's tolerance *and* must agree bit for bit on nearly every element (a wrong
+layout, swizzle or expert would fail both by far). Outputs come from a caching allocator poisoned with
+NaN first, so an element the kernel never writes cannot pass. Inputs are drawn fresh every run (the
+seed is in each failure message).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mok import ops, routing
+from mok.config import TINY_SHAPES, MoEConfig
+from mok.reference import BF16, mm, moe_forward, swiglu
+from mok.schedule import make_schedule, scatter_routes, segment
+from mok.testing import TOLERANCES, make_inputs, rel_err
+
+# Irregular on purpose: K-tails (hidden not a multiple of 64), N-tails, more k-blocks than stages, empty
+# experts, one hot expert, num_topk 1 and 8, token counts that are no tile multiple.
+CASES = {
+    **{name: (cfg, "random") for name, cfg in TINY_SHAPES.items()},  # K = 1..8, hidden 64/96/128
+    "hot-expert": (MoEConfig("hot-expert", 200, 256, 192, 5, 2), "hot"),  # most routes on expert 3
+    "two-experts-of-8": (MoEConfig("two-experts-of-8", 70, 128, 64, 8, 1), "two"),  # six empty experts
+    "deep-k": (MoEConfig("deep-k", 300, 520, 200, 6, 4), "random"),  # 9 k-blocks > 4 stages, n tail
+}
+NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def _problem(case: str, seed: int, block_m: int = 128) -> tuple[dict, object]:
+    cfg, kind = CASES[case]
+    routing_fn = None
+    if kind == "hot":
+        routing_fn = lambda T, E, K, g: routing.hot_expert_routing(T, E, K, hot_expert=3, hot_fraction=0.95,
+                                                                   generator=g)
+    elif kind == "two":
+        def routing_fn(T, E, K, g):  # only experts 1 and 6 get tokens
+            idx = torch.where(torch.rand(T, K, generator=g) < 0.5, 1, 6)  # [T, K]
+            return idx.long(), torch.ones(T, K)
+    inputs = make_inputs(cfg, seed=seed, routing_fn=routing_fn)  # CPU tensors
+    return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts, block_m=block_m)
+
+
+def _expected_gemm1(x, w_gate, w_up, sched, limit):
+    """(h, gate, up) [num_rows, intermediate] bf16 from L0's mm/swiglu per expert; zeros in padding rows."""
+    shape = (sched.num_rows, w_gate.shape[1])
+    h, gate, up = (torch.zeros(shape, dtype=BF16) for _ in range(3))  # [num_rows, I] each
+    for e in range(sched.num_experts):
+        n = int(sched.tokens_per_expert[e])
+        rows = torch.arange(segment(sched, e).start, segment(sched, e).start + n)  # [n] real rows
+        x_e = x[sched.row_to_token[rows]]  # [n, H]
+        gate[rows] = mm(x_e, w_gate[e]).to(BF16)  # [n, I]
+        up[rows] = mm(x_e, w_up[e]).to(BF16)  # [n, I]
+        h[rows] = swiglu(gate[rows], up[rows], limit).to(BF16)  # [n, I]
+    return h, gate, up
+
+
+def _expected_gemm2(a_rows, w, sched):
+    out = torch.zeros(sched.num_rows, w.shape[1], dtype=BF16)  # [num_rows, n]
+    for e in range(sched.num_experts):
+        seg = segment(sched, e)
+        out[seg] = mm(a_rows[seg], w[e]).to(BF16)  # [rows of the segment, n], padding rows included
+    return out
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN (0xFFFF as bf16) in the blocks the caching allocator hands out next."""
+    junk = torch.full((max(nbytes, 1) * 2,), 0xFF, dtype=torch.uint8, device="cuda")  # [2 * nbytes]
+    del junk
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
+    a = actual.cpu()
+    assert a.shape == expected.shape, f"{what}: shape {tuple(a.shape)} vs L0 {tuple(expected.shape)}"
+    assert not a.isnan().any(), f"{what}: {int(a.isnan().sum())} NaN (unwritten or wrong) elements (seed {seed})"
+    err = rel_err(a, expected)
+    assert err <= TOLERANCES["bf16_vs_l0"], f"{what}: rel_err {err:.3e} vs L0 (seed {seed})"
+    same = (a.view(torch.int16) == expected.view(torch.int16)).float().mean().item() if a.numel() else 1.0
+    assert same >= NEAR_BITWISE, f"{what}: only {same:.4f} of the elements equal L0's bits (seed {seed})"
+
+
+# ---- CPU: the pure-Python pieces ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_m", [64, 128, 192])
+def test_gemm_schedule_tensors_split_tiles_into_64_rows(block_m):
+    topk_idx = routing.random_routing(45, 5, 3, skew=1.0, generator=torch.Generator().manual_seed(block_m))[0]
+    sched = make_schedule(topk_idx, 5, block_m=block_m)
+    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, "cpu")
+    assert row_to_token.dtype == tile_to_expert.dtype == torch.int32
+    assert torch.equal(row_to_token.long(), sched.row_to_token)
+    assert torch.equal(tile_to_expert.long(), sched.row_to_expert[:: ops.GEMM_BLOCK_M])  # [num_rows / 64]
+    with pytest.raises(ValueError, match="sched: expected block_m a multiple of 64"):
+        ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=32), "cpu")
+
+
+def test_gemm_bad_inputs_name_the_argument():
+    inputs, sched = _problem("tiny-noshared", seed=1)
+    x, wg, wu, wd = inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"]
+    gemm1, gemm2 = ops.grouped_gemm_bf16_swiglu_gather, ops.grouped_gemm_bf16_nt_contiguous
+    a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
+    bad = [
+        (lambda: gemm1(x.float(), wg, wu, sched), "x: expected dtype torch.bfloat16"),
+        (lambda: gemm1(x[:-1], wg, wu, sched), r"x: expected shape \[num_tokens, hidden\]"),
+        (lambda: gemm1(x[:, :-4], wg[..., :-4], wu[..., :-4], sched), "x: expected hidden"),
+        (lambda: gemm1(x, wg[:-1], wu, sched), "w_gate: expected shape"),
+        (lambda: gemm1(x, wg, wu[:, :-8], sched), "w_up: expected shape"),
+        (lambda: gemm1(x, wg, wu, sched, swiglu_limit=float("nan")), "swiglu_limit: expected"),
+        (lambda: gemm1(x, wg, wu, sched, num_sms=0), "num_sms: expected"),
+        (lambda: gemm1(x, wg, wu, sched), "x: expected a CUDA tensor"),  # valid, but on the CPU
+        (lambda: gemm2(a_rows[1:], wd, sched), r"a_rows: expected shape \[num_rows, k\]"),
+        (lambda: gemm2(a_rows, wd.transpose(1, 2), sched), "w: expected shape"),
+        (lambda: gemm2(a_rows, wd[:, :-4], sched), "w: expected n"),
+        (lambda: gemm2(a_rows, wd, sched), "a_rows: expected a CUDA tensor"),
+    ]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemm1_swiglu_gather_matches_l0(case, limit):
+    seed = _seed()
+    inputs, sched = _problem(case, seed)
+    x, wg, wu = inputs["x"], inputs["w_gate"], inputs["w_up"]
+    expected = _expected_gemm1(x, wg, wu, sched, limit)
+    _poison_allocator(3 * sched.num_rows * wg.shape[1] * 2)
+    got = ops.grouped_gemm_bf16_swiglu_gather(x.cuda(), wg.cuda(), wu.cuda(), sched.to("cuda"), swiglu_limit=limit)
+    for name, a, e in zip(("h", "gate", "up"), got, expected):
+        _assert_close(a, e, f"{case} limit={limit} {name}", seed)
+        padding = sched.row_to_token < 0  # [num_rows]
+        assert not a.cpu()[padding].view(torch.int16).any(), f"{case} {name}: padding rows not zero (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemm2_nt_contiguous_matches_l0(case):
+    seed = _seed()
+    inputs, sched = _problem(case, seed, block_m=64)
+    wd = inputs["w_down"]  # [E, H, I]
+    a_rows = torch.randn(sched.num_rows, wd.shape[2], generator=torch.Generator().manual_seed(seed)).to(BF16)
+    expected = _expected_gemm2(a_rows, wd, sched)
+    _poison_allocator(sched.num_rows * wd.shape[1] * 2)
+    got = ops.grouped_gemm_bf16_nt_contiguous(a_rows.cuda(), wd.cuda(), sched.to("cuda"))
+    _assert_close(got, expected, f"{case} out_rows", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "deep-k"])
+def test_gemms_bitwise_repeatable_for_any_grid_size(case):
+    """DESIGN §5: same bits run to run and whatever the persistent grid size."""
+    seed = _seed()
+    inputs, sched = _problem(case, seed)
+    sched = sched.to("cuda")
+    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
+    runs = []
+    for num_sms in (None, None, 1, 3, 7):
+        _poison_allocator(4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
+        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
+        y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
+        runs.append((num_sms, [t.cpu().view(torch.int16) for t in (h, gate, up, y_rows)]))
+    for num_sms, outs in runs[1:]:
+        for name, a, b in zip(("h", "gate", "up", "y_rows"), runs[0][1], outs):
+            assert torch.equal(a, b), f"{case} {name}: bits differ with num_sms={num_sms} (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_gemm1_then_gemm2_match_l0_moe_forward(shape, limit):
+    """The routed experts' forward through both kernels equals L0's saved gate/up and per-route y."""
+    seed = _seed()
+    inputs = make_inputs(TINY_SHAPES[shape], seed=seed)
+    _, saved = moe_forward(inputs["x"], inputs["topk_idx"], inputs["topk_weights"], inputs["w_gate"],
+                           inputs["w_up"], inputs["w_down"], swiglu_limit=limit)
+    sched = make_schedule(inputs["topk_idx"].cuda(), TINY_SHAPES[shape].num_experts)
+    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=limit)
+    y = scatter_routes(ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched), sched)  # [T, K, H]
+    route_rows = sched.route_to_row.reshape(-1)  # [T·K]
+    _assert_close(gate[route_rows], saved.gate, f"{shape} gate", seed)
+    _assert_close(up[route_rows], saved.up, f"{shape} up", seed)
+    _assert_close(y, saved.y, f"{shape} y", seed)
