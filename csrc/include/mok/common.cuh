@@ -84,17 +84,32 @@ MOK_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
-// Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible).
+MOK_DEVICE uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
+
+// Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible),
+// or traps after kWaitTimeoutNs (the launch fails with "unspecified launch failure") instead of hanging
+// forever (DESIGN §9: device spin-waits carry a timeout).
+// NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510).
 MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done;
-  do {
+  uint64_t start = 0;
+  for (uint32_t spins = 0;; ++spins) {
     asm volatile("{\n\t.reg .pred p;\n\t"
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
                  "selp.u32 %0, 1, 0, p;\n\t}"
                  : "=r"(done)
                  : "r"(smem_addr(bar)), "r"(parity)
                  : "memory");
-  } while (!done);
+    if (done) return;
+    if (spins == 0) start = global_timer_ns();
+    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs) __trap();
+  }
 }
 
 MOK_DEVICE void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {

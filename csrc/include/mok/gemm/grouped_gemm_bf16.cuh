@@ -134,7 +134,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1, 
     }
     for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
-      ptx::mbarrier_wait_parity_or_trap(&empty[stage], phase ^ 1);  // the slot is free
+      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
       if (lane == 0) {
         ptx::mbarrier_arrive_expect_tx(&full[stage], 2 * kTileBytes);
         ptx::tma_load_3d(stage_tile(smem, stage, 1), tmap_b0, kb * BLOCK_K, n0, expert, &full[stage]);
@@ -240,7 +240,7 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
 
     for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
-      ptx::mbarrier_wait_parity_or_trap(&full[stage], phase);  // A and B have landed
+      ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
       // The A tile was written by cp.async (generic proxy); wgmma reads it through the async proxy.
       ptx::fence_proxy_async_shared();
       const uint64_t desc_a = ptx::smem_desc_sw128(stage_tile(smem, stage, 0));

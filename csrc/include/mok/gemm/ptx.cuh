@@ -20,33 +20,6 @@ MOK_DEVICE void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-MOK_DEVICE uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// try_wait.parity in a loop that traps (the launch fails with "unspecified launch failure") instead of
-// hanging forever after kWaitTimeoutNs (DESIGN §9: device spin-waits carry a timeout).
-// NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510).
-constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
-
-MOK_DEVICE void mbarrier_wait_parity_or_trap(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  uint64_t start = 0;
-  for (uint32_t spins = 0;; ++spins) {
-    asm volatile("{\n\t.reg .pred p;\n\t"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(done)
-                 : "r"(smem_addr(bar)), "r"(parity)
-                 : "memory");
-    if (done) return;
-    if (spins == 0) start = global_timer_ns();
-    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs) __trap();
-  }
-}
-
 // ---- cp.async (16 bytes, L2 only) with zero-fill -------------------------------------------------------
 // Copies `src_bytes` (0 or 16) from global and fills the rest of the 16 bytes with zeros: src_bytes = 0
 // writes a zero chunk and reads nothing (used for padding rows and for columns past K).
