@@ -88,28 +88,16 @@ COLWISE_SHAPES = [(32, 8), (64, 72), (96, 200), (160, 1024), (3, 64, 96), (2, 32
 DUAL_SHAPES = [(32, 32), (64, 96), (96, 224), (320, 2080), (3, 64, 160), (2, 128, 7168)]
 
 
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("shape", ROWWISE_SHAPES, ids=str)
-def test_rowwise_matches_l0(shape):
-    seed = _seed()
-    _check_quantize(_random_bf16(shape, seed), seed, ["rowwise"])
+QUANTIZE_CASES = ([("rowwise", s) for s in ROWWISE_SHAPES] + [("colwise", s) for s in COLWISE_SHAPES]
+                  + [("dual", s) for s in DUAL_SHAPES])
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("shape", COLWISE_SHAPES, ids=str)
-def test_colwise_matches_l0(shape):
+@pytest.mark.parametrize("op,shape", QUANTIZE_CASES, ids=lambda v: str(v))
+def test_quantize_matches_l0(op, shape):
     seed = _seed()
-    _check_quantize(_random_bf16(shape, seed), seed, ["colwise"])
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("shape", DUAL_SHAPES, ids=str)
-def test_dual_matches_l0(shape):
-    seed = _seed()
-    _check_quantize(_random_bf16(shape, seed), seed, ["dual"])
+    _check_quantize(_random_bf16(shape, seed), seed, [op])
 
 
 @pytest.mark.gpu
