@@ -161,6 +161,15 @@ def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     return torch.where(real[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def gather_routes(v: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """Per-route rows v `[num_tokens * num_topk, hidden]` (route id t·K + k) -> `[num_rows, hidden]`,
+    padding rows exactly zero (the backward's dy, already scaled by the route's weight)."""
+    _check_rows("v", v, sched.num_routes, "num_routes")
+    real = sched.row_to_route >= 0  # [num_rows]
+    rows = v[sched.row_to_route.clamp(min=0)]  # [num_rows, hidden]
+    return torch.where(real[:, None], rows, torch.zeros((), dtype=v.dtype, device=v.device))
+
+
 def scatter_routes(y_rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """Per-route output slots: y_rows `[num_rows, hidden]` -> `[num_tokens, num_topk, hidden]`."""
     _check_rows("y_rows", y_rows, sched.num_rows, "num_rows")

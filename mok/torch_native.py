@@ -20,16 +20,28 @@ from mok.reference import BF16, Saved, combine, quant, swiglu, swiglu_backward
 _GROUPED_MM_OK: dict[str, bool] = {}  # device type -> whether torch._grouped_mm ran there
 
 
+def _try_grouped_mm(key: str, *args, **kwargs) -> torch.Tensor | None:
+    """torch._grouped_mm(*args) where it runs; None where it cannot (no kernel for this device, dtype
+    or torch version), remembered per key so that the failing call is made once. Running out of
+    memory is an error, not a reason to fall back."""
+    if not _GROUPED_MM_OK.get(key, True):
+        return None
+    try:
+        out = torch._grouped_mm(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, AttributeError):
+        _GROUPED_MM_OK[key] = False
+        return None
+    _GROUPED_MM_OK[key] = True
+    return out
+
+
 def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Grouped a·b per expert segment: a [R, K] (segments end at offs [E]), b [E, K, N] -> [R, N]."""
-    key = a.device.type
-    if _GROUPED_MM_OK.get(key, True):
-        try:
-            out = torch._grouped_mm(a, b, offs=offs)
-            _GROUPED_MM_OK[key] = True
-            return out
-        except (RuntimeError, NotImplementedError, AttributeError):
-            _GROUPED_MM_OK[key] = False
+    out = _try_grouped_mm(a.device.type, a, b, offs=offs)
+    if out is not None:
+        return out
     out = a.new_zeros(a.shape[0], b.shape[2])  # [R, N]
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -41,27 +53,15 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 def gmm_k(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """k-grouped a_tᵀ·b per segment of the shared R dim (weight gradients): a_t [R, M], b [R, N]
     -> [E, M, N]; an expert with an empty segment gets zeros."""
-    key = a_t.device.type + "-k"
-    if _GROUPED_MM_OK.get(key, True):
-        try:
-            out = torch._grouped_mm(a_t.T, b, offs=offs)
-            _GROUPED_MM_OK[key] = True
-            return out
-        except (RuntimeError, NotImplementedError, AttributeError):
-            _GROUPED_MM_OK[key] = False
+    out = _try_grouped_mm(a_t.device.type + "-k", a_t.T, b, offs=offs)
+    if out is not None:
+        return out
     out = a_t.new_zeros(offs.numel(), a_t.shape[1], b.shape[1])  # [E, M, N]
     start = 0
     for e, end in enumerate(offs.tolist()):
         out[e] = a_t[start:end].T @ b[start:end]
         start = end
     return out
-
-
-def _gather_routes(v: torch.Tensor, sched: sch.Schedule) -> torch.Tensor:
-    """Per-route rows v [T·K, H] -> the schedule's row layout [R, H], padding rows zero."""
-    real = sched.row_to_route >= 0  # [R]
-    return torch.where(real[:, None], v[sched.row_to_route.clamp(min=0)], torch.zeros((), dtype=v.dtype,
-                       device=v.device))
 
 
 def _linear(x, w):
@@ -116,7 +116,7 @@ def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
     offs = sched.expert_offsets[1:].to(torch.int32)  # [E]
     d_topk_weights = (d_out.float()[:, None, :] * s.y.float()).sum(-1)  # [T, K]
     dy = (d_out.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
-    dy_rows = _gather_routes(dy.view(T * K, H), sched)  # [R, H]
+    dy_rows = sch.gather_routes(dy.view(T * K, H), sched)  # [R, H]
     x_rows = sch.gather_rows(s.x, sched)  # [R, H]
     dx_rows, *d_w = _expert_grads(x_rows, s.gate, s.up, dy_rows, w_gate, w_up, w_down, offs, p,
                                   s.swiglu_limit)

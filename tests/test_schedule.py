@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mok.config import TINY_SHAPES
 from mok.routing import hot_expert_routing, random_routing
-from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
+from mok.schedule import gather_routes, gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 
 cuda = pytest.mark.gpu  # skipped centrally (tests/conftest.py) without a GPU
 
@@ -161,6 +161,19 @@ def test_gather_scatter_roundtrip_and_zero_padding():
     torch.testing.assert_close(rows[~pad], x[sched.row_to_token[~pad]], **exact)
     per_route = scatter_routes(rows, sched)  # [T, K, H]
     torch.testing.assert_close(per_route, x[:, None, :].expand(T, K, H), **exact)
+
+
+def test_gather_routes_is_the_inverse_of_scatter_routes():
+    T, H, E, K = 33, 8, 5, 2
+    topk_idx, _ = random_routing(T, E, K, skew=0.5)
+    sched = make_schedule(topk_idx, E, block_m=8)
+    v = torch.randn(T * K, H)  # [T·K, H] one row per route, each different
+    rows = gather_routes(v, sched)  # [num_rows, H]
+    pad = sched.row_to_route < 0
+    assert bool(pad.any()) and bool((rows[pad] == 0).all())
+    assert torch.equal(scatter_routes(rows, sched), v.view(T, K, H))
+    with pytest.raises(ValueError, match="v"):
+        gather_routes(v[:-1], sched)
 
 
 def test_scatter_routes_slots_follow_route_to_row():
