@@ -10,23 +10,33 @@ import torch
 from mok.config import PRECISIONS
 
 
-def _fail(name: str, expected: str, actual) -> None:
+def fail(name: str, expected: str, actual) -> None:
+    """The one error format of mok: `name: expected ..., got ...`."""
     raise ValueError(f"{name}: expected {expected}, got {actual}")
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        fail(name, f"an int in {bound}", value)
+    return value
 
 
 def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
     """shape entries may be None (any size)."""
     if not isinstance(t, torch.Tensor):
-        _fail(name, "a torch.Tensor", type(t).__name__)
+        fail(name, "a torch.Tensor", type(t).__name__)
     if t.dtype != dtype:
-        _fail(name, f"dtype {dtype}", t.dtype)
+        fail(name, f"dtype {dtype}", t.dtype)
     if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        _fail(name, f"shape {want}", list(t.shape))
+        fail(name, f"shape {want}", list(t.shape))
     if t.device != device:
-        _fail(name, f"device {device} (the device of x)", t.device)
+        fail(name, f"device {device} (the device of x)", t.device)
     if not t.is_contiguous():
-        _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+        fail(name, "a contiguous tensor", f"strides {t.stride()}")
 
 
 def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
@@ -34,37 +44,37 @@ def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
                      precision="bf16", swiglu_limit=None) -> None:
     """DESIGN §3: dtypes, shapes, devices, contiguity, expert-id range, precision and limit."""
     if precision not in PRECISIONS:
-        _fail("precision", f"one of {PRECISIONS}", repr(precision))
+        fail("precision", f"one of {PRECISIONS}", repr(precision))
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
-        _fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
+        fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _fail("x", "a 2D tensor [num_tokens, hidden]", getattr(x, "shape", type(x).__name__))
+        fail("x", "a 2D tensor [num_tokens, hidden]", getattr(x, "shape", type(x).__name__))
     dev = x.device
     T, H = x.shape
     check_tensor("x", x, torch.bfloat16, (T, H), dev)
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-        _fail("topk_idx", "a 2D tensor [num_tokens, num_topk]", getattr(topk_idx, "shape", topk_idx))
+        fail("topk_idx", "a 2D tensor [num_tokens, num_topk]", getattr(topk_idx, "shape", topk_idx))
     K = topk_idx.shape[1]
     check_tensor("topk_idx", topk_idx, torch.int64, (T, K), dev)
     check_tensor("topk_weights", topk_weights, torch.float32, (T, K), dev)
     if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
-        _fail("w_gate", "a 3D tensor [num_experts, intermediate, hidden]", getattr(w_gate, "shape", w_gate))
+        fail("w_gate", "a 3D tensor [num_experts, intermediate, hidden]", getattr(w_gate, "shape", w_gate))
     E, I = w_gate.shape[:2]
     check_tensor("w_gate", w_gate, torch.bfloat16, (E, I, H), dev)
     check_tensor("w_up", w_up, torch.bfloat16, (E, I, H), dev)
     check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), dev)
     if K < 1 or E < 1:
-        _fail("topk_idx", "num_topk >= 1 and num_experts >= 1", f"num_topk={K}, num_experts={E}")
+        fail("topk_idx", "num_topk >= 1 and num_experts >= 1", f"num_topk={K}, num_experts={E}")
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
-        _fail("topk_idx", f"expert ids in [0, {E})",
+        fail("topk_idx", f"expert ids in [0, {E})",
               f"ids in [{int(topk_idx.min())}, {int(topk_idx.max())}]")
 
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     if any(w is not None for w in shared):
         if any(w is None for w in shared):
-            _fail("w_shared_gate/w_shared_up/w_shared_down", "all three or none", "only some")
+            fail("w_shared_gate/w_shared_up/w_shared_down", "all three or none", "only some")
         if w_shared_gate.dim() != 2:
-            _fail("w_shared_gate", "a 2D tensor [shared_intermediate, hidden]", list(w_shared_gate.shape))
+            fail("w_shared_gate", "a 2D tensor [shared_intermediate, hidden]", list(w_shared_gate.shape))
         I_sh = w_shared_gate.shape[0]
         check_tensor("w_shared_gate", w_shared_gate, torch.bfloat16, (I_sh, H), dev)
         check_tensor("w_shared_up", w_shared_up, torch.bfloat16, (I_sh, H), dev)
@@ -73,4 +83,4 @@ def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
     if precision == "mxfp8":
         for name, size in (("hidden", H), ("intermediate", I)):
             if size % 32:
-                _fail(name, "a multiple of 32 in mxfp8 mode (MX blocks of 32 along K)", size)
+                fail(name, "a multiple of 32 in mxfp8 mode (MX blocks of 32 along K)", size)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mok._ep_worker import run_local_ep  # noqa: F401  (re-exported: the launcher lives beside its worker)
-from mok.checks import _fail, check_tensor
+from mok.checks import check_tensor, fail
 from mok.config import PRECISIONS
 
 BF16 = torch.bfloat16
@@ -32,9 +32,9 @@ BF16 = torch.bfloat16
 def num_local_experts(num_experts: int, world_size: int) -> int:
     """E/R, with a clear error when the experts do not split evenly over the ranks."""
     if world_size < 1:
-        _fail("world_size", "a positive number of ranks", world_size)
+        fail("world_size", "a positive number of ranks", world_size)
     if num_experts < 1 or num_experts % world_size:
-        _fail("num_experts", f"a positive multiple of the world size {world_size}", num_experts)
+        fail("num_experts", f"a positive multiple of the world size {world_size}", num_experts)
     return num_experts // world_size
 
 
@@ -44,9 +44,9 @@ def bytes_per_row(hidden: int, precision: str = "bf16") -> int:
         return 2 * hidden
     if precision == "mxfp8":
         if hidden % 32:
-            _fail("hidden", "a multiple of 32 for an mxfp8 payload", hidden)
+            fail("hidden", "a multiple of 32 for an mxfp8 payload", hidden)
         return hidden + hidden // 32
-    _fail("precision", f"one of {PRECISIONS}", repr(precision))
+    fail("precision", f"one of {PRECISIONS}", repr(precision))
 
 
 def rows_per_rank(topk_idx_local: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ def rows_per_rank(topk_idx_local: torch.Tensor, num_experts: int, world_size: in
     e_local = num_local_experts(num_experts, world_size)
     flat = topk_idx_local.flatten().cpu()  # [T_r·K]
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        _fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
+        fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
               f"ids in [{int(flat.min())}, {int(flat.max())}]")
     return torch.bincount(flat // e_local, minlength=world_size)  # [R]
 
@@ -79,7 +79,7 @@ def ep_traffic(topk_idx: torch.Tensor, num_experts: int, world_size: int, hidden
     if tokens_per_rank is None:
         tokens_per_rank = [T // world_size + (r < T % world_size) for r in range(world_size)]
     if len(tokens_per_rank) != world_size or sum(tokens_per_rank) != T:
-        _fail("tokens_per_rank", f"{world_size} counts summing to {T}", tokens_per_rank)
+        fail("tokens_per_rank", f"{world_size} counts summing to {T}", tokens_per_rank)
     e_local = num_local_experts(num_experts, world_size)
     out = []
     for r, chunk in enumerate(topk_idx.cpu().split(tokens_per_rank)):
@@ -117,14 +117,14 @@ class DispatchState:
 def _check_dispatch_inputs(x_local, topk_idx_local, num_experts, world_size) -> None:
     num_local_experts(num_experts, world_size)
     if not isinstance(x_local, torch.Tensor) or x_local.dim() != 2:
-        _fail("x_local", "a 2D tensor [num_tokens, hidden]", getattr(x_local, "shape", type(x_local)))
+        fail("x_local", "a 2D tensor [num_tokens, hidden]", getattr(x_local, "shape", type(x_local)))
     T, H = x_local.shape
     check_tensor("x_local", x_local, BF16, (T, H), x_local.device)
     if not isinstance(topk_idx_local, torch.Tensor) or topk_idx_local.dim() != 2:
-        _fail("topk_idx_local", "a 2D tensor [num_tokens, num_topk]", getattr(topk_idx_local, "shape", None))
+        fail("topk_idx_local", "a 2D tensor [num_tokens, num_topk]", getattr(topk_idx_local, "shape", None))
     check_tensor("topk_idx_local", topk_idx_local, torch.int64, (T, None), x_local.device)
     if topk_idx_local.numel() and (int(topk_idx_local.min()) < 0 or int(topk_idx_local.max()) >= num_experts):
-        _fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
+        fail("topk_idx_local", f"global expert ids in [0, {num_experts})",
               f"ids in [{int(topk_idx_local.min())}, {int(topk_idx_local.max())}]")
 
 
@@ -214,11 +214,11 @@ class EPSaved:
 def _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
                         shared, precision, swiglu_limit, world_size) -> None:
     if precision not in PRECISIONS:
-        _fail("precision", f"one of {PRECISIONS}", repr(precision))
+        fail("precision", f"one of {PRECISIONS}", repr(precision))
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
-        _fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
+        fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
     if not isinstance(w_gate_local, torch.Tensor) or w_gate_local.dim() != 3:
-        _fail("w_gate_local", "a 3D tensor [num_experts / world_size, intermediate, hidden]",
+        fail("w_gate_local", "a 3D tensor [num_experts / world_size, intermediate, hidden]",
               getattr(w_gate_local, "shape", None))
     e_local, I = w_gate_local.shape[:2]
     _check_dispatch_inputs(x_local, topk_idx_local, e_local * world_size, world_size)
@@ -228,9 +228,9 @@ def _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_loca
     check_tensor("w_up_local", w_up_local, BF16, (e_local, I, H), dev)
     check_tensor("w_down_local", w_down_local, BF16, (e_local, H, I), dev)
     if any(w is None for w in shared) and any(w is not None for w in shared):
-        _fail("w_shared_gate/w_shared_up/w_shared_down", "all three or none", "only some")
+        fail("w_shared_gate/w_shared_up/w_shared_down", "all three or none", "only some")
     if precision == "mxfp8" and (H % 32 or I % 32):
-        _fail("hidden/intermediate", "multiples of 32 in mxfp8 mode", (H, I))
+        fail("hidden/intermediate", "multiples of 32 in mxfp8 mode", (H, I))
 
 
 def _all_gather_tokens(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:

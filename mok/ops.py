@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mok.checks import fail
+
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
 CACHE = REPO / ".cache" / "torch_extensions"
@@ -82,34 +84,30 @@ def load_extension():
 # ---- input checks -------------------------------------------------------------------------------
 
 
-def _fail(name: str, expected: str, actual) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {actual}")
-
-
 def _check_cuda_tensor(name: str, t, dtype: torch.dtype) -> None:
     if not isinstance(t, torch.Tensor):
-        _fail(name, "a torch.Tensor", type(t).__name__)
+        fail(name, "a torch.Tensor", type(t).__name__)
     if t.dtype != dtype:
-        _fail(name, f"dtype {dtype}", t.dtype)
+        fail(name, f"dtype {dtype}", t.dtype)
     if t.dim() not in (2, 3):
-        _fail(name, "a 2D [rows, cols] or 3D [experts, rows, cols] tensor", f"shape {tuple(t.shape)}")
+        fail(name, "a 2D [rows, cols] or 3D [experts, rows, cols] tensor", f"shape {tuple(t.shape)}")
     if t.device.type != "cuda":
-        _fail(name, "a CUDA tensor", f"device {t.device}")
+        fail(name, "a CUDA tensor", f"device {t.device}")
     if not t.is_contiguous():
-        _fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
+        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
     if t.data_ptr() % 16 != 0:
-        _fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
+        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
               f"address {t.data_ptr():#x}")
 
 
 def _check_blocks(name: str, shape: tuple, rowwise: bool, colwise: bool) -> None:
     rows, cols = shape[-2], shape[-1]
     if rowwise and cols % BLOCK_SIZE:
-        _fail(name, f"cols (last dim) a multiple of {BLOCK_SIZE} for row-wise blocks", f"shape {shape}")
+        fail(name, f"cols (last dim) a multiple of {BLOCK_SIZE} for row-wise blocks", f"shape {shape}")
     if colwise and rows % BLOCK_SIZE:
-        _fail(name, f"rows (dim -2) a multiple of {BLOCK_SIZE} for column-wise blocks", f"shape {shape}")
+        fail(name, f"rows (dim -2) a multiple of {BLOCK_SIZE} for column-wise blocks", f"shape {shape}")
     if colwise and cols % 8:
-        _fail(name, "cols (last dim) a multiple of 8 for column-wise kernels (16-byte row segments)",
+        fail(name, "cols (last dim) a multiple of 8 for column-wise kernels (16-byte row segments)",
               f"shape {shape}")
 
 
@@ -162,15 +160,15 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
     _check_cuda_tensor("data", data, torch.float8_e4m3fn)
     _check_cuda_tensor("scales", scales, torch.uint8)
     if dim not in (-1, -2, data.dim() - 1, data.dim() - 2):
-        _fail("dim", f"-1 or -2 (or {data.dim() - 1} / {data.dim() - 2}) for data of rank {data.dim()}", dim)
+        fail("dim", f"-1 or -2 (or {data.dim() - 1} / {data.dim() - 2}) for data of rank {data.dim()}", dim)
     rowwise = dim in (-1, data.dim() - 1)
     shape = tuple(data.shape)
     _check_blocks("data", shape, rowwise=rowwise, colwise=not rowwise)
     expected = _scales_shape(shape, -1 if rowwise else -2)
     if tuple(scales.shape) != expected:
-        _fail("scales", f"shape {expected} for data of shape {shape} and dim {dim}", tuple(scales.shape))
+        fail("scales", f"shape {expected} for data of shape {shape} and dim {dim}", tuple(scales.shape))
     if scales.device != data.device:
-        _fail("scales", f"device {data.device} (data's)", scales.device)
+        fail("scales", f"device {data.device} (data's)", scales.device)
     out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)  # data.shape
     load_extension().mxfp8_dequantize(data, scales, out, rowwise)
     return out
@@ -190,7 +188,7 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows],
     tile_to_expert int32 [num_rows / 64], one entry per 64-row kernel tile)."""
     if sched.block_m % GEMM_BLOCK_M:
-        _fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=64 or 128))",
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=64 or 128))",
               f"block_m={sched.block_m}")
     row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
     tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
@@ -201,24 +199,24 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
 def _check_shape(name: str, t, expected: tuple, what: str) -> None:
     """dtype bf16 and shape `expected` (None = any size), before any device check (CPU-testable)."""
     if not isinstance(t, torch.Tensor):
-        _fail(name, "a torch.Tensor", type(t).__name__)
+        fail(name, "a torch.Tensor", type(t).__name__)
     if t.dtype != torch.bfloat16:
-        _fail(name, "dtype torch.bfloat16", t.dtype)
+        fail(name, "dtype torch.bfloat16", t.dtype)
     if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
         want = ", ".join("*" if e is None else str(e) for e in expected)
-        _fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
+        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
 
 
 def _check_gemm_dim(name: str, size: int, what: str) -> None:
     if size < GEMM_K_ALIGN or size % GEMM_K_ALIGN:
-        _fail(name, f"{what} a positive multiple of {GEMM_K_ALIGN}", size)
+        fail(name, f"{what} a positive multiple of {GEMM_K_ALIGN}", size)
 
 
 def _check_num_sms(num_sms) -> int:
     if num_sms is None:
         return 0
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
-        _fail("num_sms", "None or an int >= 1", repr(num_sms))
+        fail("num_sms", "None or an int >= 1", repr(num_sms))
     return num_sms
 
 
@@ -226,7 +224,7 @@ def _check_devices(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         _check_cuda_tensor(name, t, torch.bfloat16)
         if t.device != device:
-            _fail(name, f"device {device} (the first operand's)", t.device)
+            fail(name, f"device {device} (the first operand's)", t.device)
 
 
 def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sched,
@@ -244,7 +242,7 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
     _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit == swiglu_limit):
-        _fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
+        fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 64]

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from mok.checks import check_int
+
 __all__ = [
     "check_topk_idx",
     "hot_expert_routing",
@@ -29,15 +31,6 @@ __all__ = [
 
 
 # ---- input checks ------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: expected an int in {bound}, got {value}")
-    return value
 
 
 def _check_logits(logits) -> torch.Tensor:
@@ -56,7 +49,7 @@ def _check_logits(logits) -> torch.Tensor:
 
 def check_topk_idx(topk_idx, num_experts: int) -> torch.Tensor:
     """Raise a clear error unless topk_idx is int64 `[num_tokens, num_topk]` with ids in [0, num_experts)."""
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1)
     if not isinstance(topk_idx, torch.Tensor):
         raise TypeError(f"topk_idx: expected a torch.Tensor, got {type(topk_idx).__name__}")
     if topk_idx.dim() != 2:
@@ -95,7 +88,7 @@ def softmax_topk(
     both `[num_tokens, num_topk]`, ordered by descending probability then ascending expert id.
     """
     logits = _check_logits(logits)
-    _check_int("num_topk", num_topk, 1, logits.shape[1])
+    check_int("num_topk", num_topk, 1, logits.shape[1])
     probs = logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
     topk_weights, topk_idx = _topk_lowest_id(probs, num_topk)  # [num_tokens, num_topk] each
     if normalize:
@@ -124,7 +117,7 @@ def sigmoid_bias_topk(
     """
     logits = _check_logits(logits)
     num_tokens, num_experts = logits.shape
-    _check_int("num_topk", num_topk, 1, num_experts)
+    check_int("num_topk", num_topk, 1, num_experts)
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: expected a torch.Tensor, got {type(bias).__name__}")
     if tuple(bias.shape) != (num_experts,) or not bias.is_floating_point():
@@ -149,10 +142,10 @@ def sigmoid_bias_topk(
             f"num_groups, topk_groups: expected both or neither, got {num_groups!r}, {topk_groups!r}"
         )
     if num_groups is not None:
-        _check_int("num_groups", num_groups, 1, num_experts)
+        check_int("num_groups", num_groups, 1, num_experts)
         if num_experts % num_groups != 0:
             raise ValueError(f"num_groups: expected a divisor of num_experts={num_experts}, got {num_groups}")
-        _check_int("topk_groups", topk_groups, 1, num_groups)
+        check_int("topk_groups", topk_groups, 1, num_groups)
         group_size = num_experts // num_groups
         if topk_groups * group_size < num_topk:
             raise ValueError(
@@ -180,9 +173,9 @@ def sigmoid_bias_topk(
 
 
 def _check_synthetic(num_tokens, num_experts, num_topk) -> None:
-    _check_int("num_tokens", num_tokens, 0)
-    _check_int("num_experts", num_experts, 1)
-    _check_int("num_topk", num_topk, 1, num_experts)
+    check_int("num_tokens", num_tokens, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("num_topk", num_topk, 1, num_experts)
 
 
 def _random_weights(num_tokens: int, num_topk: int, generator, device) -> torch.Tensor:
@@ -234,7 +227,7 @@ def hot_expert_routing(
     random. With num_topk = 1 and hot_fraction = 1 every route goes to the hot expert.
     """
     _check_synthetic(num_tokens, num_experts, num_topk)
-    _check_int("hot_expert", hot_expert, 0, num_experts - 1)
+    check_int("hot_expert", hot_expert, 0, num_experts - 1)
     if not isinstance(hot_fraction, (int, float)) or not 0.0 <= hot_fraction <= 1.0:
         raise ValueError(f"hot_fraction: expected a float in [0, 1], got {hot_fraction!r}")
     if num_topk == num_experts and hot_fraction < 1.0:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mok.routing import _check_int, check_topk_idx
+from mok.checks import check_int
+from mok.routing import check_topk_idx
 
 __all__ = ["Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes", "segment"]
 
@@ -84,7 +85,7 @@ def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) 
     NOTE: one host sync (reading num_rows) and the validation's min/max read.
     """
     check_topk_idx(topk_idx, num_experts)
-    _check_int("block_m", block_m, 1)
+    check_int("block_m", block_m, 1)
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
     flat = topk_idx.reshape(-1)  # [R], route r = t * K + k
@@ -180,6 +181,6 @@ def scatter_routes(y_rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 def segment(sched: Schedule, expert: int) -> slice:
     """Rows of `expert`'s segment (real rows first, then padding) as a slice of the row buffer."""
-    _check_int("expert", expert, 0, sched.num_experts - 1)
+    check_int("expert", expert, 0, sched.num_experts - 1)
     start, stop = sched.expert_offsets[expert : expert + 2].tolist()
     return slice(start, stop)

@@ -33,16 +33,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from mok.checks import fail
 from mok.comm import bytes_per_row
 from mok.config import PASSES, PRECISIONS, MoEConfig
 
 NUM_SMS = 132  # H200 (DESIGN §2)
 SM_STREAM_GB_S = 4200.0 / NUM_SMS  # measured D2D copy rate (read+write 4.2 TB/s) per SM: ~32 GB/s
 DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
-
-
-def _fail(name: str, expected: str, actual) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {actual!r}")
 
 
 @dataclass(frozen=True)
@@ -68,18 +65,18 @@ class EPSetup:
         for name in ("ep_degree", "tokens_per_rank", "hidden", "intermediate", "num_topk", "num_minibatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                _fail(name, "an int >= 1", v)
+                fail(name, "an int >= 1", v)
         if self.precision not in PRECISIONS:
-            _fail("precision", f"one of {PRECISIONS}", self.precision)
+            fail("precision", f"one of {PRECISIONS}", self.precision)
         if self.pass_ not in ("fwd", "bwd"):
-            _fail("pass_", "'fwd' or 'bwd'", self.pass_)
+            fail("pass_", "'fwd' or 'bwd'", self.pass_)
         if not 0.0 < self.comm_sm_fraction < 1.0:
-            _fail("comm_sm_fraction", "a share in (0, 1)", self.comm_sm_fraction)
+            fail("comm_sm_fraction", "a share in (0, 1)", self.comm_sm_fraction)
         for name in ("nvlink_gb_s", "compute_tflops"):
             if not getattr(self, name) > 0:
-                _fail(name, "a positive rate", getattr(self, name))
+                fail(name, "a positive rate", getattr(self, name))
         if not self.sync_us >= 0:
-            _fail("sync_us", "a time >= 0", self.sync_us)
+            fail("sync_us", "a time >= 0", self.sync_us)
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, **changes) -> EPSetup:
@@ -196,13 +193,13 @@ def calibrate_tflops(shape: str, level: str = "cublas-dense", pass_: str = "fwd"
     """The measured TFLOP/s of (shape, level, precision, pass_) in data/bench/moe.csv (or a DataFrame),
     and the row's provenance (gpu, torch, cuda, commit, date)."""
     if pass_ not in PASSES:
-        _fail("pass_", f"one of {PASSES}", pass_)
+        fail("pass_", f"one of {PASSES}", pass_)
     df = csv if isinstance(csv, pd.DataFrame) else pd.read_csv(csv)
     hit = df[(df["shape"] == shape) & (df["level"] == level) & (df["pass"] == pass_)
              & (df["precision"] == precision)]
     if hit.empty:
         have = sorted(set(zip(df["shape"], df["level"])))
-        _fail("shape/level", f"a measured (shape, level) pair, one of {have}", (shape, level))
+        fail("shape/level", f"a measured (shape, level) pair, one of {have}", (shape, level))
     row = hit.iloc[-1]
     return float(row["tflops"]), {k: row[k] for k in ("gpu", "torch", "cuda", "commit", "date") if k in row}
 
