@@ -179,7 +179,7 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = Tr
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ops.REPO / "data" / "bench" / "quant.csv"))
+    parser.add_argument("--out", default=str(bench.DATA / "quant.csv"))
     parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
     args = parser.parse_args(argv)
     import pandas as pd

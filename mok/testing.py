@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -59,6 +60,17 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
         w_shared_down=randn(H, I_sh, scale=1 / math.sqrt(I_sh)) if shared else None,  # [H, I_sh]
         d_out=randn(T, H),  # [T, H] upstream gradient
     )
+
+
+def fresh_seed() -> int:
+    """A new seed per call (tests print it on failure, so a failing draw can be replayed)."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def poison_allocator(nbytes: int, byte: int = 0xFF) -> None:
+    """Leave `byte` in the blocks the CUDA caching allocator hands out next, so an output a kernel
+    forgets to write is never a lucky zero (0xFF: NaN in bf16; 0x55: a finite E4M3 and scale byte)."""
+    torch.full((max(nbytes, 1),), byte, dtype=torch.uint8, device="cuda")
 
 
 def moe_args(inputs: dict) -> tuple:

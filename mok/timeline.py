@@ -29,17 +29,16 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import pandas as pd
 
+from mok import bench
 from mok.checks import fail
 from mok.comm import bytes_per_row
 from mok.config import PASSES, PRECISIONS, MoEConfig
 
 NUM_SMS = 132  # H200 (DESIGN §2)
 SM_STREAM_GB_S = 4200.0 / NUM_SMS  # measured D2D copy rate (read+write 4.2 TB/s) per SM: ~32 GB/s
-DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ def sweep(base: EPSetup, **axes) -> pd.DataFrame:
 
 
 def calibrate_tflops(shape: str, level: str = "cublas-dense", pass_: str = "fwd", precision: str = "bf16",
-                     csv=DATA / "moe.csv") -> tuple[float, dict]:
+                     csv=bench.DATA / "moe.csv") -> tuple[float, dict]:
     """The measured TFLOP/s of (shape, level, precision, pass_) in data/bench/moe.csv (or a DataFrame),
     and the row's provenance (gpu, torch, cuda, commit, date)."""
     if pass_ not in PASSES:

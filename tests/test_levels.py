@@ -12,7 +12,7 @@ from mok import reference as L0
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
 from mok.layer import get_level
 from mok.routing import hot_expert_routing
-from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, make_inputs, rel_err, run_level
+from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, make_inputs, poison_allocator, rel_err, run_level
 
 LEVELS_UNDER_TEST = ["torch"]
 TOL = {"bf16": TOLERANCES["bf16_vs_l0"], "mxfp8": TOLERANCES["mxfp8_vs_l0_mxfp8"]}
@@ -22,7 +22,7 @@ def poison(level):
     """Fill the caching allocator with NaNs so an output a level forgets to write is never a
     lucky zero: allocate, fill and free a large block before each run (GPU only)."""
     if torch.cuda.is_available():
-        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)
+        poison_allocator(256 << 20)
     return level
 
 

@@ -10,8 +10,6 @@ seed is in each failure message).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from mok import ops, routing
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.reference import BF16, mm, moe_forward, swiglu
 from mok.schedule import make_schedule, scatter_routes, segment
-from mok.testing import TOLERANCES, make_inputs, rel_err
+from mok.testing import TOLERANCES, fresh_seed, make_inputs, poison_allocator, rel_err
 
 # Irregular on purpose: K-tails (hidden not a multiple of 64), N-tails, more k-blocks than stages, empty
 # experts, one hot expert, num_topk 1 and 8, token counts that are no tile multiple.
@@ -30,10 +28,6 @@ CASES = {
     "deep-k": (MoEConfig("deep-k", 300, 520, 200, 6, 4), "random"),  # 9 k-blocks > 4 stages, n tail
 }
 NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
 
 
 def _problem(case: str, seed: int, block_m: int = 128) -> tuple[dict, object]:
@@ -70,12 +64,6 @@ def _expected_gemm2(a_rows, w, sched):
         seg = segment(sched, e)
         out[seg] = mm(a_rows[seg], w[e]).to(BF16)  # [rows of the segment, n], padding rows included
     return out
-
-
-def _poison_allocator(nbytes: int) -> None:
-    """Leave NaN (0xFFFF as bf16) in the blocks the caching allocator hands out next."""
-    junk = torch.full((max(nbytes, 1) * 2,), 0xFF, dtype=torch.uint8, device="cuda")  # [2 * nbytes]
-    del junk
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
@@ -135,11 +123,11 @@ def test_gemm_bad_inputs_name_the_argument():
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemm1_swiglu_gather_matches_l0(case, limit):
-    seed = _seed()
+    seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     x, wg, wu = inputs["x"], inputs["w_gate"], inputs["w_up"]
     expected = _expected_gemm1(x, wg, wu, sched, limit)
-    _poison_allocator(3 * sched.num_rows * wg.shape[1] * 2)
+    poison_allocator(2 * 3 * sched.num_rows * wg.shape[1] * 2)
     got = ops.grouped_gemm_bf16_swiglu_gather(x.cuda(), wg.cuda(), wu.cuda(), sched.to("cuda"), swiglu_limit=limit)
     for name, a, e in zip(("h", "gate", "up"), got, expected):
         _assert_close(a, e, f"{case} limit={limit} {name}", seed)
@@ -151,12 +139,12 @@ def test_gemm1_swiglu_gather_matches_l0(case, limit):
 @pytest.mark.sm90
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemm2_nt_contiguous_matches_l0(case):
-    seed = _seed()
+    seed = fresh_seed()
     inputs, sched = _problem(case, seed, block_m=64)
     wd = inputs["w_down"]  # [E, H, I]
     a_rows = torch.randn(sched.num_rows, wd.shape[2], generator=torch.Generator().manual_seed(seed)).to(BF16)
     expected = _expected_gemm2(a_rows, wd, sched)
-    _poison_allocator(sched.num_rows * wd.shape[1] * 2)
+    poison_allocator(2 * sched.num_rows * wd.shape[1] * 2)
     got = ops.grouped_gemm_bf16_nt_contiguous(a_rows.cuda(), wd.cuda(), sched.to("cuda"))
     _assert_close(got, expected, f"{case} out_rows", seed)
 
@@ -166,13 +154,13 @@ def test_gemm2_nt_contiguous_matches_l0(case):
 @pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "deep-k"])
 def test_gemms_bitwise_repeatable_for_any_grid_size(case):
     """DESIGN §5: same bits run to run and whatever the persistent grid size."""
-    seed = _seed()
+    seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     sched = sched.to("cuda")
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     runs = []
     for num_sms in (None, None, 1, 3, 7):
-        _poison_allocator(4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
+        poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
         h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
         y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
         runs.append((num_sms, [t.cpu().view(torch.int16) for t in (h, gate, up, y_rows)]))
@@ -187,7 +175,7 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_gemm1_then_gemm2_match_l0_moe_forward(shape, limit):
     """The routed experts' forward through both kernels equals L0's saved gate/up and per-route y."""
-    seed = _seed()
+    seed = fresh_seed()
     inputs = make_inputs(TINY_SHAPES[shape], seed=seed)
     _, saved = moe_forward(inputs["x"], inputs["topk_idx"], inputs["topk_weights"], inputs["w_gate"],
                            inputs["w_up"], inputs["w_down"], swiglu_limit=limit)

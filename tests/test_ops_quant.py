@@ -7,18 +7,13 @@ allocator poisoned with 0x55 bytes first, so an element the kernel never writes 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from mok import mxfp8, ops
+from mok.testing import fresh_seed, poison_allocator
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
 
 
 def _random_bf16(shape: tuple, seed: int) -> torch.Tensor:
@@ -30,12 +25,6 @@ def _random_bf16(shape: tuple, seed: int) -> torch.Tensor:
     x = x * torch.exp2(torch.randint(-10, 11, (shape[-1],), generator=gen).float())  # per-column magnitude
     x = torch.where(torch.rand(shape, generator=gen) < 0.02, 0.0, x)  # shape
     return x.bfloat16()
-
-
-def _poison_allocator(nbytes: int) -> None:
-    """Leave 0x55 bytes in the blocks the caching allocator hands out next."""
-    junk = torch.full((max(nbytes, 1) * 4,), 0x55, dtype=torch.uint8, device="cuda")  # [4 * nbytes]
-    del junk
 
 
 def _assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
@@ -58,7 +47,7 @@ def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", 
     ref_row = mxfp8.quantize(x, dim=-1) if cols % 32 == 0 else None
     ref_col = mxfp8.quantize(x, dim=-2) if rows % 32 == 0 else None
     for op in ops_list:
-        _poison_allocator(x.numel() * 2)
+        poison_allocator(4 * x.numel() * 2, byte=0x55)
         if op == "rowwise":
             outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg), ref_row)]
         elif op == "colwise":
@@ -96,7 +85,7 @@ QUANTIZE_CASES = ([("rowwise", s) for s in ROWWISE_SHAPES] + [("colwise", s) for
 @pytest.mark.sm90
 @pytest.mark.parametrize("op,shape", QUANTIZE_CASES, ids=lambda v: str(v))
 def test_quantize_matches_l0(op, shape):
-    seed = _seed()
+    seed = fresh_seed()
     _check_quantize(_random_bf16(shape, seed), seed, [op])
 
 
@@ -106,7 +95,7 @@ def test_quantize_matches_l0(op, shape):
                                                                            for v in (1, 2, 3, 4)])
 def test_benchmark_variants_match_l0(op, variant):
     """The kernel variants kept for the benchmark record compute the same bits."""
-    seed = _seed()
+    seed = fresh_seed()
     x = _random_bf16((192, 1056), seed)  # [rows, cols]
     fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
           "dual": lambda t, v: ops.mxfp8_quantize_dual(t, v)[1]}[op]
@@ -126,13 +115,13 @@ def test_benchmark_variants_match_l0(op, variant):
 @pytest.mark.sm90
 @pytest.mark.parametrize("shape", [(24576, 544), (3, 96, 1056), (64, 1064)], ids=str)
 def test_pipelined_variants_match_l0(shape):
-    seed = _seed()
+    seed = fresh_seed()
     x = _random_bf16(shape, seed)  # shape
     ref_row = mxfp8.quantize(x, dim=-1) if shape[-1] % 32 == 0 else None
     ref_col = mxfp8.quantize(x, dim=-2)
     xg = x.cuda()  # shape
     for variant in (5, 6, 7, 8):
-        _poison_allocator(x.numel() * 2)
+        poison_allocator(4 * x.numel() * 2, byte=0x55)
         outs = [(f"colwise v{variant}", ops.mxfp8_quantize_colwise(xg, variant), ref_col)]
         if ref_row is not None:
             got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
@@ -185,7 +174,7 @@ def _special_blocks(seed: int) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_every_bf16_amax_matches_l0():
-    seed = _seed()
+    seed = fresh_seed()
     x = _every_bf16_as_block_amax(seed)  # [65536, 32] blocks along rows
     _check_quantize(x, seed, ["rowwise", "dual"])
     _check_quantize(x.T.contiguous(), seed, ["colwise", "dual"])  # [32, 65536] blocks along columns
@@ -194,7 +183,7 @@ def test_every_bf16_amax_matches_l0():
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_special_values_match_l0():
-    seed = _seed()
+    seed = fresh_seed()
     x = _special_blocks(seed)  # [32 * n, 32]
     _check_quantize(x, seed)
     _check_quantize(x.T.contiguous(), seed)  # the same blocks column-wise
@@ -204,7 +193,7 @@ def test_special_values_match_l0():
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_quantize_is_deterministic():
-    x = _random_bf16((4, 256, 1024), _seed()).cuda()  # [experts, rows, cols]
+    x = _random_bf16((4, 256, 1024), fresh_seed()).cuda()  # [experts, rows, cols]
     first = ops.mxfp8_quantize_dual(x)
     second = ops.mxfp8_quantize_dual(x)
     for a, b in zip(first, second):
@@ -221,13 +210,13 @@ def test_quantize_is_deterministic():
 def test_dequantize_every_byte_matches_l0(shape, dim):
     """Random data bytes (all 256 E4M3 codes, NaN too) and scale bytes (0..255: subnormal 2^-127,
     overflow to Inf, the NaN scale)."""
-    seed = _seed()
+    seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)  # shape
     scale_shape = list(shape)
     scale_shape[dim] //= 32
     scales = torch.randint(0, 256, scale_shape, generator=gen, dtype=torch.uint8)  # shape, dim / 32
-    _poison_allocator(data.numel() * 2)
+    poison_allocator(4 * data.numel() * 2, byte=0x55)
     got = ops.mxfp8_dequantize(data.cuda(), scales.cuda(), dim=dim)
     _assert_bf16_equal(got, mxfp8.dequantize(data, scales, dim=dim), f"dequantize {shape} dim {dim}", seed)
 
@@ -235,7 +224,7 @@ def test_dequantize_every_byte_matches_l0(shape, dim):
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_roundtrip_matches_l0_fake_quantize():
-    seed = _seed()
+    seed = fresh_seed()
     x = _random_bf16((2, 64, 512), seed)  # [experts, rows, cols]
     (dr, sr), (dc, sc) = ops.mxfp8_quantize_dual(x.cuda())
     _assert_bf16_equal(ops.mxfp8_dequantize(dr, sr, -1), mxfp8.fake_quantize(x, -1), "roundtrip row", seed)
