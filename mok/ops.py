@@ -176,23 +176,23 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
 
 # ---- grouped BF16 GEMMs over the route schedule (L2 building blocks, docs/l2_fused.md) ------------------
 # Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
-# multiple of the kernels' 64-row tile). Outputs stay in that row layout. Bitwise deterministic: every
+# multiple of the kernels' 128-row tile). Outputs stay in that row layout. Bitwise deterministic: every
 # output is one fp32 sum over the full K in a fixed order, whatever `num_sms` (the persistent grid size;
 # None = the device's SM count).
 
-GEMM_BLOCK_M = 64  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
+GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
 
 
 def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows],
-    tile_to_expert int32 [num_rows / 64], one entry per 64-row kernel tile)."""
+    tile_to_expert int32 [num_rows / 128], one entry per 128-row kernel tile)."""
     if sched.block_m % GEMM_BLOCK_M:
-        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=64 or 128))",
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=128), the default)",
               f"block_m={sched.block_m}")
     row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
     tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
-    tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 64]
+    tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
     return row_to_token, tile_to_expert.contiguous()
 
 
@@ -245,7 +245,7 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
         fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
@@ -266,7 +266,73 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     _check_gemm_dim("w", w.shape[1], "n (dim 1)")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, w=w)
-    _, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows / 64]
+    _, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
     load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, tile_to_expert, out_rows, sms)
     return out_rows
+
+
+# ---- fixed-order combine (L2; csrc/include/mok/moe/combine.cuh) ----------------------------------------
+# out[t] = bf16(Σ_k w[t,k]·y_rows[route_to_row[t,k]] + shared[t]): fp32, increasing k, then shared; each
+# product and sum rounded on its own, so the bits equal mok.reference.combine's (and, without weights, the
+# d_x sum of mok.reference.moe_backward). One thread per output element: no atomics, no grid dependence.
+
+
+def _check_combine_operand(name: str, t, dtype: torch.dtype, expected: tuple, what: str) -> None:
+    """dtype(s) and shape, before any device check (CPU-testable); `dtype` may be a tuple of choices."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        fail(name, "dtype " + " or ".join(str(d) for d in dtypes), t.dtype)
+    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+        want = ", ".join("*" if e is None else str(e) for e in expected)
+        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
+
+
+def _check_on_device(name: str, t: torch.Tensor, device: torch.device, vector_rows: bool) -> None:
+    """CUDA, on `device`, contiguous; vector_rows: 16-byte aligned (the kernel reads rows in 16 bytes)."""
+    if t.device.type != "cuda":
+        fail(name, "a CUDA tensor", f"device {t.device}")
+    if t.device != device:
+        fail(name, f"device {device} (y_rows')", t.device)
+    if not t.is_contiguous():
+        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
+    if vector_rows and t.data_ptr() % 16 != 0:
+        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
+              f"address {t.data_ptr():#x}")
+
+
+def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                 shared: torch.Tensor | None = None, check_rows: bool = True) -> torch.Tensor:
+    """Fixed-order combine of per-route rows into tokens: out [num_tokens, hidden] bf16 with
+    out[t] = bf16(Σ_k topk_weights[t,k]·y_rows[route_to_row[t,k]] + shared[t]) in fp32, increasing k.
+
+    y_rows bf16 [num_rows, hidden] (hidden % 8 == 0); route_to_row int64 or int32 [num_tokens, num_topk]
+    (a schedule's `route_to_row`); topk_weights fp32 [num_tokens, num_topk] or None (weights 1: the d_x sum
+    of the backward); shared bf16 [num_tokens, hidden] or None. check_rows: verify every row id is in
+    [0, num_rows) (one host sync); without the check, a bad id gives NaN for its token, never a stray read."""
+    _check_combine_operand("y_rows", y_rows, torch.bfloat16, (None, None), "[num_rows, hidden]")
+    num_rows, hidden = y_rows.shape
+    if hidden % GEMM_K_ALIGN:
+        fail("y_rows", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
+    _check_combine_operand("route_to_row", route_to_row, (torch.int64, torch.int32), (None, None),
+                           "[num_tokens, num_topk]")
+    num_tokens, num_topk = route_to_row.shape
+    if topk_weights is not None:
+        _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
+                               "[num_tokens, num_topk] (route_to_row's)")
+    if shared is not None:
+        _check_combine_operand("shared", shared, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
+    operands = {"y_rows": (y_rows, True), "route_to_row": (route_to_row, False),
+                "topk_weights": (topk_weights, False), "shared": (shared, True)}
+    for name, (t, vector_rows) in operands.items():
+        if t is not None:
+            _check_on_device(name, t, y_rows.device, vector_rows)
+    if check_rows and route_to_row.numel():
+        low, high = int(route_to_row.min()), int(route_to_row.max())  # host sync
+        if low < 0 or high >= num_rows:
+            fail("route_to_row", f"row ids in [0, {num_rows}) (y_rows has {num_rows} rows)", f"ids in [{low}, {high}]")
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_tokens, hidden]
+    load_extension().combine_rows(y_rows, route_to_row, topk_weights, shared, out)
+    return out

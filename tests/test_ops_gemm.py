@@ -79,16 +79,16 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed:
 # ---- CPU: the pure-Python pieces ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_m", [64, 128, 192])
-def test_gemm_schedule_tensors_split_tiles_into_64_rows(block_m):
+@pytest.mark.parametrize("block_m", [128, 256, 384])
+def test_gemm_schedule_tensors_split_tiles_into_kernel_tiles(block_m):
     topk_idx = routing.random_routing(45, 5, 3, skew=1.0, generator=torch.Generator().manual_seed(block_m))[0]
     sched = make_schedule(topk_idx, 5, block_m=block_m)
     row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, "cpu")
     assert row_to_token.dtype == tile_to_expert.dtype == torch.int32
     assert torch.equal(row_to_token.long(), sched.row_to_token)
-    assert torch.equal(tile_to_expert.long(), sched.row_to_expert[:: ops.GEMM_BLOCK_M])  # [num_rows / 64]
-    with pytest.raises(ValueError, match="sched: expected block_m a multiple of 64"):
-        ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=32), "cpu")
+    assert torch.equal(tile_to_expert.long(), sched.row_to_expert[:: ops.GEMM_BLOCK_M])  # [num_rows / 128]
+    with pytest.raises(ValueError, match="sched: expected block_m a multiple of 128"):
+        ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=64), "cpu")
 
 
 def test_gemm_bad_inputs_name_the_argument():
@@ -140,7 +140,7 @@ def test_gemm1_swiglu_gather_matches_l0(case, limit):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemm2_nt_contiguous_matches_l0(case):
     seed = fresh_seed()
-    inputs, sched = _problem(case, seed, block_m=64)
+    inputs, sched = _problem(case, seed, block_m=256)  # two kernel tiles per schedule tile
     wd = inputs["w_down"]  # [E, H, I]
     a_rows = torch.randn(sched.num_rows, wd.shape[2], generator=torch.Generator().manual_seed(seed)).to(BF16)
     expected = _expected_gemm2(a_rows, wd, sched)

@@ -26,7 +26,7 @@ cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void*
                                      int64_t cols, cudaStream_t stream);
 
 // ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
-// Rows follow mok/schedule.py with tiles of 64 rows: tile_to_expert [num_rows / 64] (int32), row_to_token
+// Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
 // [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
 // k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
 // results are bitwise the same for any value).
@@ -44,5 +44,16 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* tile_to_expert,
                                             void* out, int64_t num_rows, int64_t n, int64_t k, int64_t num_experts,
                                             int num_sms, cudaStream_t stream);
+
+// ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
+// out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):
+// y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk], int64 or int32; topk_weights fp32
+// [num_tokens, num_topk] or null (weights 1: the d_x sum of the backward); shared bf16 [num_tokens, hidden]
+// or null; out bf16 [num_tokens, hidden]. hidden % 8 == 0, 16-byte aligned rows. A route_to_row entry
+// outside [0, num_rows) is not read; its token's output is NaN.
+
+cudaError_t combine_rows(const void* y_rows, const void* route_to_row, bool route_to_row_is_int64,
+                         const float* topk_weights, const void* shared, void* out, int64_t num_tokens,
+                         int64_t num_topk, int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
 }  // namespace mok

@@ -1,26 +1,31 @@
 // Grouped BF16 GEMMs over the route schedule (mok/schedule.py), sm_90a: persistent, warp-specialized,
-// wgmma with fp32 accumulators in registers, weights by TMA, activation rows by 16-byte cp.async.
+// wgmma with fp32 accumulators in registers, weights by TMA, activation rows by TMA or gathered with
+// 16-byte cp.async.
 //
 //   GEMM1 (kSwiGLU):  for every row r of the schedule, e = the tile's expert, t = row_to_token[r]:
 //                     gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ),
 //                     h[r] = bf16(swiglu(gate[r], up[r]))  (fp32 SwiGLU of the rounded gate/up, as L0)
 //                     padding rows (t = -1): zeros in h, gate and up.
-//   GEMM2 (kStore):   out[r] = bf16(a[r]·W[e]ᵀ) for every row (a plain grouped GEMM, no gather).
+//   GEMM2 (kStore):   out[r] = bf16(a[r]·W[e]ᵀ) for every row (a plain grouped GEMM; A rows by TMA).
 //
-// Task = one output tile: BLOCK_M rows (one expert) × kTaskN columns, over the full K in one CTA (no
+// Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
-// takes tasks b, b + grid, b + 2·grid, ... in increasing order (m-major: neighbouring CTAs share A rows).
+// takes tasks b, b + grid, b + 2·grid, ... in increasing order (m-major: neighbouring CTAs share A rows,
+// and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
 //
-// Roles (256 threads): warpgroup 0 = producer (warp 0 issues every load; warps 1-3 exit at once),
-// warpgroup 1 = consumer (the wgmmas and the epilogue). Both walk the same (task, k-block) sequence
-// through a ring of kNumStages shared-memory stages; stage s is handed over with two mbarriers:
-//   full[s]:  33 arrivals = 32 producer lanes (cp.async.mbarrier.arrive.noinc: fires when that lane's
-//             copies have landed) + 1 arrive.expect_tx (lane 0), plus the two TMA tiles' bytes.
-//   empty[s]: 4 arrivals = lane 0 of each consumer warp, after its wgmmas reading s have completed.
+// Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
+// consumers, each owning 64 of the tile's 128 rows (wgmma m64n128k16, two accumulators of 64 floats).
+// Both roles walk the same (task, k-block) sequence through a ring of kNumStages shared-memory stages;
+// stage s is handed over with two mbarriers:
+//   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
+//             that thread's copies have landed) + 1 arrive.expect_tx (B bytes);
+//             A by TMA: 1 arrive.expect_tx (A + B bytes).
+//   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed.
+// The consumers keep one wgmma group in flight: k-block kb's MMAs run while kb - 1's stage is released.
 //
-// Stage layout (bytes; every tile 1024-aligned): [A 64×128][B0 64×128][B1 64×128], 24 KiB.
-//   GEMM1: B0 = Wg[e] rows n0..n0+63, B1 = Wu[e] rows n0..n0+63 (gate and up of the same columns, so the
-//          epilogue holds both in registers);  GEMM2: B0/B1 = W[e] rows n0..n0+63 / n0+64..n0+127.
+// Stage layout (bytes; every tile 1024-aligned): [A 128×128][B0 128×128][B1 128×128], 48 KiB.
+//   GEMM1: B0 = Wg[e] rows n0..n0+127, B1 = Wu[e] rows n0..n0+127 (gate and up of the same columns, so the
+//          epilogue holds both in registers);  GEMM2: B0/B1 = W[e] rows n0..n0+127 / n0+128..n0+255.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,35 +37,38 @@ namespace mok::gemm {
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
-constexpr int BLOCK_M = 64;             // rows per task: one m64 wgmma
-constexpr int BLOCK_K = 64;             // k per stage: 64 bf16 = 128 bytes = one swizzled row
-constexpr int BLOCK_N_B = 64;           // rows of each B tile = n of each wgmma
-constexpr int kNumStages = 4;           // shared-memory ring depth
-constexpr int kNumProducerThreads = 128;
-constexpr int kNumConsumerThreads = 128;
-constexpr int kNumThreads = kNumProducerThreads + kNumConsumerThreads;
-constexpr int kNumConsumerWarps = kNumConsumerThreads / kWarpSize;
+constexpr int kNumConsumerGroups = 2;              // consumer warpgroups
+constexpr int WG_M = 64;                           // rows per consumer warpgroup: one m64 wgmma
+constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
+constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
+constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
+constexpr int kNumStages = 4;                      // shared-memory ring depth
+constexpr int kWarpgroup = 128;
+constexpr int kNumProducerThreads = kWarpgroup;
+constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
+constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg budgets: 128·56 + 256·224 <= 64 Ki
 constexpr int kRowBytes = BLOCK_K * 2;
-constexpr uint32_t kTileBytes = BLOCK_M * kRowBytes;  // 8 KiB
-constexpr uint32_t kStageBytes = 3 * kTileBytes;       // A, B0, B1
-constexpr uint32_t kFullArrivals = kWarpSize + 1;      // 32 cp.async lanes + the expect_tx arrival
+constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
+constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
+constexpr uint32_t kStageBytes = kATileBytes + 2 * kBTileBytes;
 constexpr uint32_t kSmemBytes = kNumStages * kStageBytes + 2 * kNumStages * 8 + ptx::kSw128AtomBytes;
 
-// The producer warp copies an A tile as 64 rows × 8 chunks of 16 bytes: lane l copies chunk l % 8 of
-// rows l / 8 + 4j, j in [0, 16) (8 lanes read one row's 128 contiguous bytes).
+// The producer warpgroup gathers an A tile as 128 rows × 8 chunks of 16 bytes: thread t copies chunk t % 8
+// of rows t / 8 + 16j, j in [0, 8) (8 threads read one row's 128 contiguous bytes).
 constexpr int kChunksPerRow = kRowBytes / 16;
-constexpr int kRowsPerLane = BLOCK_M * kChunksPerRow / kWarpSize;
-constexpr int kRowStride = kWarpSize / kChunksPerRow;
+constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
+constexpr int kRowsPerThread = BLOCK_M / kRowStride;
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
-static_assert(BLOCK_M == 64 && BLOCK_N_B == 64, "one m64n64k16 wgmma per B tile and k16 step");
-static_assert(BLOCK_M == BLOCK_N_B, "A and B tiles share one shape, so one tile size and one descriptor kind");
-static_assert(BLOCK_M % 8 == 0 && kTileBytes % ptx::kSw128AtomBytes == 0, "tiles are whole 8-row atoms");
-static_assert(kStageBytes % ptx::kSw128AtomBytes == 0, "every stage and tile starts 1024-byte aligned");
-static_assert(kRowsPerLane * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kWarpSize,
-              "the producer warp covers every (row, chunk) of an A tile exactly once");
-static_assert(kNumProducerThreads % 128 == 0 && kNumConsumerThreads == 128,
-              "the consumer is one whole warpgroup starting at a warp index divisible by 4");
+static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
+                  kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
+              "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
+static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
+              "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
+static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <= 65536 &&
+                  kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
+              "the register budgets fit the register file (setmaxnreg takes multiples of 8)");
 static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KiB of shared memory an sm_90 block may use");
 
 // ---- the 128-byte swizzle ------------------------------------------------------------------------------
@@ -89,8 +97,8 @@ static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its ato
 enum class Epilogue { kSwiGLU, kStore };
 
 struct Params {
-  const uint16_t* a;               // GEMM1: x [num_tokens, k]; GEMM2: a_rows [num_rows, k] (bf16 bits)
-  const int32_t* row_to_token;     // [num_rows], -1 = padding; nullptr: row r reads a[r] (GEMM2)
+  const uint16_t* a;               // GEMM1: x [num_tokens, k], gathered; GEMM2: unused (A by TMA)
+  const int32_t* row_to_token;     // [num_rows], -1 = padding; nullptr: A rows by TMA (GEMM2)
   const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
   uint16_t* out;                   // GEMM1: h; GEMM2: out. [num_rows, n] bf16
   uint16_t* gate;                  // GEMM1 only: [num_rows, n]
@@ -105,54 +113,70 @@ struct Params {
 
 template <Epilogue kEpilogue>
 struct Tile {
+  static constexpr bool kGather = kEpilogue == Epilogue::kSwiGLU;  // A gathered by cp.async, else by TMA
   static constexpr int kTaskN = kEpilogue == Epilogue::kSwiGLU ? BLOCK_N_B : 2 * BLOCK_N_B;  // columns
   static constexpr int kB1RowOffset = kEpilogue == Epilogue::kSwiGLU ? 0 : BLOCK_N_B;  // B1 rows vs B0
+  static constexpr uint32_t kFullArrivals = kGather ? kNumProducerThreads + 1 : 1;
+  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + 2 * kBTileBytes;
 };
 
-MOK_DEVICE uint8_t* stage_tile(uint8_t* smem, uint32_t stage, int which) {
-  return smem + stage * kStageBytes + which * kTileBytes;  // which: 0 = A, 1 = B0, 2 = B1
+MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
+MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
+  return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
 
-// ---- producer: warp 0 ----------------------------------------------------------------------------------
+// ---- producer: warpgroup 0 -----------------------------------------------------------------------------
+
+// Lane 0 of warp 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered).
+template <Epilogue kEpilogue>
+MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1,
+                          uint8_t* smem, uint64_t* bar, uint32_t stage, int m_tile, int n0, int expert, int kb) {
+  using T = Tile<kEpilogue>;
+  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
+  if constexpr (!T::kGather) ptx::tma_load_3d(stage_a(smem, stage), tmap_a, kb * BLOCK_K, m_tile * BLOCK_M, 0, bar);
+  ptx::tma_load_3d(stage_b(smem, stage, 0), tmap_b0, kb * BLOCK_K, n0, expert, bar);
+  ptx::tma_load_3d(stage_b(smem, stage, 1), tmap_b1, kb * BLOCK_K, n0 + T::kB1RowOffset, expert, bar);
+}
 
 template <Epilogue kEpilogue>
-MOK_DEVICE void produce(const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1, const Params& p,
-                        uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks, int num_k_blocks) {
-  const uint32_t lane = lane_id();
-  const uint32_t chunk = lane % kChunksPerRow;
-  const uint32_t row_lane = lane / kChunksPerRow;
-  uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumer
+MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1,
+                        const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks,
+                        int num_k_blocks) {
+  using T = Tile<kEpilogue>;
+  const uint32_t thread = threadIdx.x;  // 0..127
+  if (!T::kGather && thread != 0) return;  // TMA only: one thread issues everything
+  const uint32_t chunk = thread % kChunksPerRow;
+  const uint32_t row_in_tile = thread / kChunksPerRow;
+  uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const int m_tile = task / p.num_n_tiles, n_tile = task % p.num_n_tiles;
     const int expert = p.tile_to_expert[m_tile];
-    const int n0 = n_tile * Tile<kEpilogue>::kTaskN;
-    int32_t token[kRowsPerLane];  // source row of each of this lane's A rows, -1 = zero row
+    const int n0 = n_tile * T::kTaskN;
+    int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
+    if constexpr (T::kGather) {
 #pragma unroll
-    for (int j = 0; j < kRowsPerLane; ++j) {
-      const int row = m_tile * BLOCK_M + row_lane + kRowStride * j;
-      token[j] = p.row_to_token != nullptr ? p.row_to_token[row] : row;
+      for (int j = 0; j < kRowsPerThread; ++j)
+        token[j] = p.row_to_token[m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
     for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
-      if (lane == 0) {
-        ptx::mbarrier_arrive_expect_tx(&full[stage], 2 * kTileBytes);
-        ptx::tma_load_3d(stage_tile(smem, stage, 1), tmap_b0, kb * BLOCK_K, n0, expert, &full[stage]);
-        ptx::tma_load_3d(stage_tile(smem, stage, 2), tmap_b1, kb * BLOCK_K,
-                         n0 + Tile<kEpilogue>::kB1RowOffset, expert, &full[stage]);
-      }
-      uint8_t* a_tile = stage_tile(smem, stage, 0);
-      const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this lane's chunk
+      if (thread == 0)
+        issue_tma<kEpilogue>(tmap_a, tmap_b0, tmap_b1, smem, &full[stage], stage, m_tile, n0, expert, kb);
+      if constexpr (T::kGather) {
+        uint8_t* a_tile = stage_a(smem, stage);
+        const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
-      for (int j = 0; j < kRowsPerLane; ++j) {
-        const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
-        const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
-        ptx::cp_async_16_zfill(a_tile + sw128_offset(row_lane + kRowStride * j, chunk), src, real ? 16 : 0);
+        for (int j = 0; j < kRowsPerThread; ++j) {
+          const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
+          const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
+          ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
       }
-      ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
     }
   }
-  ptx::cp_async_wait_all();  // NOTE: do not leave copies in flight behind an exited thread
+  if constexpr (T::kGather) ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
 // ---- epilogues: registers -> global, bf16 pairs --------------------------------------------------------
@@ -176,18 +200,20 @@ MOK_DEVICE float swiglu(float g, float u, float limit, bool has_limit) {
   return g * sigmoid * u;
 }
 
-// Thread (warp w, lane l) of the consumer warpgroup holds rows 16w + l/4 (+8) and, per i in [0, 8),
-// columns 8i + 2(l%4) + {0, 1} of each 64-column accumulator (see ptx::wgmma_m64n64k16_bf16).
-MOK_DEVICE void store_swiglu(const float (&acc_gate)[32], const float (&acc_up)[32], const Params& p,
-                             int m_tile, int n0, uint32_t warp, uint32_t lane) {
+constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per accumulator
+
+// Thread (warp w of its consumer warpgroup, lane l) holds rows row0 = 16w + l/4 and row0 + 8 of the
+// warpgroup's 64 and, per i in [0, 16), columns 8i + 2(l%4) + {0, 1} of each 128-column accumulator
+// (see ptx::wgmma_m64n128k16_bf16). `row` below is the schedule row of the fragment's first row.
+MOK_DEVICE void store_swiglu(const float (&acc_gate)[kAccPerThread], const float (&acc_up)[kAccPerThread],
+                             const Params& p, int row, int n0, uint32_t lane) {
   const bool has_limit = p.has_limit != 0;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m_tile * BLOCK_M + 16 * warp + lane / 4 + 8 * h;
+  for (int h = 0; h < 2; ++h, row += 8) {
     const bool real = p.row_to_token[row] >= 0;
     const int64_t base = static_cast<int64_t>(row) * p.n;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < BLOCK_N_B / 8; ++i) {
       const int col = n0 + 8 * i + 2 * static_cast<int>(lane % 4);
       if (col >= p.n) continue;  // n % 8 == 0: a pair is all in or all out
       const float g0 = round_bf16(acc_gate[4 * i + 2 * h]), g1 = round_bf16(acc_gate[4 * i + 2 * h + 1]);
@@ -201,14 +227,13 @@ MOK_DEVICE void store_swiglu(const float (&acc_gate)[32], const float (&acc_up)[
   }
 }
 
-MOK_DEVICE void store_pair(const float (&acc0)[32], const float (&acc1)[32], const Params& p, int m_tile, int n0,
-                           uint32_t warp, uint32_t lane) {
+MOK_DEVICE void store_pair(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
+                           int row, int n0, uint32_t lane) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m_tile * BLOCK_M + 16 * warp + lane / 4 + 8 * h;
+  for (int h = 0; h < 2; ++h, row += 8) {
     const int64_t base = static_cast<int64_t>(row) * p.n;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < BLOCK_N_B / 8; ++i) {
       const int col = n0 + 8 * i + 2 * static_cast<int>(lane % 4);
       if (col < p.n)
         *reinterpret_cast<uint32_t*>(p.out + base + col) = pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]);
@@ -219,51 +244,60 @@ MOK_DEVICE void store_pair(const float (&acc0)[32], const float (&acc1)[32], con
   }
 }
 
-// ---- consumer: warpgroup 1 -----------------------------------------------------------------------------
+// ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
 
-MOK_DEVICE void fence_accumulators(float (&acc0)[32], float (&acc1)[32]) {
+MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread]) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+  for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
 template <Epilogue kEpilogue>
 MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks,
                         int num_k_blocks) {
-  const uint32_t warp = (threadIdx.x - kNumProducerThreads) / kWarpSize;
+  using T = Tile<kEpilogue>;
+  const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
+  const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
+  const uint32_t a_offset = group * WG_M * kRowBytes;  // this warpgroup's rows of the A tile
   uint32_t it = 0;
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const int m_tile = task / p.num_n_tiles, n_tile = task % p.num_n_tiles;
-    float acc0[32], acc1[32];  // GEMM1: gate, up; GEMM2: columns n0.., n0+64..
+    float acc0[kAccPerThread], acc1[kAccPerThread];  // GEMM1: gate, up; GEMM2: columns n0.., n0+128..
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+    for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
+    uint32_t prev_stage = 0;
     for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
       ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
-      // The A tile was written by cp.async (generic proxy); wgmma reads it through the async proxy.
-      ptx::fence_proxy_async_shared();
-      const uint64_t desc_a = ptx::smem_desc_sw128(stage_tile(smem, stage, 0));
-      const uint64_t desc_b0 = ptx::smem_desc_sw128(stage_tile(smem, stage, 1));
-      const uint64_t desc_b1 = ptx::smem_desc_sw128(stage_tile(smem, stage, 2));
+      // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
+      if constexpr (T::kGather) ptx::fence_proxy_async_shared();
+      const uint64_t desc_a = ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
+      const uint64_t desc_b0 = ptx::smem_desc_sw128(stage_b(smem, stage, 0));
+      const uint64_t desc_b1 = ptx::smem_desc_sw128(stage_b(smem, stage, 1));
       fence_accumulators(acc0, acc1);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_K / 16; ++kk) {  // k16 slice kk starts 32·kk bytes into each row
-        ptx::wgmma_m64n64k16_bf16(acc0, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b0, 32 * kk));
-        ptx::wgmma_m64n64k16_bf16(acc1, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b1, 32 * kk));
+        ptx::wgmma_m64n128k16_bf16(acc0, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b0, 32 * kk));
+        ptx::wgmma_m64n128k16_bf16(acc1, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b1, 32 * kk));
       }
       ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();  // TODO: keep one group in flight and release the previous stage
+      ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
       fence_accumulators(acc0, acc1);
-      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
+      if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
+      prev_stage = stage;
     }
+    ptx::wgmma_wait_group<0>();
+    fence_accumulators(acc0, acc1);
+    if (num_k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
 
-    const int n0 = n_tile * Tile<kEpilogue>::kTaskN;
+    const int row = m_tile * BLOCK_M + group * WG_M + 16 * warp + lane / 4;
+    const int n0 = n_tile * T::kTaskN;
     if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-      store_swiglu(acc0, acc1, p, m_tile, n0, warp, lane);
+      store_swiglu(acc0, acc1, p, row, n0, lane);
     } else {
-      store_pair(acc0, acc1, p, m_tile, n0, warp, lane);
+      store_pair(acc0, acc1, p, row, n0, lane);
     }
   }
 }
@@ -272,8 +306,9 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
 
 template <Epilogue kEpilogue>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_b0,
+    grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b0,
                              const __grid_constant__ CUtensorMap tmap_b1, const Params p) {
+  using T = Tile<kEpilogue>;
   extern __shared__ uint8_t smem_raw[];
   // Dynamic shared memory is only 16-byte aligned for sure; the swizzle atoms need 1024 (kSmemBytes has
   // the slack).
@@ -284,10 +319,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], kFullArrivals);
+      ptx::mbarrier_init(&full[s], T::kFullArrivals);
       ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
     }
     ptx::fence_mbarrier_init();
+    if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
   }
@@ -296,15 +332,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_tasks = (p.num_rows / BLOCK_M) * p.num_n_tiles;
   const int num_k_blocks = static_cast<int>(ceil_div(p.k, BLOCK_K));
   if (threadIdx.x < kNumProducerThreads) {
-    if (threadIdx.x < kWarpSize) produce<kEpilogue>(&tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    produce<kEpilogue>(&tmap_a, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
+    ptx::setmaxnreg_inc<kConsumerRegs>();
     consume<kEpilogue>(p, smem, full, empty, num_tasks, num_k_blocks);
   }
 }
 
 // ---- host launcher -------------------------------------------------------------------------------------
-// Encodes the two weight maps, sizes the persistent grid (min(num_sms or the device's SM count, tasks))
-// and launches on `stream`. w_b0/w_b1: bf16 [num_experts, n, k] (GEMM2 passes the same matrix twice).
+// Encodes the tensor maps, sizes the persistent grid (min(num_sms or the device's SM count, tasks)) and
+// launches on `stream`. w_b0/w_b1: bf16 [num_experts, n, k] (GEMM2 passes the same matrix twice); GEMM2's
+// A rows (p.a, [num_rows, k]) get a 2D map.
 
 template <Epilogue kEpilogue>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
@@ -313,10 +352,12 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   const int64_t num_tasks = static_cast<int64_t>(p.num_rows / BLOCK_M) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
   if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
-  CUtensorMap tmap_b0, tmap_b1;
+  CUtensorMap tmap_a{}, tmap_b0, tmap_b1;
   cudaError_t err;
-  if ((err = encode_weight_map(&tmap_b0, w_b0, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)) ||
-      (err = encode_weight_map(&tmap_b1, w_b1, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)))
+  if (!Tile<kEpilogue>::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
+    return err;
+  if ((err = encode_rows_map(&tmap_b0, w_b0, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)) ||
+      (err = encode_rows_map(&tmap_b1, w_b1, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)))
     return err;
   const auto kernel = grouped_gemm_bf16_kernel<kEpilogue>;
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
@@ -326,7 +367,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
       return err;
   }
   const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_b0, tmap_b1, p);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_b0, tmap_b1, p);
   return cudaGetLastError();
 }
 

@@ -77,6 +77,16 @@ MOK_DEVICE uint64_t smem_desc_sw128(const void* smem_tile) {
          (1ull << 62);
 }
 
+// The same for an MN-major tile (M or N contiguous: the operand transposed, `kTrans* = 1` in the wgmma):
+// rows of 128 bytes are now 64 consecutive M (or N) elements of one k, 8 k-rows make a 1024-byte atom
+// (SBO, from one 8-k group to the next), and `mn_atom_bytes` (LBO) leads from one 64-element M/N chunk to
+// the next (one TMA box of 64 × box_k each). A k16 step is 2 atoms further: +2048 bytes.
+MOK_DEVICE uint64_t smem_desc_sw128_mn(const void* smem_tile, uint32_t mn_atom_bytes) {
+  const uint64_t addr = smem_addr(smem_tile);
+  return ((addr >> 4) & 0x3FFFull) | (static_cast<uint64_t>((mn_atom_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>(kSw128AtomBytes >> 4) << 32) | (1ull << 62);
+}
+
 // The descriptor of the same tile `bytes` further along K (bytes a multiple of 16, within the row).
 MOK_HOST_DEVICE constexpr uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
@@ -91,22 +101,37 @@ MOK_DEVICE void wgmma_wait_group() {
 // Keeps the compiler from moving reads/writes of an accumulator register across the asynchronous MMA.
 MOK_DEVICE void fence_operand(float& reg) { asm volatile("" : "+f"(reg)::"memory"); }
 
-// D[64x64] (+)= A[64x16] · B[64x16]ᵀ, A and B K-major bf16 in shared memory, D fp32 in registers.
-// Fragment of D held by thread t of the warpgroup (warp w = t / 32, lane l): d[4i + 2h + j] is
-// row 16w + l/4 + 8h, column 8i + 2(l%4) + j, for i in [0, 8), h, j in {0, 1}.
-// scale-d = 1: always accumulate (callers zero the accumulators first).
-MOK_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+// D[64xN] (+)= A[64x16] · B[Nx16]ᵀ, bf16 operands in shared memory, D fp32 in registers (scale-d = 1: always
+// accumulate; callers zero the accumulators first). kTransA/kTransB = 0: the operand is K-major (K
+// contiguous, the nn.Linear layout); 1: MN-major (M or N contiguous), see smem_desc_sw128_mn.
+// Fragment of D held by thread t of the warpgroup (warp w = t / 32 of the warpgroup, lane l):
+// d[4i + 2h + j] is row 16w + l/4 + 8h, column 8i + 2(l%4) + j, for i in [0, N/8), h, j in {0, 1}.
+template <int kTransA = 0, int kTransB = 0>
+MOK_DEVICE void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, %66, %67;\n\t}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b));
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
+
+// ---- register budget per warpgroup (warp specialization) ---------------------------------------------
+// Every warp of the warpgroup executes it. The producer gives registers back, the consumers take them.
+template <int kRegs>
+MOK_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+template <int kRegs>
+MOK_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
 
 }  // namespace mok::ptx

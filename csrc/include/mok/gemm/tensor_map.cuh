@@ -23,12 +23,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// w: bf16 [num_experts, rows, k] (nn.Linear layout: rows = output features, k contiguous). The map's
+// w: bf16 [batch, rows, k], k contiguous: a stack of expert weights (nn.Linear layout: rows = output features)
+// or, with batch = 1, a matrix of activation rows. The map's
 // dims, innermost first, are (k, rows, num_experts); a box of (box_k, box_rows, 1) lands in shared memory
 // as box_rows rows of box_k * 2 bytes with the 128-byte swizzle (box_k * 2 must be 128). Elements past
 // k or rows read as zeros (and rows past the last expert too): a tile never reads a neighbouring expert.
 // Needs: w 16-byte aligned, k % 8 == 0 (row stride a multiple of 16 bytes).
-inline cudaError_t encode_weight_map(CUtensorMap* map, const void* w, int64_t num_experts, int64_t rows,
+inline cudaError_t encode_rows_map(CUtensorMap* map, const void* w, int64_t num_experts, int64_t rows,
                                      int64_t k, uint32_t box_k, uint32_t box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorSymbolNotFound;
