@@ -86,6 +86,22 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
              "grouped_gemm_bf16_nt_contiguous");
 }
 
+void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
+             const std::optional<at::Tensor>& shared, at::Tensor& out) {
+  check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
+  if (topk_weights) check_arg(*topk_weights, "topk_weights");
+  if (shared) check_arg(*shared, "shared");
+  TORCH_CHECK(route_to_row.scalar_type() == at::kLong || route_to_row.scalar_type() == at::kInt,
+              "route_to_row: expected int64 or int32");
+  const c10::cuda::CUDAGuard guard(y_rows.device());
+  check_cuda(mok::combine_rows(y_rows.data_ptr(), route_to_row.data_ptr(), route_to_row.scalar_type() == at::kLong,
+                               topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                               shared ? shared->data_ptr() : nullptr, out.data_ptr(), route_to_row.size(0),
+                               route_to_row.size(1), y_rows.size(0), y_rows.size(1),
+                               c10::cuda::getCurrentCUDAStream()),
+             "combine_rows");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -96,4 +112,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, tile_to_expert, out, num_sms");
+  m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
 }
