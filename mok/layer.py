@@ -17,22 +17,37 @@ from torch import nn
 
 from mok import routing
 from mok.checks import check_moe_inputs
+from mok.config import PRECISIONS
 
 # level name -> module implementing forward/backward (DESIGN §6)
 LEVELS = {
     "reference": "mok.reference",  # L0
     "torch": "mok.torch_native",  # L1
-    "fused": "mok.fused",  # L2 (Hopper kernels; not built yet)
+    "fused": "mok.fused",  # L2 (Hopper kernels; bf16)
     "megakernel": "mok.megakernel",  # L3/L4 (not built yet)
 }
+HOPPER_LEVELS = ("megakernel", "fused")  # run only on sm_90 (Hopper); "auto" tries them deepest first
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" picks the deepest level that exists and runs on `device`."""
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _runs(name: str, precision: str) -> bool:
+    """Whether level `name` is built and runs `precision` (a level may list its PRECISIONS)."""
+    if importlib.util.find_spec(LEVELS[name]) is None:
+        return False
+    return precision in getattr(get_level(name), "PRECISIONS", PRECISIONS)
+
+
+def resolve_backend(backend: str, device: torch.device, precision: str = "bf16") -> str:
+    """"auto" picks the deepest level that exists and runs `precision` on `device`: the Hopper levels
+    on an sm_90 GPU only; L1 ("torch") everywhere else."""
     if backend == "auto":
-        for name in ("megakernel", "fused"):
-            if device.type == "cuda" and importlib.util.find_spec(LEVELS[name]) is not None:
-                return name
+        if _is_hopper(device):
+            for name in HOPPER_LEVELS:
+                if _runs(name, precision):
+                    return name
         return "torch"
     if backend not in LEVELS:
         raise ValueError(f"backend: expected 'auto' or one of {list(LEVELS)}, got {backend!r}")
@@ -70,7 +85,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_s
     from the caller, weights already normalized. Differentiable in x, topk_weights and all weights."""
     check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                      w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
-    backend = resolve_backend(backend, x.device)
+    backend = resolve_backend(backend, x.device, precision)
     return _MoEFunction.apply(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate,
                               w_shared_up, w_shared_down, precision, swiglu_limit, backend)
 

@@ -109,26 +109,46 @@ def _expert_grads(x_rows, gate, up, dy_rows, w_gate, w_up, w_down, offs, p, limi
     return dx_rows, d_w_gate, d_w_up, d_w_down
 
 
-def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
-    s, sched, p = saved, saved.sched, saved.precision
-    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
-    T, K, H = s.y.shape
+def routed_backward(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple:
+    """The routed experts' backward on the schedule's rows (saved.sched; gate/up saved in its row
+    layout), y [T, K, H] the per-route outputs. Returns (d_topk_weights [T, K] fp32, dx_rows [R, H] bf16,
+    [d_w_gate, d_w_up, d_w_down]). Shared by L1 and L2 (mok.fused)."""
+    s, sched = saved, saved.sched
+    w_gate, w_up, w_down = s.weights[:3]
+    T, K, H = y.shape
     offs = sched.expert_offsets[1:].to(torch.int32)  # [E]
-    d_topk_weights = (d_out.float()[:, None, :] * s.y.float()).sum(-1)  # [T, K]
+    d_topk_weights = (d_out.float()[:, None, :] * y.float()).sum(-1)  # [T, K]
     dy = (d_out.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
     dy_rows = sch.gather_routes(dy.view(T * K, H), sched)  # [R, H]
     x_rows = sch.gather_rows(s.x, sched)  # [R, H]
-    dx_rows, *d_w = _expert_grads(x_rows, s.gate, s.up, dy_rows, w_gate, w_up, w_down, offs, p,
+    dx_rows, *d_w = _expert_grads(x_rows, s.gate, s.up, dy_rows, w_gate, w_up, w_down, offs, s.precision,
                                   s.swiglu_limit)
+    return d_topk_weights, dx_rows, d_w
+
+
+def shared_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
+    """The shared expert's backward (BF16, DESIGN §4) from its saved gate/up [T, I_sh]. Returns
+    (dx_shared [T, H] bf16 — rounded once, as L0's — or None, [d_w_shared_gate, _up, _down] or Nones)."""
+    s = saved
+    ws_gate, ws_up, ws_down = s.weights[3:]
+    if ws_gate is None:
+        return None, [None, None, None]
+    d_h = _linear(d_out.to(BF16), ws_down.T)  # [T, I_sh]
+    d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.shared_gate, s.shared_up, d_h, s.swiglu_limit))
+    h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh]
+    dx_shared = (_linear(d_gate, ws_gate.T).float() + _linear(d_up, ws_up.T).float()).to(BF16)  # [T, H]
+    return dx_shared, [_linear(d_gate.T, s.x.T), _linear(d_up.T, s.x.T), _linear(d_out.to(BF16).T, h.T)]
+
+
+def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
+    s, sched = saved, saved.sched
+    T, K, H = s.y.shape
+    d_topk_weights, dx_rows, d_w = routed_backward(s, d_out, s.y)
     dx = sch.scatter_routes(dx_rows, sched)  # [T, K, H]
+    dx_shared, d_shared = shared_backward(s, d_out)
     d_x = torch.zeros(T, H, dtype=torch.float32, device=d_out.device)  # [T, H]
     for k in range(K):  # fixed order: increasing k, then the shared expert
         d_x += dx[:, k].float()
-    d_shared = [None, None, None]
-    if ws_gate is not None:
-        d_h = _linear(d_out.to(BF16), ws_down.T)  # [T, I_sh]
-        d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.shared_gate, s.shared_up, d_h, s.swiglu_limit))
-        h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh]
-        d_x += _linear(d_gate, ws_gate.T).float() + _linear(d_up, ws_up.T).float()
-        d_shared = [_linear(d_gate.T, s.x.T), _linear(d_up.T, s.x.T), _linear(d_out.to(BF16).T, h.T)]
+    if dx_shared is not None:
+        d_x += dx_shared.float()
     return (d_x.to(BF16), d_topk_weights, *d_w, *d_shared)

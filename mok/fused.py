@@ -1,0 +1,123 @@
+"""L2 `fused`: the MoE layer on mok's Hopper kernels (sm_90a), a few launches per pass.
+
+Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(saved, d_out)`, see
+mok.layer), BF16 only. What runs where today:
+
+forward, all in Hopper kernels except the schedule:
+    make_schedule(topk_idx, block_m=128)       torch integer ops on the GPU (one host sync: num_rows)
+    grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
+    grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
+    shared expert                              the same two kernels, one expert, a schedule of all tokens in
+                                               token order (row t = token t), weights viewed as [1, ...]
+    combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
+backward, still L1 code (mok.torch_native.routed_backward / shared_backward: torch._grouped_mm, cuBLAS
+and elementwise torch ops) on the saved row-layout tensors, except:
+    combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
+TODO(lead): replace the backward GEMMs, SwiGLU backward and d_topk_weights with kernels.
+
+Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
+order than L0's, so results agree within DESIGN §9's tolerance (nearly all elements bit for bit). Bits
+are identical run to run and for any persistent grid size: set it with `num_sms=` or the environment
+variable MOK_NUM_SMS (unset or 0: every SM), which tests use to run two grid sizes.
+
+precision="mxfp8" raises NotImplementedError (no fused MXFP8 path yet); backend="auto" then picks L1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mok import ops
+from mok import torch_native as L1
+from mok.checks import fail
+from mok.reference import Saved
+from mok.schedule import Schedule, make_schedule, scatter_routes
+
+__all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
+           "num_sms_from_env", "shared_schedule"]
+
+BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M, 64 or 128)
+NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
+PRECISIONS = ("bf16",)  # what this level runs (mok.layer.resolve_backend reads it)
+
+
+@dataclass(eq=False)
+class FusedSaved(Saved):
+    """L0's Saved, with the routed outputs kept in the schedule's row layout (`y` stays None)."""
+
+    y_rows: torch.Tensor | None = None  # [num_rows, H]
+
+
+def num_sms_from_env() -> int | None:
+    """The grid size MOK_NUM_SMS asks for: None (all SMs) when unset, empty or 0."""
+    raw = os.environ.get(NUM_SMS_ENV, "").strip()
+    if raw in ("", "0"):
+        return None
+    if not raw.isdigit():
+        fail(NUM_SMS_ENV, "unset, 0 (all SMs) or an int >= 1", repr(raw))
+    return int(raw)
+
+
+def _check_runs_here(x: torch.Tensor, precision: str) -> None:
+    if precision == "mxfp8":
+        raise NotImplementedError("precision: backend 'fused' (L2) has no MXFP8 path yet; use backend='torch' "
+                                  "(L1, an MXFP8 emulation) or backend='auto', which picks it for mxfp8")
+    if precision not in PRECISIONS:
+        fail("precision", f"one of {PRECISIONS} for backend 'fused'", repr(precision))
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        fail("x", "a CUDA tensor on a Hopper GPU for backend 'fused' (use 'torch' or 'reference' elsewhere)",
+             f"device {getattr(x, 'device', type(x).__name__)}")
+    ops.require_hopper()
+
+
+def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
+    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I])."""
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=swiglu_limit,
+                                                      num_sms=num_sms)  # [R, I] each
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, w_down, sched, num_sms=num_sms)  # [R, H]
+    return y_rows, gate, up
+
+
+def shared_schedule(num_tokens: int, device) -> Schedule:
+    """The shared expert as one routed expert that every token visits once: rows 0..T-1 are tokens
+    0..T-1 in order (routes in ascending token order), then padding up to BLOCK_M."""
+    topk_idx = torch.zeros(num_tokens, 1, dtype=torch.int64, device=device)  # [T, 1]
+    return make_schedule(topk_idx, 1, block_m=BLOCK_M)
+
+
+def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+            w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None):
+    """out [T, H] bf16 and a FusedSaved. num_sms: the GEMMs' grid size (None: MOK_NUM_SMS, else all SMs)."""
+    _check_runs_here(x, precision)
+    num_sms = num_sms_from_env() if num_sms is None else num_sms
+    T = x.shape[0]
+    sched = make_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # on topk_idx's device
+    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)  # [R, *]
+
+    shared, shared_gate, shared_up = None, None, None
+    if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
+        sh = shared_schedule(T, x.device)
+        rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
+                                swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
+        shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
+
+    out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
+    saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                       w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
+                       sched=sched, y_rows=y_rows)
+    return out, saved
+
+
+def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
+    """Gradients in mok.reference.moe_backward's order; L1's pieces plus the fixed-order d_x kernel."""
+    s, sched = saved, saved.sched
+    y = scatter_routes(s.y_rows, sched)  # [T, K, H] per-route outputs, for d_topk_weights
+    d_topk_weights, dx_rows, d_w = L1.routed_backward(s, d_out, y)  # [T, K], [R, H], 3 x [E, ...]
+    del y
+    dx_shared, d_shared = L1.shared_backward(s, d_out)  # [T, H] bf16 or None
+    # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
+    d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]
+    return (d_x, d_topk_weights, *d_w, *d_shared)
