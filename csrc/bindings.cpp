@@ -75,14 +75,17 @@ void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at:
              "grouped_gemm_bf16_swiglu_gather");
 }
 
-void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& tile_to_expert,
-                        at::Tensor& out, int64_t num_sms) {
+void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
+                        const at::Tensor& tile_to_expert, at::Tensor& out, int64_t num_sms) {
   check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(out, "out");
-  TORCH_CHECK(tile_to_expert.scalar_type() == at::kInt, "tile_to_expert: expected int32");
+  check_arg(row_to_token, "row_to_token");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), tile_to_expert.data_ptr<int32_t>(),
-                                                  out.data_ptr(), a_rows.size(0), w.size(1), w.size(2), w.size(0),
-                                                  static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), row_to_token.data_ptr<int32_t>(),
+                                                  tile_to_expert.data_ptr<int32_t>(), out.data_ptr(), a_rows.size(0),
+                                                  w.size(1), w.size(2), w.size(0), static_cast<int>(num_sms),
+                                                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_nt_contiguous");
 }
 
@@ -111,6 +114,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up, swiglu_limit, has_limit, num_sms");
-  m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, tile_to_expert, out, num_sms");
+  m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, row_to_token, tile_to_expert, out, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
 }

@@ -25,12 +25,12 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
   return gemm::launch_grouped_gemm_bf16<gemm::Epilogue::kSwiGLU>(w_gate, w_up, num_experts, p, num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* tile_to_expert,
-                                            void* out, int64_t num_rows, int64_t n, int64_t k, int64_t num_experts,
-                                            int num_sms, cudaStream_t stream) {
+cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
+                                            const int32_t* tile_to_expert, void* out, int64_t num_rows, int64_t n,
+                                            int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(a_rows);
-  p.row_to_token = nullptr;  // row r reads a_rows[r]
+  p.row_to_token = row_to_token;  // row r reads a_rows[r]; padding rows are written as zeros
   p.tile_to_expert = tile_to_expert;
   p.out = static_cast<uint16_t*>(out);
   p.num_rows = static_cast<int>(num_rows);

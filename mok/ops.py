@@ -257,7 +257,7 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
 def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched,
                                     num_sms: int | None = None) -> torch.Tensor:
     """GEMM2 of the routed experts, a plain grouped GEMM over the schedule's rows (no gather):
-    out_rows[r] = bf16(a_rows[r]·w[e]ᵀ), e = the expert of row r's segment (padding rows included).
+    out_rows[r] = bf16(a_rows[r]·w[e]ᵀ), e = the expert of row r's segment; padding rows are zeros.
     a_rows [num_rows, k]; w [num_experts, n, k]; k and n multiples of 8. Returns bf16 [num_rows, n]."""
     _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, k]")
     k = a_rows.shape[1]
@@ -266,9 +266,9 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     _check_gemm_dim("w", w.shape[1], "n (dim 1)")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, w=w)
-    _, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows / 128]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
-    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, tile_to_expert, out_rows, sms)
+    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert, out_rows, sms)
     return out_rows
 
 

@@ -62,7 +62,8 @@ def _expected_gemm2(a_rows, w, sched):
     out = torch.zeros(sched.num_rows, w.shape[1], dtype=BF16)  # [num_rows, n]
     for e in range(sched.num_experts):
         seg = segment(sched, e)
-        out[seg] = mm(a_rows[seg], w[e]).to(BF16)  # [rows of the segment, n], padding rows included
+        n = int(sched.tokens_per_expert[e])  # real rows come first in a segment; padding rows stay zero
+        out[seg.start:seg.start + n] = mm(a_rows[seg.start:seg.start + n], w[e]).to(BF16)  # [n, n_out]
     return out
 
 

@@ -40,10 +40,10 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
                                             bool has_limit, int num_sms, cudaStream_t stream);
 
 // GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
-// out [num_rows, n].
-cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* tile_to_expert,
-                                            void* out, int64_t num_rows, int64_t n, int64_t k, int64_t num_experts,
-                                            int num_sms, cudaStream_t stream);
+// out [num_rows, n]; padding rows (row_to_token = -1) of out are zeros.
+cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
+                                            const int32_t* tile_to_expert, void* out, int64_t num_rows, int64_t n,
+                                            int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream);
 
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):

@@ -127,6 +127,16 @@ MOK_DEVICE void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t 
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
+// ---- stmatrix: four 8x8 bf16 matrices from the mma accumulator layout into shared memory -------------
+// Register m of every lane holds its pair of matrix m (lane l: row l/4, columns 2(l%4), 2(l%4) + 1, the
+// layout of a wgmma/mma accumulator fragment packed to bf16x2); lane l gives the address of row l % 8 of
+// matrix l / 8 (16-byte aligned).
+MOK_DEVICE void stmatrix_x4(void* smem_row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(smem_row)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- register budget per warpgroup (warp specialization) ---------------------------------------------
 // Every warp of the warpgroup executes it. The producer gives registers back, the consumers take them.
 template <int kRegs>
