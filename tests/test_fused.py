@@ -24,7 +24,9 @@ from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, fresh_seed, make_
 
 TOL = TOLERANCES["bf16_vs_l0"]
 SHARED_KEYS = ("w_shared_gate", "w_shared_up", "w_shared_down")
-NEAR_BITWISE = 0.98  # fraction of elements equal to L0's bits (GEMM fp32 sum order flips a few roundings)
+# The GEMMs' fp32 sums run in another order than L0's, which flips the bf16 rounding of a fraction of the
+# outputs that grows with K (12% at K = 3072): nearly every element must still be within one bf16 ulp.
+WITHIN_ONE_ULP = 0.999
 
 
 def _cases():
@@ -88,7 +90,7 @@ def test_fused_hot_expert_and_empty_experts():
                          ids=lambda c: c.name)
 def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
     """The shared expert as one routed expert over all tokens (row t = token t) gives L0's shared
-    forward: its gate/up and its output, nearly bit for bit."""
+    forward: its gate/up and its output, within one bf16 ulp nearly everywhere."""
     seed = fresh_seed()
     inputs = _inputs(cfg, True, seed)
     x, ws = inputs["x"], [inputs[k] for k in SHARED_KEYS]
@@ -101,8 +103,9 @@ def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
         a = a[: x.shape[0]]
         err = testing.rel_err(a, e)
         assert err <= TOL, f"{name}: rel_err {err:.3e} (seed {seed})"
-        same = (a.view(torch.int16) == e.view(torch.int16)).float().mean().item()
-        assert same >= NEAR_BITWISE, f"{name}: only {same:.4f} of the elements equal L0's bits (seed {seed})"
+        ulps = (a.view(torch.int16).int() - e.view(torch.int16).int()).abs()  # same sign: distance in ulps
+        close = ((ulps <= 1) | (a == e)).float().mean().item()
+        assert close >= WITHIN_ONE_ULP, f"{name}: only {close:.4f} of the elements within 1 ulp of L0 (seed {seed})"
 
 
 @pytest.mark.gpu
