@@ -2,6 +2,7 @@
 #include "mok/api.h"
 #include "mok/quant/mxfp8_dequantize.cuh"
 #include "mok/quant/mxfp8_quantize.cuh"
+#include "mok/quant/mxfp8_quantize_split.cuh"
 
 namespace mok {
 
@@ -18,6 +19,9 @@ cudaError_t mxfp8_quantize_colwise(const void* x, void* data, void* scales, int6
 cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col,
                                 void* scales_col, int64_t rows, int64_t cols, int variant,
                                 cudaStream_t stream) {
+  if (mxfp8::is_split_dual_variant(variant))  // warp-specialized, dual only
+    return mxfp8::launch_quantize_dual_split(x, data_row, scales_row, data_col, scales_col, rows, cols, variant,
+                                             stream);
   return mxfp8::launch_quantize_tiled(x, data_col, scales_col, data_row, scales_row, rows, cols, variant,
                                       stream);
 }

@@ -8,6 +8,8 @@ Kernel times are CUDA-event medians over CUDA-graph replays (no Python overhead 
 region); inputs smaller than 4x the L2 rotate among several copies so that they come from HBM.
 
     python -m mok.bench_quant                    # writes data/bench/quant.csv
+    python -m mok.bench_quant --ops dual --variants 0,1,9,10,11,12,13 --out data/bench/quant_dual.csv
+                                                 # some ops and variants only, side by side
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from mok.config import STANDARD_SHAPES
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
 OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise")
 # docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
-# the alias target is left out.
-VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1, 2, 3, 4, 5, 6, 7), "dual": (0, 1, 2, 3, 4, 5, 6, 7)}
+# the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
+VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
+            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13)}
 
 
 def quant_shapes() -> list[tuple[str, tuple]]:
@@ -129,21 +132,33 @@ def _same_bits(got, want) -> bool:
     return all(_same_bits(g, w) for g, w in zip(got, want))
 
 
-def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, variants: bool = True) -> list[dict]:
+def variants_of(op: str, variants) -> tuple:
+    """The variants of `op` to time: all of VARIANTS[op] (variants=True), the default only (False), or
+    those of a tuple of variant numbers that `op` has (0 is every op's default)."""
+    if variants is True:
+        return VARIANTS.get(op, (0,))
+    if variants is False:
+        return (0,)
+    return tuple(v for v in variants if v in VARIANTS.get(op, (0,)))
+
+
+def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, variants=True,
+                ops_list: tuple = OPS) -> list[dict]:
     numel = math.prod(shape)
     copies = max(1, math.ceil(L2_ROTATE_BYTES / (2 * numel)))
     xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]  # shape, each
+    dequant = any(op.startswith("dequant") for op in ops_list)  # the quantized inputs are only theirs
     quantized = {dim: [ops.mxfp8_quantize_rowwise(x) if dim == -1 else ops.mxfp8_quantize_colwise(x)
-                       for x in xs] for dim in (-1, -2)}
+                       for x in xs] if dequant else [None] for dim in (-1, -2)}
     rows = []
-    for op in OPS:
+    for op in ops_list:
         inputs = quantized[-1 if op == "dequant_rowwise" else -2] if op.startswith("dequant") else xs
         l0_ms, exact, want = float("nan"), None, None
         if l0:
             l0_fn = _l0_fn(op, xs[0], {d: q[0] for d, q in quantized.items()})
             want = l0_fn()
             l0_ms = bench.time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
-        for variant in VARIANTS.get(op, (0,)) if variants else (0,):
+        for variant in variants_of(op, variants):
             calls, first_out = _kernel_calls(op, inputs, variant)
             ms = graph_time_ms(calls)
             if l0:
@@ -162,8 +177,8 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
 # ---- provenance and main ------------------------------------------------------------------------
 
 
-def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = True) -> list[dict]:
-    """Tidy rows, one per (shape, op, variant), provenance columns included."""
+def bench_quant(shapes: list | None = None, l0: bool = True, variants=True, ops_list: tuple = OPS) -> list[dict]:
+    """Tidy rows, one per (shape, op, variant), provenance columns included. `variants`: see variants_of."""
     ops.require_hopper()
     copy_gbps = copy_bandwidth_gbps()
     meta = bench.provenance()
@@ -172,7 +187,7 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants: bool = Tr
              "copy_gbps": copy_gbps, "frac_of_copy": 1.0, "l0_time_ms": float("nan"),
              "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}]
     for name, shape in shapes or quant_shapes():
-        rows += bench_shape(name, shape, copy_gbps, l0=l0, variants=variants)
+        rows += bench_shape(name, shape, copy_gbps, l0=l0, variants=variants, ops_list=ops_list)
         torch.cuda.empty_cache()
     return [{**row, **meta} for row in rows]
 
@@ -181,10 +196,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(bench.DATA / "quant.csv"))
     parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant numbers (each op times those it has); default: all")
     args = parser.parse_args(argv)
+    ops_list = tuple(args.ops.split(","))
+    unknown = [op for op in ops_list if op not in OPS]
+    if unknown:
+        parser.error(f"--ops: expected a subset of {','.join(OPS)}, got {','.join(unknown)}")
+    variants = True if args.variants is None else tuple(int(v) for v in args.variants.split(","))
     import pandas as pd
 
-    df = pd.DataFrame(bench_quant(l0=not args.no_l0))
+    df = pd.DataFrame(bench_quant(l0=not args.no_l0, variants=variants, ops_list=ops_list))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     cols = ["shape_name", "op", "variant", "time_ms", "gbps", "frac_of_copy", "speedup_vs_l0", "bitexact_vs_l0"]

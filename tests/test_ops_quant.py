@@ -40,8 +40,8 @@ def _assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str,
                              f"first at {first}: got {got}, L0 {want}")
 
 
-def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", "dual")) -> None:
-    """Runs each op on x (CPU bf16) on the GPU and compares it with L0 bit for bit."""
+def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", "dual"), variant: int = 0) -> None:
+    """Runs each op (kernel `variant`) on x (CPU bf16) on the GPU and compares it with L0 bit for bit."""
     rows, cols = x.shape[-2], x.shape[-1]
     xg = x.cuda()
     ref_row = mxfp8.quantize(x, dim=-1) if cols % 32 == 0 else None
@@ -49,12 +49,12 @@ def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", 
     for op in ops_list:
         poison_allocator(4 * x.numel() * 2, byte=0x55)
         if op == "rowwise":
-            outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg), ref_row)]
+            outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg, variant), ref_row)]
         elif op == "colwise":
-            outs = [("colwise", ops.mxfp8_quantize_colwise(xg), ref_col)]
+            outs = [("colwise", ops.mxfp8_quantize_colwise(xg, variant), ref_col)]
         else:
-            got_row, got_col = ops.mxfp8_quantize_dual(xg)
-            outs = [("dual/row", got_row, ref_row), ("dual/col", got_col, ref_col)]
+            got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
+            outs = [(f"dual/row v{variant}", got_row, ref_row), (f"dual/col v{variant}", got_col, ref_col)]
         for name, (data, scales), (ref_data, ref_scales) in outs:
             _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {tuple(x.shape)}", seed)
             _assert_bytes_equal(data, ref_data, f"{name} data, x {tuple(x.shape)}", seed)
@@ -129,6 +129,52 @@ def test_pipelined_variants_match_l0(shape):
         for name, (data, scales), (ref_data, ref_scales) in outs:
             _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
             _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
+
+
+# Variants 9-13: dual only, warp-specialized (a producer warp streams 32 x 256 tiles into shared-memory
+# stages, row and column warps quantize them; docs/mxfp8_kernels.md). 65536 x 288: 4096 tiles, so every
+# stage's mbarriers wrap their phase parity at least twice in every variant (>= 10 tiles per CTA, <= 12
+# stages), and 288 = 256 + 32 leaves a partial last column tile (32 of 256 columns); 3D folds experts into
+# rows (1056 = 4 x 256 + 32); 32 x 32 is one partial tile; 64 x 7168 has fewer tiles than CTAs.
+SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", [(65536, 288), (3, 96, 1056), (32, 32), (64, 7168)], ids=str)
+def test_split_dual_variants_match_l0(shape):
+    seed = fresh_seed()
+    x = _random_bf16(shape, seed)  # shape
+    ref_row, ref_col = mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2)
+    xg = x.cuda()  # shape
+    for variant in SPLIT_DUAL_VARIANTS:
+        poison_allocator(4 * x.numel() * 2, byte=0x55)
+        got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
+        for name, (data, scales), (ref_data, ref_scales) in [(f"dual/row v{variant}", got_row, ref_row),
+                                                             (f"dual/col v{variant}", got_col, ref_col)]:
+            _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
+            _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("variant", SPLIT_DUAL_VARIANTS)
+def test_split_dual_edge_cases_match_l0(variant):
+    """Every bf16 amax and the special-value blocks through the row warps ([n, 32]: one partial tile
+    per row block) and the column warps ([32, n])."""
+    seed = fresh_seed()
+    every = _every_bf16_as_block_amax(seed)  # [65536, 32]
+    special = _special_blocks(seed)  # [32 * n, 32]
+    for x in (every, every.T.contiguous(), special, special.T.contiguous(), torch.stack([special, -special])):
+        _check_quantize(x, seed, ["dual"], variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_split_variants_are_dual_only():
+    x = torch.randn(64, 256, device="cuda").bfloat16()  # [rows, cols]
+    with pytest.raises(RuntimeError, match="mxfp8_quantize_colwise: kernel launch failed"):
+        ops.mxfp8_quantize_colwise(x, SPLIT_DUAL_VARIANTS[0])
 
 
 # ---- quantization: edge cases ---------------------------------------------------------------------

@@ -69,6 +69,22 @@ struct TiledOut {
   uint8_t* scales_row;  // [rows, cols / 32] E8M0 (dual)
 };
 
+// The E8M0 bytes of 8 consecutive columns' scales, column 0 in the lowest byte (one 8-byte store).
+MOK_DEVICE uint2 scale_bytes8(const Scale (&s)[8]) {
+  return make_uint2(s[0].byte | (s[1].byte << 8) | (s[2].byte << 16) | (s[3].byte << 24),
+                    s[4].byte | (s[5].byte << 8) | (s[6].byte << 16) | (s[7].byte << 24));
+}
+
+// Row-wise scales of two rows at once (dual): `a` and `b` are this lane's 8-column chunks of the two rows,
+// and lanes xor 1, 2 hold the other 3 chunks of the same 32-column block. The two rows' amaxes travel
+// packed in one word, so one pair of shuffles serves both. All 32 lanes must call it.
+MOK_DEVICE void row_block_scales2(uint4 a, uint4 b, Scale& sa, Scale& sb) {
+  uint32_t amax2 = amax2_fold(amax2_acc(0u, a)) | (amax2_fold(amax2_acc(0u, b)) << 16);
+  amax2 = warp_vmaxu2_xor(warp_vmaxu2_xor(amax2, 1), 2);
+  sa = scale_from_amax_bits(amax2 & 0xFFFFu);
+  sb = scale_from_amax_bits(amax2 >> 16);
+}
+
 // Quantizes a thread's kRowsPerThread chunks `v` (8 columns from `col`, rows row0 + row_lane + kRowLanes
 // * i) column-wise and, for kDual, row-wise, and stores both. All 32 lanes must call it (shuffles); lanes
 // with `valid` false (columns past the end) compute on whatever they hold and store nothing. NOTE: the
@@ -104,14 +120,8 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
   // ---- row scales (dual): this thread's 8 columns, two rows per word, then over the block's 4 col lanes
   Scale rs[kRowsPerThread];
   if constexpr (kDual) {
-    uint32_t racc[kRowsPerThread / 2];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread / 2; ++i) {
-      racc[i] = amax2_fold(amax2_acc(0u, v[2 * i])) | (amax2_fold(amax2_acc(0u, v[2 * i + 1])) << 16);
-      racc[i] = warp_vmaxu2_xor(warp_vmaxu2_xor(racc[i], 1), 2);
-      rs[2 * i] = scale_from_amax_bits(racc[i] & 0xFFFFu);
-      rs[2 * i + 1] = scale_from_amax_bits(racc[i] >> 16);
-    }
+    for (int i = 0; i < kRowsPerThread / 2; ++i) row_block_scales2(v[2 * i], v[2 * i + 1], rs[2 * i], rs[2 * i + 1]);
   }
   if (!valid) return;  // no shuffles below
 
@@ -122,12 +132,7 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
     st_v2(out.data_col + offset, quantize8(v[i], col_inv, col_nan));
     if constexpr (kDual) st_v2(out.data_row + offset, quantize8(v[i], rs[i]));
   }
-  if (row_lane == 0) {  // [row0 / 32, col .. col + 8) of the column-wise scales
-    uint2 bytes;
-    bytes.x = cs[0].byte | (cs[1].byte << 8) | (cs[2].byte << 16) | (cs[3].byte << 24);
-    bytes.y = cs[4].byte | (cs[5].byte << 8) | (cs[6].byte << 16) | (cs[7].byte << 24);
-    st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, bytes);
-  }
+  if (row_lane == 0) st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0/32, col..+8)
   if constexpr (kDual) {
     // The block's 4 col lanes all hold its kRowsPerThread row scales; lane j of the 4 stores a share.
     constexpr int kRowsPerLane = kRowsPerThread / kChunksPerBlock;
@@ -277,37 +282,46 @@ inline cudaError_t launch_quantize_rowwise(const void* x, void* data, void* scal
   }
 }
 
-// Persistent launch of quantize_pipelined_kernel: as many CTAs as fit on the device at once (at most one
-// per tile). The shared-memory opt-in and the occupancy query run once per device and are cached, so a
-// launch inside a CUDA graph capture makes no such calls (every caller runs it once before capturing).
-template <int kWarps, int kNumStages, bool kDual>
-inline cudaError_t launch_quantize_pipelined(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
-                                             cudaStream_t stream) {
-  using Pipe = PipelinedTile<kWarps, kNumStages>;
-  constexpr int kThreads = kWarps * kWarpSize;
+// Grid of a persistent kernel: as many CTAs as fit on the device at once, at most one per tile. The
+// shared-memory opt-in and the occupancy query run once per kernel and device and are cached, so a launch
+// inside a CUDA graph capture makes no such calls (every caller runs the op once before capturing).
+template <auto* kKernel>
+inline cudaError_t persistent_grid(int threads, int smem_bytes, int64_t num_tiles, unsigned* grid) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> resident_ctas[kMaxDevices];  // per device; 0 = not set up yet
-  const auto kernel = quantize_pipelined_kernel<kWarps, kNumStages, kDual>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   int resident = device < kMaxDevices ? resident_ctas[device].load() : 0;
   if (resident == 0) {
     int per_sm = 0, sms = 0;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Pipe::kSmemBytes)) ||
-        (err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+    if ((err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes)) ||
+        (err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared)) ||
-        (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, Pipe::kSmemBytes)) ||
+        (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes)) ||
         (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
       return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     resident = per_sm * sms;
     if (device < kMaxDevices) resident_ctas[device].store(resident);
   }
+  *grid = static_cast<unsigned>(num_tiles < resident ? num_tiles : resident);
+  return cudaSuccess;
+}
+
+template <int kWarps, int kNumStages, bool kDual>
+inline cudaError_t launch_quantize_pipelined(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
+                                             cudaStream_t stream) {
+  using Pipe = PipelinedTile<kWarps, kNumStages>;
+  constexpr int kThreads = kWarps * kWarpSize;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, Pipe::kTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
-  kernel<<<static_cast<unsigned>(tiles < resident ? tiles : resident), kThreads, Pipe::kSmemBytes, stream>>>(
-      x, out, rows, cols);
+  unsigned grid = 0;
+  const cudaError_t err =
+      persistent_grid<quantize_pipelined_kernel<kWarps, kNumStages, kDual>>(kThreads, Pipe::kSmemBytes, tiles, &grid);
+  if (err != cudaSuccess) return err;
+  const auto kernel = quantize_pipelined_kernel<kWarps, kNumStages, kDual>;
+  kernel<<<grid, kThreads, Pipe::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
 }
 
@@ -336,6 +350,7 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
   //   5: 8 x 3 (32 KB tiles, 96 KB)    6: 4 x 4 (16 KB tiles, 64 KB)    7: 8 x 2 (32 KB tiles, 64 KB)
   // 0 (default): 8 for both. The pipelined 5-7 are bit-exact but measured slower (dual 0.816 vs 0.826 of
   // copy on the >1 GB weights, data/bench/quant_pipelined_48bf4dd.csv; docs/mxfp8_kernels.md).
+  // 9-13 (dual only, warp-specialized) are launch_quantize_dual_split's (mxfp8_quantize_split.cuh).
   if (variant == 0) variant = 8;
   switch (variant * 2 + (dual ? 1 : 0)) {
     case 16: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
