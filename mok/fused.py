@@ -25,6 +25,7 @@ precision="mxfp8" raises NotImplementedError (no fused MXFP8 path yet); backend=
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -81,9 +82,11 @@ def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
     return y_rows, gate, up
 
 
+@functools.lru_cache(maxsize=8)
 def shared_schedule(num_tokens: int, device) -> Schedule:
     """The shared expert as one routed expert that every token visits once: rows 0..T-1 are tokens
-    0..T-1 in order (routes in ascending token order), then padding up to BLOCK_M."""
+    0..T-1 in order (routes in ascending token order), then padding up to BLOCK_M. It depends on
+    num_tokens alone, so it is built once per (num_tokens, device): no host sync per forward."""
     topk_idx = torch.zeros(num_tokens, 1, dtype=torch.int64, device=device)  # [T, 1]
     return make_schedule(topk_idx, 1, block_m=BLOCK_M)
 
@@ -99,7 +102,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
     shared, shared_gate, shared_up = None, None, None
     if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
-        sh = shared_schedule(T, x.device)
+        sh = shared_schedule(T, x.device)  # cached; read-only
         rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
                                 swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
         shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
