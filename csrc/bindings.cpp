@@ -89,6 +89,40 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
              "grouped_gemm_bf16_nt_contiguous");
 }
 
+void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
+                       const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                       at::Tensor& d_gate, at::Tensor& d_up, double swiglu_limit, bool has_limit, int64_t num_sms) {
+  check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  const c10::cuda::CUDAGuard guard(dy_rows.device());
+  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(
+                 dy_rows.data_ptr(), w_down.data_ptr(), gate.data_ptr(), up.data_ptr(),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), d_gate.data_ptr(),
+                 d_up.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
+                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
+                 c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_dgrad_swiglu");
+}
+
+void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const at::Tensor& w_gate,
+                        const at::Tensor& w_up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                        at::Tensor& dx_rows, int64_t num_sms) {
+  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(dx_rows, "dx_rows");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  const c10::cuda::CUDAGuard guard(d_gate.device());
+  check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(
+                 d_gate.data_ptr(), d_up.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), dx_rows.data_ptr(),
+                 d_gate.size(0), w_gate.size(2), w_gate.size(1), w_gate.size(0), static_cast<int>(num_sms),
+                 c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_dgrad_gate_up");
+}
+
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
              const std::optional<at::Tensor>& shared, at::Tensor& out) {
   check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
@@ -115,5 +149,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, row_to_token, tile_to_expert, out, num_sms");
+  m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
+        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate, d_up, swiglu_limit, has_limit, num_sms");
+  m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
+        "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
 }

@@ -22,7 +22,7 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
   p.k = static_cast<int>(hidden);
   p.swiglu_limit = swiglu_limit;
   p.has_limit = has_limit ? 1 : 0;
-  return gemm::launch_grouped_gemm_bf16<gemm::Epilogue::kSwiGLU>(w_gate, w_up, num_experts, p, num_sms, stream);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(w_gate, w_up, num_experts, p, num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
@@ -36,7 +36,44 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
   p.num_rows = static_cast<int>(num_rows);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
-  return gemm::launch_grouped_gemm_bf16<gemm::Epilogue::kStore>(w, w, num_experts, p, num_sms, stream);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(w, w, num_experts, p, num_sms, stream);
+}
+
+cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
+                                           const int32_t* row_to_token, const int32_t* tile_to_expert, void* d_gate,
+                                           void* d_up, int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                           cudaStream_t stream) {
+  gemm::Params p{};
+  p.a = static_cast<const uint16_t*>(dy_rows);
+  p.row_to_token = row_to_token;
+  p.tile_to_expert = tile_to_expert;
+  p.out = static_cast<uint16_t*>(d_gate);
+  p.out2 = static_cast<uint16_t*>(d_up);
+  p.gate = static_cast<uint16_t*>(const_cast<void*>(gate));  // read only in this kind
+  p.up = static_cast<uint16_t*>(const_cast<void*>(up));
+  p.num_rows = static_cast<int>(num_rows);
+  p.n = static_cast<int>(intermediate);
+  p.k = static_cast<int>(hidden);
+  p.swiglu_limit = swiglu_limit;
+  p.has_limit = has_limit ? 1 : 0;
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms, stream);
+}
+
+cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* dx_rows,
+                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                            int64_t num_experts, int num_sms, cudaStream_t stream) {
+  gemm::Params p{};
+  p.a = static_cast<const uint16_t*>(d_gate);
+  p.a2 = static_cast<const uint16_t*>(d_up);
+  p.row_to_token = row_to_token;
+  p.tile_to_expert = tile_to_expert;
+  p.out = static_cast<uint16_t*>(dx_rows);
+  p.num_rows = static_cast<int>(num_rows);
+  p.n = static_cast<int>(hidden);
+  p.k = static_cast<int>(intermediate);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(w_gate, w_up, num_experts, p, num_sms, stream);
 }
 
 }  // namespace mok

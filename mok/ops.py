@@ -220,6 +220,11 @@ def _check_num_sms(num_sms) -> int:
     return num_sms
 
 
+def _check_limit(swiglu_limit) -> None:
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit == swiglu_limit):
+        fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
+
+
 def _check_devices(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         _check_cuda_tensor(name, t, torch.bfloat16)
@@ -241,8 +246,7 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     intermediate = w_gate.shape[1]
     _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
     _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
-    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit == swiglu_limit):
-        fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
+    _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
@@ -270,6 +274,55 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
     load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert, out_rows, sms)
     return out_rows
+
+
+def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
+                                   up: torch.Tensor, sched, swiglu_limit: float | None = None,
+                                   num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of the down projection and of SwiGLU, in the schedule's row layout (L0's
+    mok.reference.expert_backward): d_h = bf16(dy_rows[r]·w_down[e]), then
+    (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h, swiglu_limit)); padding rows are zeros.
+    dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read transposed, no copy);
+    gate, up [num_rows, intermediate] as the forward saved them. Returns (d_gate, d_up), bf16 each."""
+    _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
+    hidden = dy_rows.shape[1]
+    _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
+    _check_shape("w_down", w_down, (sched.num_experts, hidden, None), "[num_experts, hidden, intermediate]")
+    intermediate = w_down.shape[2]
+    _check_gemm_dim("w_down", intermediate, "intermediate (dim 2)")
+    _check_shape("gate", gate, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_shape("up", up, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_limit(swiglu_limit)
+    sms = _check_num_sms(num_sms)
+    _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, dy_rows.device)  # [num_rows], [num_rows / 128]
+    d_gate, d_up = (torch.empty_like(gate) for _ in range(2))  # [num_rows, intermediate] each
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate,
+                                                    d_up, limit, swiglu_limit is not None, sms)
+    return d_gate, d_up
+
+
+def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
+                                    w_up: torch.Tensor, sched, num_sms: int | None = None) -> torch.Tensor:
+    """Backward of the gate/up projections in the schedule's row layout: dx_rows[r] =
+    bf16(d_gate[r]·w_gate[e] + d_up[r]·w_up[e]), one fp32 sum over K = 2·intermediate (L0 rounds once too);
+    padding rows are zeros. d_gate, d_up [num_rows, intermediate]; w_gate, w_up [num_experts, intermediate,
+    hidden] (read transposed, no copy). Returns dx_rows bf16 [num_rows, hidden]."""
+    _check_shape("d_gate", d_gate, (sched.num_rows, None), "[num_rows, intermediate]")
+    intermediate = d_gate.shape[1]
+    _check_gemm_dim("d_gate", intermediate, "intermediate (dim 1)")
+    _check_shape("d_up", d_up, tuple(d_gate.shape), "[num_rows, intermediate] (d_gate's)")
+    _check_shape("w_gate", w_gate, (sched.num_experts, intermediate, None), "[num_experts, intermediate, hidden]")
+    _check_gemm_dim("w_gate", w_gate.shape[2], "hidden (dim 2)")
+    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    sms = _check_num_sms(num_sms)
+    _check_devices(d_gate.device, d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 128]
+    dx_rows = torch.empty(sched.num_rows, w_gate.shape[2], dtype=torch.bfloat16, device=d_gate.device)
+    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
+                                                     dx_rows, sms)
+    return dx_rows
 
 
 # ---- fixed-order combine (L2; csrc/include/mok/moe/combine.cuh) ----------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from mok import ops, routing
 from mok.config import TINY_SHAPES, MoEConfig
-from mok.reference import BF16, mm, moe_forward, swiglu
+from mok.reference import BF16, mm, moe_forward, swiglu, swiglu_backward
 from mok.schedule import make_schedule, scatter_routes, segment
 from mok.testing import TOLERANCES, fresh_seed, make_inputs, poison_allocator, rel_err
 
@@ -67,6 +67,44 @@ def _expected_gemm2(a_rows, w, sched):
     return out
 
 
+def _rows_of(sched, e: int) -> torch.Tensor:
+    """The real (non-padding) rows of expert e's segment."""
+    start = segment(sched, e).start
+    return torch.arange(start, start + int(sched.tokens_per_expert[e]))  # [n]
+
+
+def _backward_operands(sched, cfg_i: int, cfg_h: int, seed: int) -> dict:
+    """Random dy_rows [R, H], gate/up [R, I] (bf16, zeros in padding rows, as the forward leaves them)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    padding = sched.row_to_token < 0  # [R]
+    ops_in = {}
+    for name, width in (("dy_rows", cfg_h), ("gate", cfg_i), ("up", cfg_i)):
+        t = torch.randn(sched.num_rows, width, generator=g).to(BF16)  # [R, width]
+        t[padding] = 0
+        ops_in[name] = t
+    return ops_in
+
+
+def _expected_dgrad_swiglu(dy_rows, w_down, gate, up, sched, limit):
+    """(d_gate, d_up) [R, I] bf16 from L0's mm / swiglu_backward per expert; zeros in padding rows."""
+    d_gate, d_up = (torch.zeros_like(gate) for _ in range(2))  # [R, I] each
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        d_h = mm(dy_rows[rows], w_down[e].T).to(BF16)  # [n, I]: K = hidden
+        dg, du = swiglu_backward(gate[rows], up[rows], d_h, limit)  # [n, I] fp32 each
+        d_gate[rows], d_up[rows] = dg.to(BF16), du.to(BF16)
+    return d_gate, d_up
+
+
+def _expected_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched):
+    """dx_rows [R, H] = bf16(d_gate·Wg + d_up·Wu) per expert, one rounding (L0); zeros in padding rows."""
+    dx = torch.zeros(sched.num_rows, w_gate.shape[2], dtype=BF16)  # [R, H]
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        dx[rows] = (mm(d_gate[rows], w_gate[e].T) + mm(d_up[rows], w_up[e].T)).to(BF16)  # [n, H]
+    return dx
+
+
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
     a = actual.cpu()
     assert a.shape == expected.shape, f"{what}: shape {tuple(a.shape)} vs L0 {tuple(expected.shape)}"
@@ -96,7 +134,9 @@ def test_gemm_bad_inputs_name_the_argument():
     inputs, sched = _problem("tiny-noshared", seed=1)
     x, wg, wu, wd = inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"]
     gemm1, gemm2 = ops.grouped_gemm_bf16_swiglu_gather, ops.grouped_gemm_bf16_nt_contiguous
+    dgrad_down, dgrad_gate_up = ops.grouped_gemm_bf16_dgrad_swiglu, ops.grouped_gemm_bf16_dgrad_gate_up
     a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
+    dy_rows = torch.zeros(sched.num_rows, x.shape[1], dtype=BF16)  # [num_rows, H]
     bad = [
         (lambda: gemm1(x.float(), wg, wu, sched), "x: expected dtype torch.bfloat16"),
         (lambda: gemm1(x[:-1], wg, wu, sched), r"x: expected shape \[num_tokens, hidden\]"),
@@ -110,6 +150,13 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: gemm2(a_rows, wd.transpose(1, 2), sched), "w: expected shape"),
         (lambda: gemm2(a_rows, wd[:, :-4], sched), "w: expected n"),
         (lambda: gemm2(a_rows, wd, sched), "a_rows: expected a CUDA tensor"),
+        (lambda: dgrad_down(dy_rows, wd, a_rows, a_rows, sched), "dy_rows: expected a CUDA tensor"),
+        (lambda: dgrad_down(dy_rows, wd.transpose(1, 2), a_rows, a_rows, sched), "w_down: expected shape"),
+        (lambda: dgrad_down(dy_rows, wd, a_rows[:, :-8], a_rows, sched), "gate: expected shape"),
+        (lambda: dgrad_down(dy_rows, wd, a_rows, a_rows, sched, swiglu_limit="1"), "swiglu_limit: expected"),
+        (lambda: dgrad_gate_up(a_rows, a_rows, wg, wu, sched), "d_gate: expected a CUDA tensor"),
+        (lambda: dgrad_gate_up(a_rows, a_rows[:, :-8], wg, wu, sched), "d_up: expected shape"),
+        (lambda: dgrad_gate_up(a_rows, a_rows, wg.transpose(1, 2), wu, sched), "w_gate: expected shape"),
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -152,6 +199,42 @@ def test_gemm2_nt_contiguous_matches_l0(case):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dgrad_swiglu_matches_l0(case, limit):
+    """Backward of the down projection (W_down read transposed) with SwiGLU's backward in the epilogue."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
+    wd = inputs["w_down"]  # [E, H, I]
+    expected = _expected_dgrad_swiglu(b["dy_rows"], wd, b["gate"], b["up"], sched, limit)
+    poison_allocator(2 * 2 * sched.num_rows * cfg.intermediate * 2)
+    got = ops.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"].cuda(), wd.cuda(), b["gate"].cuda(), b["up"].cuda(),
+                                             sched.to("cuda"), swiglu_limit=limit)
+    for name, a, e in zip(("d_gate", "d_up"), got, expected):
+        _assert_close(a, e, f"{case} limit={limit} {name}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", list(CASES))
+def test_dgrad_gate_up_matches_l0(case):
+    """Backward of gate/up: one fp32 sum over K = 2·intermediate, W_gate/W_up read transposed."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)  # gate/up stand in for d_gate/d_up
+    wg, wu = inputs["w_gate"], inputs["w_up"]  # [E, I, H] each
+    expected = _expected_dgrad_gate_up(b["gate"], b["up"], wg, wu, sched)
+    poison_allocator(2 * sched.num_rows * cfg.hidden * 2)
+    got = ops.grouped_gemm_bf16_dgrad_gate_up(b["gate"].cuda(), b["up"].cuda(), wg.cuda(), wu.cuda(),
+                                              sched.to("cuda"))
+    _assert_close(got, expected, f"{case} dx_rows", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "deep-k"])
 def test_gemms_bitwise_repeatable_for_any_grid_size(case):
     """DESIGN §5: same bits run to run and whatever the persistent grid size."""
@@ -164,9 +247,12 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
         poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
         h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
         y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
-        runs.append((num_sms, [t.cpu().view(torch.int16) for t in (h, gate, up, y_rows)]))
+        d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5, num_sms=num_sms)
+        dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
+        runs.append((num_sms, [t.cpu().view(torch.int16) for t in (h, gate, up, y_rows, d_gate, d_up, dx_rows)]))
+    names = ("h", "gate", "up", "y_rows", "d_gate", "d_up", "dx_rows")
     for num_sms, outs in runs[1:]:
-        for name, a, b in zip(("h", "gate", "up", "y_rows"), runs[0][1], outs):
+        for name, a, b in zip(names, runs[0][1], outs):
             assert torch.equal(a, b), f"{case} {name}: bits differ with num_sms={num_sms} (seed {seed})"
 
 

@@ -2,11 +2,14 @@
 // wgmma with fp32 accumulators in registers, weights by TMA, activation rows by TMA or gathered with
 // 16-byte cp.async.
 //
-//   GEMM1 (kSwiGLU):  for every row r of the schedule, e = the tile's expert, t = row_to_token[r]:
-//                     gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ),
-//                     h[r] = bf16(swiglu(gate[r], up[r]))  (fp32 SwiGLU of the rounded gate/up, as L0)
-//                     padding rows (t = -1): zeros in h, gate and up.
-//   GEMM2 (kStore):   out[r] = bf16(a[r]·W[e]ᵀ) (a plain grouped GEMM; A rows by TMA); padding rows: zeros.
+// For every row r of the schedule (e = the tile's expert, t = row_to_token[r]; padding rows t = -1 are
+// written as zeros in every output), in L0's rounding points (mok.reference.expert_forward/_backward):
+//   kGateUp       gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r]))
+//                 (x rows gathered through row_to_token: the dispatch is fused)
+//   kDown         out[r] = bf16(a[r]·W[e]ᵀ)                          (the down projection, or any NT GEMM)
+//   kDownDgrad    d_h = bf16(dy[r]·Wd[e]), (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h))
+//                 (Wd [E, H, I] read MN-major; the SwiGLU backward runs in the epilogue)
+//   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //
 // Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
@@ -23,9 +26,11 @@
 //   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed.
 // The consumers keep one wgmma group in flight: k-block kb's MMAs run while kb - 1's stage is released.
 //
-// Stage layout (bytes; every tile 1024-aligned): [A 128×128][B0 128×128][B1 128×128], 48 KiB.
-//   GEMM1: B0 = Wg[e] rows n0..n0+127, B1 = Wu[e] rows n0..n0+127 (gate and up of the same columns, so the
-//          epilogue holds both in registers);  GEMM2: B0/B1 = W[e] rows n0..n0+127 / n0+128..n0+255.
+// Stage layout (bytes; every tile 1024-aligned): [A 128 rows × 128 B][B0 16 KiB][B1 16 KiB], 48 KiB.
+//   kGateUp: B0 = Wg[e] rows n0..n0+127, B1 = Wu[e] rows n0..n0+127 (gate and up of the same columns, so the
+//            epilogue holds both in registers); the others: B0/B1 = columns n0..n0+127 / n0+128..n0+255.
+//   K-major B (nn.Linear rows, the forward): 128 rows of 128 bytes. MN-major B (the backward reads the
+//   weights transposed): two boxes of 64 k-rows × 64 n (128 bytes), n0.. then n0+64.. (8 KiB apart).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -99,31 +104,42 @@ static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its ato
 
 // ---- parameters ----------------------------------------------------------------------------------------
 
-enum class Epilogue { kSwiGLU, kStore };
+enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad };
 
 struct Params {
-  const uint16_t* a;               // GEMM1: x [num_tokens, k], gathered; GEMM2: a_rows [num_rows, k], by TMA
+  const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
+  const uint16_t* a2;              // kGateUpDgrad: d_up rows (A of the second half of K; a = d_gate)
   const int32_t* row_to_token;     // [num_rows], -1 = padding (GEMM1 gathers through it)
   const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
-  uint16_t* out;                   // GEMM1: h; GEMM2: out. [num_rows, n] bf16
-  uint16_t* gate;                  // GEMM1 only: [num_rows, n]
-  uint16_t* up;                    // GEMM1 only: [num_rows, n]
+  uint16_t* out;                   // [num_rows, n] bf16: h, out, d_gate or dx
+  uint16_t* gate;                  // kGateUp: gate out; kDownDgrad: gate in (saved). [num_rows, n]
+  uint16_t* up;                    // kGateUp: up out; kDownDgrad: up in (saved). [num_rows, n]
+  uint16_t* out2;                  // kDownDgrad: d_up [num_rows, n]
   int num_rows;                    // a multiple of BLOCK_M
   int n;                           // output columns (intermediate for GEMM1, hidden for GEMM2), % 8 == 0
-  int k;                           // reduction length, % 8 == 0
+  int k;                           // reduction length, % 8 == 0 (kGateUpDgrad: of each half, = intermediate)
   int num_n_tiles;                 // ceil(n / kTaskN)
   float swiglu_limit;              // used when has_limit
   int has_limit;
 };
 
-template <Epilogue kEpilogue>
+template <Gemm kGemm>
 struct Tile {
-  static constexpr bool kGather = kEpilogue == Epilogue::kSwiGLU;  // A gathered by cp.async, else by TMA
-  static constexpr int kTaskN = kEpilogue == Epilogue::kSwiGLU ? BLOCK_N_B : 2 * BLOCK_N_B;  // columns
-  static constexpr int kB1RowOffset = kEpilogue == Epilogue::kSwiGLU ? 0 : BLOCK_N_B;  // B1 rows vs B0
+  static constexpr bool kGather = kGemm == Gemm::kGateUp;  // A gathered by cp.async, else by TMA
+  static constexpr bool kMajorMN = kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad;  // B transposed
+  static constexpr int kTaskN = kGemm == Gemm::kGateUp ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
+  static constexpr int kB1Offset = kGemm == Gemm::kGateUp ? 0 : BLOCK_N_B;  // B1's first column vs B0's
   static constexpr uint32_t kFullArrivals = kGather ? kNumProducerThreads + 1 : 1;
   static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + 2 * kBTileBytes;
+  static constexpr uint32_t kBHalfBytes = kBTileBytes / 2;  // MN-major: one 64-column box
 };
+
+// k-blocks of one task; kGateUpDgrad runs both halves of K (d_gate·Wg, then d_up·Wu) one after the other.
+template <Gemm kGemm>
+MOK_HOST_DEVICE int num_k_blocks_of(int k) {
+  const int half = static_cast<int>(ceil_div(k, BLOCK_K));
+  return kGemm == Gemm::kGateUpDgrad ? 2 * half : half;
+}
 
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
@@ -132,22 +148,38 @@ MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // whic
 
 // ---- producer: warpgroup 0 -----------------------------------------------------------------------------
 
-// Lane 0 of warp 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered).
-template <Epilogue kEpilogue>
-MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1,
-                          uint8_t* smem, uint64_t* bar, uint32_t stage, int m_tile, int n0, int expert, int kb) {
-  using T = Tile<kEpilogue>;
+// Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
+// kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
+template <Gemm kGemm>
+MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
+                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, int m_tile,
+                          int n0, int expert, int kb, int k) {
+  using T = Tile<kGemm>;
+  const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
+  const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
+  const int k0 = (second ? kb - half_blocks : kb) * BLOCK_K;
+  const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
+  const CUtensorMap* b_second = kGemm == Gemm::kGateUp ? tmap_b1 : b_first;
   ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
-  if constexpr (!T::kGather) ptx::tma_load_3d(stage_a(smem, stage), tmap_a, kb * BLOCK_K, m_tile * BLOCK_M, 0, bar);
-  ptx::tma_load_3d(stage_b(smem, stage, 0), tmap_b0, kb * BLOCK_K, n0, expert, bar);
-  ptx::tma_load_3d(stage_b(smem, stage, 1), tmap_b1, kb * BLOCK_K, n0 + T::kB1RowOffset, expert, bar);
+  if constexpr (!T::kGather)
+    ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m_tile * BLOCK_M, 0, bar);
+  for (int which = 0; which < 2; ++which) {
+    const CUtensorMap* map = which == 0 ? b_first : b_second;
+    const int col = n0 + which * T::kB1Offset;
+    if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, expert, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, expert, bar);
+    } else {  // map dims (k, n, experts), box (64, 128, 1)
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, expert, bar);
+    }
+  }
 }
 
-template <Epilogue kEpilogue>
-MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b0, const CUtensorMap* tmap_b1,
-                        const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks,
-                        int num_k_blocks) {
-  using T = Tile<kEpilogue>;
+template <Gemm kGemm>
+MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
+                        const CUtensorMap* tmap_b1, const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                        int num_tasks, int num_k_blocks) {
+  using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && thread != 0) return;  // TMA only: one thread issues everything
   const uint32_t chunk = thread % kChunksPerRow;
@@ -167,7 +199,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b0, c
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
       if (thread == 0)
-        issue_tma<kEpilogue>(tmap_a, tmap_b0, tmap_b1, smem, &full[stage], stage, m_tile, n0, expert, kb);
+        issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, m_tile, n0, expert, kb, p.k);
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
@@ -236,7 +268,7 @@ MOK_DEVICE float swiglu(float g, float u, float limit, bool has_limit) {
   return g * sigmoid * u;
 }
 
-// GEMM1: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
+// kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
 // (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
                              uint8_t* staging, int row0, int n0, uint32_t lane) {
@@ -256,7 +288,7 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
   });
 }
 
-// GEMM2: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
+// kDown, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
                            uint8_t* staging, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
@@ -269,6 +301,50 @@ MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerTh
     });
 }
 
+// L0's swiglu_backward (mok.reference) for one element, in fp32, from bf16-exact gate, up and d_h:
+// with a limit L the clamped inputs pass no gradient (g > L; u outside [-L, L]), as torch.clamp.
+struct SwiGLUGrad {
+  float d_gate, d_up;
+};
+MOK_DEVICE SwiGLUGrad swiglu_backward(float g, float u, float d_h, float limit, bool has_limit) {
+  float g_pass = 1.0f, u_pass = 1.0f;
+  if (has_limit) {
+    g_pass = g <= limit ? 1.0f : 0.0f;
+    u_pass = (u >= -limit && u <= limit) ? 1.0f : 0.0f;
+    g = g > limit ? limit : g;
+    u = u < -limit ? -limit : (u > limit ? limit : u);
+  }
+  const float s = 1.0f / (1.0f + expf(-g));
+  return {d_h * u * s * (1.0f + g * (1.0f - s)) * g_pass, d_h * g * s * u_pass};
+}
+
+// kDownDgrad: per 128-column half, d_h = bf16(acc), then d_gate (kWhich = 0, to out) or d_up (kWhich = 1, to
+// out2) from the saved gate/up at the same positions (read pairwise from global memory, L2-resident).
+template <int kWhich>
+MOK_DEVICE void store_swiglu_grad(float (&acc)[kAccPerThread], const Params& p, uint8_t* staging, int row0,
+                                  int col0, uint32_t lane) {
+  const int64_t at0 = static_cast<int64_t>(row0 + static_cast<int>(lane / 4)) * p.n + col0 + 2 * (lane % 4);
+  const bool real0 = p.row_to_token[row0 + lane / 4] >= 0, real1 = p.row_to_token[row0 + lane / 4 + 8] >= 0;
+  store_tile(staging, kWhich == 0 ? p.out : p.out2, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
+    if (!(h == 0 ? real0 : real1) || col0 + 8 * i + 2 * static_cast<int>(lane % 4) >= p.n) return 0u;
+    const int64_t at = at0 + 8 * h * static_cast<int64_t>(p.n) + 8 * i;
+    const uint32_t g2 = *reinterpret_cast<const uint32_t*>(p.gate + at);
+    const uint32_t u2 = *reinterpret_cast<const uint32_t*>(p.up + at);
+    const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g2), bf16_lo_as_f32(u2), round_bf16(acc[4 * i + 2 * h]),
+                                          p.swiglu_limit, p.has_limit != 0);
+    const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g2), bf16_hi_as_f32(u2), round_bf16(acc[4 * i + 2 * h + 1]),
+                                          p.swiglu_limit, p.has_limit != 0);
+    return kWhich == 0 ? pack_bf16x2(lo.d_gate, hi.d_gate) : pack_bf16x2(lo.d_up, hi.d_up);
+  });
+}
+
+MOK_DEVICE void store_swiglu_backward(float (&acc)[kAccPerThread], const Params& p, uint8_t* staging, int row0,
+                                      int col0, uint32_t lane) {
+  if (col0 >= p.n) return;
+  store_swiglu_grad<0>(acc, p, staging, row0, col0, lane);
+  store_swiglu_grad<1>(acc, p, staging, row0, col0, lane);
+}
+
 // ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
 
 MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread]) {
@@ -278,7 +354,7 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-template <bool kGather>
+template <bool kGather, bool kMajorMN>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane) {
@@ -289,14 +365,21 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
     if constexpr (kGather) ptx::fence_proxy_async_shared();
     const uint64_t desc_a = ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
-    const uint64_t desc_b0 = ptx::smem_desc_sw128(stage_b(smem, stage, 0));
-    const uint64_t desc_b1 = ptx::smem_desc_sw128(stage_b(smem, stage, 1));
+    // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
+    // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
+    constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
+    const auto desc_b = [&](int which) {
+      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
+                      : ptx::smem_desc_sw128(stage_b(smem, stage, which));
+    };
+    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {  // k16 slice kk starts 32·kk bytes into each row
-      ptx::wgmma_m64n128k16_bf16(acc0, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b0, 32 * kk));
-      ptx::wgmma_m64n128k16_bf16(acc1, ptx::desc_advance(desc_a, 32 * kk), ptx::desc_advance(desc_b1, 32 * kk));
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+      const uint64_t a = ptx::desc_advance(desc_a, 32 * kk);
+      ptx::wgmma_m64n128k16_bf16<0, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      ptx::wgmma_m64n128k16_bf16<0, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
@@ -310,10 +393,10 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
   return it;
 }
 
-template <Epilogue kEpilogue>
+template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks,
                         int num_k_blocks) {
-  using T = Tile<kEpilogue>;
+  using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
@@ -323,19 +406,22 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
   uint32_t it = 0;
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const int m_tile = task / p.num_n_tiles, n_tile = task % p.num_n_tiles;
-    float acc0[kAccPerThread], acc1[kAccPerThread];  // GEMM1: gate, up; GEMM2: columns n0.., n0+128..
+    float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kGather>(acc0, acc1, smem, a_offset, full, empty, it, num_k_blocks, lane);
+    it = mma_k_blocks<T::kGather, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it, num_k_blocks, lane);
     const int group_row0 = m_tile * BLOCK_M + group * WG_M;
 
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
     const int n0 = n_tile * T::kTaskN;
-    if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+    if constexpr (kGemm == Gemm::kGateUp) {
       store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
+    } else if constexpr (kGemm == Gemm::kDownDgrad) {
+      store_swiglu_backward(acc0, p, staging, row0, n0, lane);
+      store_swiglu_backward(acc1, p, staging, row0, n0 + BLOCK_N_B, lane);
     } else {
       store_pair(acc0, acc1, p, staging, row0, n0, lane);
     }
@@ -344,11 +430,12 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
 
 // ---- the kernel ----------------------------------------------------------------------------------------
 
-template <Epilogue kEpilogue>
+template <Gemm kGemm>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b0,
-                             const __grid_constant__ CUtensorMap tmap_b1, const Params p) {
-  using T = Tile<kEpilogue>;
+    grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_a2,
+                             const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+                             const Params p) {
+  using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
   // Dynamic shared memory is only 16-byte aligned for sure; the swizzle atoms need 1024 (kSmemBytes has
   // the slack).
@@ -364,42 +451,49 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
+    if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
   const int num_tasks = (p.num_rows / BLOCK_M) * p.num_n_tiles;
-  const int num_k_blocks = static_cast<int>(ceil_div(p.k, BLOCK_K));
+  const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<kProducerRegs>();
-    produce<kEpilogue>(&tmap_a, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<kConsumerRegs>();
-    consume<kEpilogue>(p, smem, full, empty, num_tasks, num_k_blocks);
+    consume<kGemm>(p, smem, full, empty, num_tasks, num_k_blocks);
   }
 }
 
 // ---- host launcher -------------------------------------------------------------------------------------
 // Encodes the tensor maps, sizes the persistent grid (min(num_sms or the device's SM count, tasks)) and
-// launches on `stream`. w_b0/w_b1: bf16 [num_experts, n, k] (GEMM2 passes the same matrix twice); GEMM2's
-// A rows (p.a, [num_rows, k]) get a 2D map.
+// launches on `stream`. w_b0/w_b1: the weights, bf16 [num_experts, ·, ·] in their stored (nn.Linear)
+// layout: [E, n, k] for K-major kinds (kDown passes one matrix twice), [E, k, n] for the MN-major ones
+// (kDownDgrad: W_down twice; kGateUpDgrad: W_gate, W_up). A rows (p.a, p.a2: [num_rows, k]) get a map each.
 
-template <Epilogue kEpilogue>
+template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
                                      int num_sms, cudaStream_t stream) {
-  p.num_n_tiles = static_cast<int>(ceil_div(p.n, Tile<kEpilogue>::kTaskN));
+  using T = Tile<kGemm>;
+  p.num_n_tiles = static_cast<int>(ceil_div(p.n, T::kTaskN));
   const int64_t num_tasks = static_cast<int64_t>(p.num_rows / BLOCK_M) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
   if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
-  CUtensorMap tmap_a{}, tmap_b0, tmap_b1;
-  cudaError_t err;
-  if (!Tile<kEpilogue>::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
+  CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;
+  cudaError_t err = cudaSuccess;
+  if (!T::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) return err;
+  if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  if ((err = encode_rows_map(&tmap_b0, w_b0, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)) ||
-      (err = encode_rows_map(&tmap_b1, w_b1, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B)))
-    return err;
-  const auto kernel = grouped_gemm_bf16_kernel<kEpilogue>;
+  // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k).
+  const auto encode_b = [&](CUtensorMap* map, const void* w) {
+    return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
+                       : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
+  };
+  if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
+  const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
   if (num_sms <= 0) {
     int device = 0;
@@ -407,7 +501,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
       return err;
   }
   const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_b0, tmap_b1, p);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, p);
   return cudaGetLastError();
 }
 
