@@ -10,10 +10,14 @@ forward, all in Hopper kernels except the schedule:
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
                                                token order (row t = token t), weights viewed as [1, ...]
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
-backward, still L1 code (mok.torch_native.routed_backward / shared_backward: torch._grouped_mm, cuBLAS
-and elementwise torch ops) on the saved row-layout tensors, except:
+backward:
+    d_topk_weights, dy_rows                    torch ops (mok.torch_native.route_grads)
+    grouped_gemm_bf16_dgrad_swiglu             kernel: d_h = dy·W_down (read transposed) + SwiGLU backward
+    grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
+    shared expert dgrad                        the same two kernels on its one-expert schedule
+    weight gradients                           still L1 code: torch._grouped_mm k-grouped GEMMs (routed),
+                                               cuBLAS (shared) — mok.torch_native.weight_grads
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
-TODO(lead): replace the backward GEMMs, SwiGLU backward and d_topk_weights with kernels.
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
 order than L0's, so results agree within DESIGN §9's tolerance (nearly all elements bit for bit). Bits
@@ -34,8 +38,8 @@ import torch
 from mok import ops
 from mok import torch_native as L1
 from mok.checks import fail
-from mok.reference import Saved
-from mok.schedule import Schedule, make_schedule, scatter_routes
+from mok.reference import BF16, Saved, swiglu
+from mok.schedule import Schedule, gather_rows, make_schedule, scatter_routes
 
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
            "num_sms_from_env", "shared_schedule"]
@@ -50,6 +54,8 @@ class FusedSaved(Saved):
     """L0's Saved, with the routed outputs kept in the schedule's row layout (`y` stays None)."""
 
     y_rows: torch.Tensor | None = None  # [num_rows, H]
+    shared_rows: tuple | None = None  # (gate, up) [R_sh, I_sh] of the shared expert, padding rows included
+    num_sms: int | None = None  # the forward's grid size, reused by the backward kernels
 
 
 def num_sms_from_env() -> int | None:
@@ -100,27 +106,60 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     sched = make_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # on topk_idx's device
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)  # [R, *]
 
-    shared, shared_gate, shared_up = None, None, None
+    shared, shared_gate, shared_up, shared_rows = None, None, None, None
     if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
         sh = shared_schedule(T, x.device)  # cached; read-only
         rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
                                 swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
         shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
+        shared_rows = rows[1:]
 
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
-                       sched=sched, y_rows=y_rows)
+                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms)
     return out, saved
 
 
+def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms):
+    """The dgrad kernels over `sched`: (d_gate, d_up [R, I], dx_rows [R, H])."""
+    d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=limit,
+                                                      num_sms=num_sms)  # [R, I] each
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=num_sms)  # [R, H]
+    return d_gate, d_up, dx_rows
+
+
+def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
+    """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones): dgrad in the kernels over the
+    cached one-expert schedule, weight gradients by cuBLAS."""
+    ws_gate, ws_up, ws_down = s.weights[3:]
+    if ws_gate is None:
+        return None, [None, None, None]
+    T = d_out.shape[0]
+    sh = shared_schedule(T, d_out.device)
+    dy_rows = d_out.new_zeros(sh.num_rows, d_out.shape[1])  # [R_sh, H]: row t = token t, then zero padding
+    dy_rows[:T] = d_out
+    gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
+    d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None], ws_down[None],
+                                           sh, s.swiglu_limit, s.num_sms)
+    h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh] recomputed
+    return dx_rows[:T], L1.shared_weight_grads(s.x, d_out, d_gate[:T], d_up[:T], h)
+
+
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
-    """Gradients in mok.reference.moe_backward's order; L1's pieces plus the fixed-order d_x kernel."""
-    s, sched = saved, saved.sched
+    """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
+    s, sched, limit = saved, saved.sched, saved.swiglu_limit
+    w_gate, w_up, w_down = s.weights[:3]
     y = scatter_routes(s.y_rows, sched)  # [T, K, H] per-route outputs, for d_topk_weights
-    d_topk_weights, dx_rows, d_w = L1.routed_backward(s, d_out, y)  # [T, K], [R, H], 3 x [E, ...]
+    d_topk_weights, dy_rows = L1.route_grads(s, d_out, y)  # [T, K], [R, H]
     del y
-    dx_shared, d_shared = L1.shared_backward(s, d_out)  # [T, H] bf16 or None
+    d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit, s.num_sms)
+    h = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down
+    x_rows = gather_rows(s.x, sched)  # [R, H]
+    offs = sched.expert_offsets[1:].to(torch.int32)  # [E] segment ends
+    d_w = L1.weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, s.precision)
+    del x_rows, h
+    dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]
     return (d_x, d_topk_weights, *d_w, *d_shared)

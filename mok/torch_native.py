@@ -96,34 +96,45 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     return out, saved
 
 
-def _expert_grads(x_rows, gate, up, dy_rows, w_gate, w_up, w_down, offs, p, limit):
-    """Backward of all routed experts on the permuted rows; returns (dx_rows, d_w_gate, d_w_up, d_w_down)."""
-    d_h = gmm(quant(dy_rows, -1, p), quant(w_down, -2, p), offs)  # [R, I]: K = hidden
-    d_gate, d_up = (g.to(BF16) for g in swiglu_backward(gate, up, d_h, limit))  # [R, I] each
-    h = swiglu(gate, up, limit).to(BF16)  # [R, I] recomputed
-    dx_rows = (gmm(quant(d_gate, -1, p), quant(w_gate, -2, p), offs).float()
-               + gmm(quant(d_up, -1, p), quant(w_up, -2, p), offs).float()).to(BF16)  # [R, H]
+def weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p):
+    """Routed weight gradients as k-grouped GEMMs over each expert's rows (K = its tokens):
+    (d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]). Shared by L1 and L2 (mok.fused)."""
     d_w_down = gmm_k(quant(dy_rows, -2, p), quant(h, -2, p), offs)  # [E, H, I]
     d_w_gate = gmm_k(quant(d_gate, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
     d_w_up = gmm_k(quant(d_up, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
-    return dx_rows, d_w_gate, d_w_up, d_w_down
+    return [d_w_gate, d_w_up, d_w_down]
+
+
+def route_grads(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple:
+    """d_topk_weights [T, K] fp32 = Σ_h d_out·y, and dy_rows [R, H] = bf16(d_out·w) in the schedule's rows
+    (zeros in padding rows). Shared by L1 and L2."""
+    T, K, H = y.shape
+    d_topk_weights = (d_out.float()[:, None, :] * y.float()).sum(-1)  # [T, K]
+    dy = (d_out.float()[:, None, :] * saved.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
+    return d_topk_weights, sch.gather_routes(dy.view(T * K, H), saved.sched)  # [T, K], [R, H]
 
 
 def routed_backward(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple:
     """The routed experts' backward on the schedule's rows (saved.sched; gate/up saved in its row
     layout), y [T, K, H] the per-route outputs. Returns (d_topk_weights [T, K] fp32, dx_rows [R, H] bf16,
-    [d_w_gate, d_w_up, d_w_down]). Shared by L1 and L2 (mok.fused)."""
-    s, sched = saved, saved.sched
+    [d_w_gate, d_w_up, d_w_down])."""
+    s, sched, p, limit = saved, saved.sched, saved.precision, saved.swiglu_limit
     w_gate, w_up, w_down = s.weights[:3]
-    T, K, H = y.shape
     offs = sched.expert_offsets[1:].to(torch.int32)  # [E]
-    d_topk_weights = (d_out.float()[:, None, :] * y.float()).sum(-1)  # [T, K]
-    dy = (d_out.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
-    dy_rows = sch.gather_routes(dy.view(T * K, H), sched)  # [R, H]
+    d_topk_weights, dy_rows = route_grads(s, d_out, y)  # [T, K], [R, H]
+    d_h = gmm(quant(dy_rows, -1, p), quant(w_down, -2, p), offs)  # [R, I]: K = hidden
+    d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.gate, s.up, d_h, limit))  # [R, I] each
+    dx_rows = (gmm(quant(d_gate, -1, p), quant(w_gate, -2, p), offs).float()
+               + gmm(quant(d_up, -1, p), quant(w_up, -2, p), offs).float()).to(BF16)  # [R, H]
+    h = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed
     x_rows = sch.gather_rows(s.x, sched)  # [R, H]
-    dx_rows, *d_w = _expert_grads(x_rows, s.gate, s.up, dy_rows, w_gate, w_up, w_down, offs, s.precision,
-                                  s.swiglu_limit)
-    return d_topk_weights, dx_rows, d_w
+    return d_topk_weights, dx_rows, weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p)
+
+
+def shared_weight_grads(x, d_out, d_gate, d_up, h) -> list:
+    """The shared expert's weight gradients (cuBLAS, BF16): [d_w_shared_gate [I_sh, H], _up, _down [H, I_sh]]
+    from x, d_out [T, H] and d_gate, d_up, h [T, I_sh]. Shared by L1 and L2."""
+    return [_linear(d_gate.T, x.T), _linear(d_up.T, x.T), _linear(d_out.to(BF16).T, h.T)]
 
 
 def shared_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
@@ -137,7 +148,7 @@ def shared_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
     d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.shared_gate, s.shared_up, d_h, s.swiglu_limit))
     h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh]
     dx_shared = (_linear(d_gate, ws_gate.T).float() + _linear(d_up, ws_up.T).float()).to(BF16)  # [T, H]
-    return dx_shared, [_linear(d_gate.T, s.x.T), _linear(d_up.T, s.x.T), _linear(d_out.to(BF16).T, h.T)]
+    return dx_shared, shared_weight_grads(s.x, d_out, d_gate, d_up, h)
 
 
 def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
