@@ -141,6 +141,67 @@ void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std
 
 }  // namespace
 
+// ---- route schedule and routed-gradient prep (mok.ops.make_schedule_cuda, mok.ops.route_grads_prep) ----------
+
+namespace {
+
+int64_t* int64_ptr(const at::Tensor& t, const char* name) {
+  check_arg(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, ": expected int64");
+  return t.data_ptr<int64_t>();
+}
+
+// Outputs sized by mok.ops (row arrays: max_num_rows = row_to_token.numel()); the chunk-count scratch is
+// allocated here, on the current stream through torch's caching allocator.
+void make_schedule(const at::Tensor& topk_idx, const at::Tensor& tokens_per_expert,
+                   const at::Tensor& padded_per_expert, const at::Tensor& expert_offsets,
+                   const at::Tensor& tile_offsets, const at::Tensor& route_to_row, const at::Tensor& row_to_token,
+                   const at::Tensor& row_to_k, const at::Tensor& row_to_route, const at::Tensor& row_to_expert,
+                   const at::Tensor& tile_to_expert, const at::Tensor& tile_num_rows, const at::Tensor& info,
+                   const at::Tensor& row_to_token_i32, const std::optional<at::Tensor>& gemm_tile_to_expert,
+                   int64_t num_experts, int64_t block_m) {
+  TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected [num_tokens, num_topk]");
+  check_arg(row_to_token_i32, "row_to_token_i32");
+  TORCH_CHECK(row_to_token_i32.scalar_type() == at::kInt, "row_to_token_i32: expected int32");
+  int32_t* gemm_tiles = nullptr;
+  if (gemm_tile_to_expert) {
+    check_arg(*gemm_tile_to_expert, "gemm_tile_to_expert");
+    TORCH_CHECK(gemm_tile_to_expert->scalar_type() == at::kInt, "gemm_tile_to_expert: expected int32");
+    gemm_tiles = gemm_tile_to_expert->data_ptr<int32_t>();
+  }
+  const mok::ScheduleOutputs out{
+      int64_ptr(tokens_per_expert, "tokens_per_expert"), int64_ptr(padded_per_expert, "padded_per_expert"),
+      int64_ptr(expert_offsets, "expert_offsets"),       int64_ptr(tile_offsets, "tile_offsets"),
+      int64_ptr(route_to_row, "route_to_row"),           int64_ptr(row_to_token, "row_to_token"),
+      int64_ptr(row_to_k, "row_to_k"),                   int64_ptr(row_to_route, "row_to_route"),
+      int64_ptr(row_to_expert, "row_to_expert"),         int64_ptr(tile_to_expert, "tile_to_expert"),
+      int64_ptr(tile_num_rows, "tile_num_rows"),         int64_ptr(info, "info"),
+      row_to_token_i32.data_ptr<int32_t>(),              gemm_tiles};
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  const int64_t num_chunks = (topk_idx.numel() + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
+  at::Tensor chunk_counts = at::empty({num_chunks * (num_experts + 1)}, topk_idx.options().dtype(at::kInt));
+  check_cuda(mok::make_schedule(int64_ptr(topk_idx, "topk_idx"), topk_idx.size(0), topk_idx.size(1), num_experts,
+                                block_m, row_to_token.numel(), out, chunk_counts.data_ptr<int32_t>(),
+                                c10::cuda::getCurrentCUDAStream()),
+             "make_schedule_cuda");
+}
+
+void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const at::Tensor& y_rows,
+                 const at::Tensor& route_to_row, const at::Tensor& tile_num_rows, at::Tensor& dy_rows,
+                 at::Tensor& d_topk_weights, int64_t block_m) {
+  check_arg(d_out, "d_out"), check_arg(topk_weights, "topk_weights"), check_arg(y_rows, "y_rows");
+  check_arg(dy_rows, "dy_rows"), check_arg(d_topk_weights, "d_topk_weights");
+  const c10::cuda::CUDAGuard guard(d_out.device());
+  check_cuda(mok::route_grads_prep(d_out.data_ptr(), topk_weights.data_ptr<float>(), y_rows.data_ptr(),
+                                   int64_ptr(route_to_row, "route_to_row"), int64_ptr(tile_num_rows, "tile_num_rows"),
+                                   dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(), route_to_row.size(0),
+                                   route_to_row.size(1), y_rows.size(0), y_rows.size(1), block_m,
+                                   c10::cuda::getCurrentCUDAStream()),
+             "route_grads_prep");
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_quantize_rowwise", &quantize_rowwise, "x, data, scales, variant");
   m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales, variant");
@@ -154,4 +215,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
+  m.def("make_schedule", &make_schedule,
+        "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "
+        "row_to_k, row_to_route, row_to_expert, tile_to_expert, tile_num_rows, info, row_to_token_i32, "
+        "gemm_tile_to_expert (or None), num_experts, block_m");
+  m.def("route_grads_prep", &route_grads,
+        "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, dy_rows, d_topk_weights, block_m");
 }

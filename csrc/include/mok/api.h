@@ -72,4 +72,49 @@ cudaError_t combine_rows(const void* y_rows, const void* route_to_row, bool rout
                          const float* topk_weights, const void* shared, void* out, int64_t num_tokens,
                          int64_t num_topk, int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
+// ---- route schedule on the device (csrc/schedule.cu) ----------------------------------------------------
+// mok/schedule.py's make_schedule as three launches (csrc/include/mok/moe/schedule.cuh), no host sync: the
+// row arrays are sized for max_num_rows = T·K + E·(block_m − 1) and the first num_rows entries written;
+// info[0] = num_rows, info[1] = number of topk_idx entries outside [0, num_experts) (routes that were
+// skipped: the caller raises). Every field int64 as in mok.schedule.Schedule, plus int32 copies for the GEMMs.
+
+constexpr int64_t kScheduleChunkRoutes = 1024;  // routes per chunk (scratch: [ceil(T·K / 1024), E + 1] int32)
+constexpr int64_t kScheduleMaxExperts = 4096;   // E counters per warp in shared memory (mok.ops falls back above)
+
+struct ScheduleOutputs {
+  int64_t* tokens_per_expert;    // [E]
+  int64_t* padded_per_expert;    // [E]
+  int64_t* expert_offsets;       // [E + 1]
+  int64_t* tile_offsets;         // [E + 1]
+  int64_t* route_to_row;         // [T · K]
+  int64_t* row_to_token;         // [max_num_rows], -1 in padding rows
+  int64_t* row_to_k;             // [max_num_rows], -1 in padding rows
+  int64_t* row_to_route;         // [max_num_rows], -1 in padding rows
+  int64_t* row_to_expert;        // [max_num_rows]
+  int64_t* tile_to_expert;       // [max_num_rows / block_m]
+  int64_t* tile_num_rows;        // [max_num_rows / block_m]
+  int64_t* info;                 // [2]: num_rows, bad ids
+  int32_t* row_to_token_i32;     // [max_num_rows], the GEMMs' row_to_token
+  int32_t* gemm_tile_to_expert;  // [max_num_rows / 128], the GEMMs' per-128-row tiles; null: not written
+};
+
+cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,
+                          int64_t block_m, int64_t max_num_rows, const ScheduleOutputs& out, int32_t* chunk_counts,
+                          cudaStream_t stream);
+
+// ---- routed-gradient prep (csrc/route_grads.cu) -----------------------------------------------------------
+// For each route (t, k) with row r = route_to_row[t, k]: dy_rows[r] = bf16(fp32(d_out[t]) · w[t, k]) and
+// d_topk_weights[t, k] = Σ_h fp32(d_out[t, h]) · fp32(y_rows[r, h]) in a fixed order; padding rows of
+// dy_rows (tile i: rows from tile_num_rows[i] on) are zeros. d_out bf16 [num_tokens, hidden]; topk_weights,
+// d_topk_weights fp32 [num_tokens, num_topk]; route_to_row, tile_num_rows int64 (a Schedule's); y_rows,
+// dy_rows bf16 [num_rows, hidden]. hidden % 8 == 0, 16-byte aligned rows; num_topk <= kRouteGradsMaxTopk.
+// A row id outside [0, num_rows) is not touched; its d_topk_weights entry is NaN.
+
+constexpr int64_t kRouteGradsMaxTopk = 1024;
+
+cudaError_t route_grads_prep(const void* d_out, const float* topk_weights, const void* y_rows,
+                             const int64_t* route_to_row, const int64_t* tile_num_rows, void* dy_rows,
+                             float* d_topk_weights, int64_t num_tokens, int64_t num_topk, int64_t num_rows,
+                             int64_t hidden, int64_t block_m, cudaStream_t stream);
+
 }  // namespace mok

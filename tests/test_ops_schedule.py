@@ -1,0 +1,171 @@
+"""The device route schedule (mok.ops.make_schedule_cuda) against mok.schedule.make_schedule, bit for bit.
+
+make_schedule (torch integer ops, a stable sort) is the L0 twin: every field of the kernel's Schedule must
+be equal in bits and dtype (Schedule.equal), on routings that stress each step: empty experts (segments of
+length 0), one hot expert (one segment far longer than a chunk of 1024 routes), duplicates inside a token's
+row, K = 1 and 8, token counts that are no multiple of anything, block_m 128 and 256 (and odd ones: the
+schedule itself allows any block_m). The allocator is poisoned first, so an entry the kernels never write
+cannot pass. Routings are drawn fresh every run (the seed is in each failure message).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok import ops
+from mok.bench import time_ms
+from mok.routing import check_topk_idx, hot_expert_routing, random_routing
+from mok.schedule import make_schedule
+from mok.testing import fresh_seed, poison_allocator
+
+
+def _routing(kind: str, num_tokens: int, num_experts: int, num_topk: int, seed: int) -> torch.Tensor:
+    """topk_idx int64 [num_tokens, num_topk] on the CPU, drawn with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":  # ids drawn with replacement: duplicates inside a row
+        return torch.randint(0, num_experts, (num_tokens, num_topk), generator=g)
+    if kind == "skewed":  # distinct per row, Zipf popularity: long and short segments
+        return random_routing(num_tokens, num_experts, num_topk, skew=1.2, generator=g)[0]
+    if kind == "hot":  # 95 % of the routes on expert 3 (or the last expert)
+        hot = min(3, num_experts - 1)
+        return hot_expert_routing(num_tokens, num_experts, num_topk, hot_expert=hot, hot_fraction=0.95,
+                                  generator=g)[0]
+    if kind == "sparse":  # only experts 1 and E - 2 get routes: empty segments before, between, after
+        pick = torch.randint(0, 2, (num_tokens, num_topk), generator=g)
+        return torch.where(pick == 0, 1 % num_experts, max(num_experts - 2, 0))
+    if kind == "one-expert":  # every route on expert E - 1, the last one
+        return torch.full((num_tokens, num_topk), num_experts - 1, dtype=torch.int64)
+    raise ValueError(kind)
+
+
+# (kind, num_tokens, num_experts, num_topk, block_m). T around the chunk (1024 routes) and fill (1024 rows)
+# sizes and off every multiple; K = 1, 3, 8; E = 1 and E above 48 KB of shared memory (opt-in path) up to
+# the limit; block_m 128 and 256 (the GEMMs'), 1, 7 and 64 (the schedule's generality).
+CASES = [
+    ("uniform", 1, 1, 1, 128),
+    ("uniform", 37, 16, 8, 128),
+    ("uniform", 1000, 128, 8, 128),
+    ("uniform", 1025, 128, 1, 256),
+    ("uniform", 129, 7, 8, 1),
+    ("uniform", 333, 9, 3, 7),
+    ("skewed", 4099, 128, 8, 128),
+    ("skewed", 4099, 64, 6, 256),
+    ("skewed", 517, 48, 6, 64),
+    ("hot", 3001, 32, 8, 128),
+    ("hot", 2048, 128, 1, 256),
+    ("sparse", 999, 8, 2, 128),
+    ("sparse", 130, 300, 4, 256),
+    ("one-expert", 1500, 5, 3, 128),
+    ("one-expert", 77, 1, 8, 256),
+    ("uniform", 9000, 1000, 8, 128),
+    ("uniform", 600, 2048, 4, 128),
+    ("skewed", 2000, ops.SCHEDULE_MAX_EXPERTS, 8, 128),
+]
+
+
+def _check_layout(sched, expected) -> None:
+    """Fields contiguous on the GPU; gemm_tensors (with block_m a multiple of 128) equal to what the GEMM
+    wrappers build from make_schedule's Schedule (`expected`, which has no gemm_tensors)."""
+    for name, t in vars(sched).items():
+        if isinstance(t, torch.Tensor):
+            assert t.is_cuda and t.is_contiguous(), name
+    if sched.block_m % ops.GEMM_BLOCK_M == 0:
+        want = ops.gemm_schedule_tensors(expected, expected.route_to_row.device)
+        for name, got, w in zip(("row_to_token", "tile_to_expert"), sched.gemm_tensors, want):
+            assert got.is_contiguous() and got.dtype == torch.int32 and torch.equal(got, w), f"gemm_tensors {name}"
+    else:
+        assert not hasattr(sched, "gemm_tensors")
+
+
+# ---- CPU: argument checks (all raise before the extension is built) ------------------------------------------
+
+
+def test_make_schedule_cuda_bad_inputs_raise_make_schedule_errors():
+    """The same exception type and text as make_schedule for every layout error; a CPU tensor is refused."""
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    bad = [([[0, 1]], 4), (idx[0], 4), (idx.int(), 4), (idx[:, :0], 4), (idx, 0), (idx, 2.0)]
+    for topk_idx, num_experts in bad:
+        with pytest.raises((TypeError, ValueError)) as want:
+            make_schedule(topk_idx, num_experts)
+        with pytest.raises(want.type) as got:
+            ops.make_schedule_cuda(topk_idx, num_experts)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError, match="block_m: expected an int in"):
+        ops.make_schedule_cuda(idx, 4, block_m=0)
+    with pytest.raises(ValueError, match="topk_idx: expected a CUDA tensor"):
+        ops.make_schedule_cuda(idx, 4)
+
+
+def test_carve_gives_aligned_disjoint_views():
+    v = ops._carve(torch.int64, {"a": 3, "b": 0, "c": 33, "d": 1}, "cpu")
+    assert [t.numel() for t in v.values()] == [3, 0, 33, 1]
+    base = v["a"].data_ptr()
+    assert all((t.data_ptr() - base) % ops._ALIGN == 0 for t in v.values() if t.numel())
+    for t in v.values():
+        t.fill_(7)  # disjoint: writing one never changes another
+    v["c"].fill_(1)
+    assert bool((v["a"] == 7).all() and (v["d"] == 7).all())
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-T{}-E{}-K{}-bm{}".format(*c))
+def test_make_schedule_cuda_equals_make_schedule(case):
+    kind, num_tokens, num_experts, num_topk, block_m = case
+    seed = fresh_seed()
+    topk_idx = _routing(kind, num_tokens, num_experts, num_topk, seed).cuda()
+    expected = make_schedule(topk_idx, num_experts, block_m)
+    # 0x55...: neither -1 (0xFF... would hide a padding row left unwritten) nor a valid id or row
+    poison_allocator(64 * (topk_idx.numel() + num_experts * block_m), byte=0x55)
+    got = ops.make_schedule_cuda(topk_idx, num_experts, block_m)
+    assert got.equal(expected), f"{case}: fields differ from make_schedule (seed {seed})"
+    assert got.equal(ops.make_schedule_cuda(topk_idx, num_experts, block_m)), f"{case}: run to run (seed {seed})"
+    _check_layout(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_make_schedule_cuda_edge_inputs():
+    """No tokens; a non-contiguous topk_idx; more experts than the kernels hold (falls back, same bits)."""
+    empty = torch.zeros(0, 4, dtype=torch.int64, device="cuda")
+    assert ops.make_schedule_cuda(empty, 8).equal(make_schedule(empty, 8))
+    strided = _routing("uniform", 300, 16, 5, fresh_seed()).cuda().T.contiguous().T  # [300, 5], column-major
+    assert not strided.is_contiguous()
+    assert ops.make_schedule_cuda(strided, 16, 256).equal(make_schedule(strided, 16, 256))
+    many = _routing("uniform", 50, ops.SCHEDULE_MAX_EXPERTS + 1, 2, fresh_seed()).cuda()
+    assert ops.make_schedule_cuda(many, ops.SCHEDULE_MAX_EXPERTS + 1).equal(
+        make_schedule(many, ops.SCHEDULE_MAX_EXPERTS + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("bad_id", [-1, 16, 2**40, -(2**40)], ids=["minus-one", "E", "huge", "very-negative"])
+def test_make_schedule_cuda_bad_ids_raise_the_same_error(bad_id):
+    topk_idx = _routing("uniform", 3000, 16, 8, fresh_seed()).cuda()
+    topk_idx[2999, 7] = bad_id  # in the last chunk, last route
+    topk_idx[5, 0] = bad_id
+    with pytest.raises(ValueError) as want:
+        check_topk_idx(topk_idx, 16)
+    with pytest.raises(ValueError) as got:
+        ops.make_schedule_cuda(topk_idx, 16)
+    assert str(got.value) == str(want.value)
+    assert "topk_idx: expected expert ids in [0, 16), got values in" in str(got.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", [(8192, 8, 128), (32768, 8, 128)], ids=["qwen3-30b", "qwen3-235b"])
+def test_make_schedule_cuda_time(shape):
+    """Wall time per call (host work + kernels + the one sync), printed (pytest -rP shows it); the bound is
+    a gross-regression guard: the kernel version must beat make_schedule's ~25 ops and two syncs."""
+    num_tokens, num_topk, num_experts = shape
+    topk_idx = _routing("skewed", num_tokens, num_experts, num_topk, fresh_seed()).cuda()
+    ms_torch = time_ms(lambda: make_schedule(topk_idx, num_experts), iters=50)
+    ms_cuda = time_ms(lambda: ops.make_schedule_cuda(topk_idx, num_experts), iters=50)
+    print(f"schedule T={num_tokens} K={num_topk} E={num_experts}: make_schedule {ms_torch * 1e3:.0f} us, "
+          f"make_schedule_cuda {ms_cuda * 1e3:.0f} us ({ms_torch / ms_cuda:.1f}x)")
+    assert ms_cuda < ms_torch
