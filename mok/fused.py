@@ -20,7 +20,7 @@ backward:
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
-order than L0's, so results agree within DESIGN §9's tolerance (nearly all elements bit for bit). Bits
+order than L0's, so results agree within DESIGN §9's tolerance (most elements bit for bit). Bits
 are identical run to run and for any persistent grid size: set it with `num_sms=` or the environment
 variable MOK_NUM_SMS (unset or 0: every SM), which tests use to run two grid sizes.
 
@@ -44,7 +44,7 @@ from mok.schedule import Schedule, gather_rows, make_schedule, scatter_routes
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
            "num_sms_from_env", "shared_schedule"]
 
-BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M, 64 or 128)
+BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
 PRECISIONS = ("bf16",)  # what this level runs (mok.layer.resolve_backend reads it)
 
