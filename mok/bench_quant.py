@@ -8,7 +8,7 @@ Kernel times are CUDA-event medians over CUDA-graph replays (no Python overhead 
 region); inputs smaller than 4x the L2 rotate among several copies so that they come from HBM.
 
     python -m mok.bench_quant                    # writes data/bench/quant.csv
-    python -m mok.bench_quant --ops dual --variants 0,1,9,10,11,12,13 --out data/bench/quant_dual.csv
+    python -m mok.bench_quant --ops dual --variants 0,11,13,14,15,16 --out data/bench/quant_dual.csv
                                                  # some ops and variants only, side by side
 """
 
@@ -30,7 +30,7 @@ OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise")
 # docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
 # the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
 VARIANTS = {"rowwise": (0, 1, 2), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
-            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13)}
+            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16)}
 
 
 def quant_shapes() -> list[tuple[str, tuple]]:
