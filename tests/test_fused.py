@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mok
-from mok import fused, testing
+from mok import fused, ops, testing, twins
 from mok import reference as L0
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
 from mok.layer import resolve_backend
@@ -148,6 +148,24 @@ def test_autograd_and_auto_backend_on_hopper():
 
 
 # ---- CPU -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit):
+    """The level's Python (schedules, the shared expert as a one-expert schedule, what is saved, the order of
+    the gradients) with every kernel replaced by its L0 twin (mok.twins) must give L0's bits exactly; the
+    kernels themselves are held to their twins on the GPU (tests/test_ops_gemm.py, test_ops_combine.py)."""
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, getattr(twins, name))
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    inputs = make_inputs(TINY_SHAPES[shape], seed=fresh_seed())
+    out0, grads0 = run_level(L0, inputs, swiglu_limit=limit)
+    out, grads = run_level(fused, inputs, swiglu_limit=limit)
+    assert bitwise_equal(out, out0), f"{shape}: out"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name}"
+
 
 
 @pytest.mark.parametrize("capability,precision,expected", [

@@ -1,6 +1,7 @@
-"""Grouped BF16 GEMMs (mok.ops, L2 building blocks) against L0 (mok.reference.mm / swiglu per expert).
+"""Grouped BF16 GEMMs (mok.ops, L2 building blocks) against their L0 twins (mok.twins: L0's mm / swiglu /
+swiglu_backward per expert).
 
-Expectations are computed on the CPU from L0's pieces, expert by expert over the schedule's segments;
+Expectations are computed on the CPU by the twins, expert by expert over the schedule's segments;
 kernels run on the Hopper GPU. The GEMMs' fp32 sums run in another order than the CPU's, so results
 are compared with DESIGN §9's tolerance *and* must agree bit for bit on nearly every element (a wrong
 layout, swizzle or expert would fail both by far). Outputs come from a caching allocator poisoned with
@@ -13,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ops, routing
+from mok import ops, routing, twins
 from mok.config import TINY_SHAPES, MoEConfig
-from mok.reference import BF16, mm, moe_forward, swiglu, swiglu_backward
-from mok.schedule import make_schedule, scatter_routes, segment
+from mok.reference import BF16, moe_forward
+from mok.schedule import make_schedule, scatter_routes
 from mok.testing import TOLERANCES, fresh_seed, make_inputs, poison_allocator, rel_err
 
 # Irregular on purpose: K-tails (hidden not a multiple of 64), N-tails, more k-blocks than stages, empty
@@ -44,35 +45,6 @@ def _problem(case: str, seed: int, block_m: int = 128) -> tuple[dict, object]:
     return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts, block_m=block_m)
 
 
-def _expected_gemm1(x, w_gate, w_up, sched, limit):
-    """(h, gate, up) [num_rows, intermediate] bf16 from L0's mm/swiglu per expert; zeros in padding rows."""
-    shape = (sched.num_rows, w_gate.shape[1])
-    h, gate, up = (torch.zeros(shape, dtype=BF16) for _ in range(3))  # [num_rows, I] each
-    for e in range(sched.num_experts):
-        n = int(sched.tokens_per_expert[e])
-        rows = torch.arange(segment(sched, e).start, segment(sched, e).start + n)  # [n] real rows
-        x_e = x[sched.row_to_token[rows]]  # [n, H]
-        gate[rows] = mm(x_e, w_gate[e]).to(BF16)  # [n, I]
-        up[rows] = mm(x_e, w_up[e]).to(BF16)  # [n, I]
-        h[rows] = swiglu(gate[rows], up[rows], limit).to(BF16)  # [n, I]
-    return h, gate, up
-
-
-def _expected_gemm2(a_rows, w, sched):
-    out = torch.zeros(sched.num_rows, w.shape[1], dtype=BF16)  # [num_rows, n]
-    for e in range(sched.num_experts):
-        seg = segment(sched, e)
-        n = int(sched.tokens_per_expert[e])  # real rows come first in a segment; padding rows stay zero
-        out[seg.start:seg.start + n] = mm(a_rows[seg.start:seg.start + n], w[e]).to(BF16)  # [n, n_out]
-    return out
-
-
-def _rows_of(sched, e: int) -> torch.Tensor:
-    """The real (non-padding) rows of expert e's segment."""
-    start = segment(sched, e).start
-    return torch.arange(start, start + int(sched.tokens_per_expert[e]))  # [n]
-
-
 def _backward_operands(sched, cfg_i: int, cfg_h: int, seed: int) -> dict:
     """Random dy_rows [R, H], gate/up [R, I] (bf16, zeros in padding rows, as the forward leaves them)."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -83,26 +55,6 @@ def _backward_operands(sched, cfg_i: int, cfg_h: int, seed: int) -> dict:
         t[padding] = 0
         ops_in[name] = t
     return ops_in
-
-
-def _expected_dgrad_swiglu(dy_rows, w_down, gate, up, sched, limit):
-    """(d_gate, d_up) [R, I] bf16 from L0's mm / swiglu_backward per expert; zeros in padding rows."""
-    d_gate, d_up = (torch.zeros_like(gate) for _ in range(2))  # [R, I] each
-    for e in range(sched.num_experts):
-        rows = _rows_of(sched, e)  # [n]
-        d_h = mm(dy_rows[rows], w_down[e].T).to(BF16)  # [n, I]: K = hidden
-        dg, du = swiglu_backward(gate[rows], up[rows], d_h, limit)  # [n, I] fp32 each
-        d_gate[rows], d_up[rows] = dg.to(BF16), du.to(BF16)
-    return d_gate, d_up
-
-
-def _expected_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched):
-    """dx_rows [R, H] = bf16(d_gate·Wg + d_up·Wu) per expert, one rounding (L0); zeros in padding rows."""
-    dx = torch.zeros(sched.num_rows, w_gate.shape[2], dtype=BF16)  # [R, H]
-    for e in range(sched.num_experts):
-        rows = _rows_of(sched, e)  # [n]
-        dx[rows] = (mm(d_gate[rows], w_gate[e].T) + mm(d_up[rows], w_up[e].T)).to(BF16)  # [n, H]
-    return dx
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed: int) -> None:
@@ -174,7 +126,7 @@ def test_gemm1_swiglu_gather_matches_l0(case, limit):
     seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     x, wg, wu = inputs["x"], inputs["w_gate"], inputs["w_up"]
-    expected = _expected_gemm1(x, wg, wu, sched, limit)
+    expected = twins.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, limit)
     poison_allocator(2 * 3 * sched.num_rows * wg.shape[1] * 2)
     got = ops.grouped_gemm_bf16_swiglu_gather(x.cuda(), wg.cuda(), wu.cuda(), sched.to("cuda"), swiglu_limit=limit)
     for name, a, e in zip(("h", "gate", "up"), got, expected):
@@ -191,7 +143,7 @@ def test_gemm2_nt_contiguous_matches_l0(case):
     inputs, sched = _problem(case, seed, block_m=256)  # two kernel tiles per schedule tile
     wd = inputs["w_down"]  # [E, H, I]
     a_rows = torch.randn(sched.num_rows, wd.shape[2], generator=torch.Generator().manual_seed(seed)).to(BF16)
-    expected = _expected_gemm2(a_rows, wd, sched)
+    expected = twins.grouped_gemm_bf16_nt_contiguous(a_rows, wd, sched)
     poison_allocator(2 * sched.num_rows * wd.shape[1] * 2)
     got = ops.grouped_gemm_bf16_nt_contiguous(a_rows.cuda(), wd.cuda(), sched.to("cuda"))
     _assert_close(got, expected, f"{case} out_rows", seed)
@@ -208,7 +160,7 @@ def test_dgrad_swiglu_matches_l0(case, limit):
     cfg = CASES[case][0]
     b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
     wd = inputs["w_down"]  # [E, H, I]
-    expected = _expected_dgrad_swiglu(b["dy_rows"], wd, b["gate"], b["up"], sched, limit)
+    expected = twins.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"], wd, b["gate"], b["up"], sched, limit)
     poison_allocator(2 * 2 * sched.num_rows * cfg.intermediate * 2)
     got = ops.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"].cuda(), wd.cuda(), b["gate"].cuda(), b["up"].cuda(),
                                              sched.to("cuda"), swiglu_limit=limit)
@@ -226,7 +178,7 @@ def test_dgrad_gate_up_matches_l0(case):
     cfg = CASES[case][0]
     b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)  # gate/up stand in for d_gate/d_up
     wg, wu = inputs["w_gate"], inputs["w_up"]  # [E, I, H] each
-    expected = _expected_dgrad_gate_up(b["gate"], b["up"], wg, wu, sched)
+    expected = twins.grouped_gemm_bf16_dgrad_gate_up(b["gate"], b["up"], wg, wu, sched)
     poison_allocator(2 * sched.num_rows * cfg.hidden * 2)
     got = ops.grouped_gemm_bf16_dgrad_gate_up(b["gate"].cuda(), b["up"].cuda(), wg.cuda(), wu.cuda(),
                                               sched.to("cuda"))

@@ -1,0 +1,78 @@
+"""L0 twins of the L2 kernels: each function has the name, arguments and contract of a `mok.ops` kernel
+and computes it in plain PyTorch from L0's pieces (mok.reference), expert by expert, on any device.
+
+Two uses: the GPU tests compare each kernel with its twin (tests/test_ops_gemm.py), and the CPU suite runs
+the whole `fused` level with every kernel replaced by its twin (tests/test_fused.py), which must give L0's
+bits exactly: that checks the level's wiring (schedules, saved state, gradient order) where CI has no GPU.
+The twins round where the kernels round (DESIGN §3); only the fp32 summation order differs from the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
+from mok.schedule import segment
+
+# the mok.ops kernels that have a twin here (the names tests patch)
+KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
+           "grouped_gemm_bf16_dgrad_gate_up", "combine_rows")
+
+
+def _rows_of(sched, e: int) -> torch.Tensor:
+    """The real (non-padding) rows of expert e's segment: padding rows come last in a segment."""
+    start = segment(sched, e).start
+    return torch.arange(start, start + int(sched.tokens_per_expert[e]), device=sched.row_to_token.device)  # [n]
+
+
+def _zeros(sched, width: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(sched.num_rows, width, dtype=BF16, device=like.device)  # [num_rows, width]
+
+
+def grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):
+    """(h, gate, up) [num_rows, I]: gate/up = bf16(x[t]·W[e]ᵀ), h = bf16(swiglu(gate, up)); zero padding rows."""
+    h, gate, up = (_zeros(sched, w_gate.shape[1], x) for _ in range(3))  # [num_rows, I] each
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        x_e = x[sched.row_to_token[rows]]  # [n, H]
+        gate[rows] = mm(x_e, w_gate[e]).to(BF16)  # [n, I]
+        up[rows] = mm(x_e, w_up[e]).to(BF16)  # [n, I]
+        h[rows] = swiglu(gate[rows], up[rows], swiglu_limit).to(BF16)  # [n, I]
+    return h, gate, up
+
+
+def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
+    """out [num_rows, n] = bf16(a_rows[r]·W[e]ᵀ); zero padding rows."""
+    out = _zeros(sched, w.shape[1], a_rows)  # [num_rows, n]
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n_e]
+        out[rows] = mm(a_rows[rows], w[e]).to(BF16)  # [n_e, n]
+    return out
+
+
+def grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=None, num_sms=None):
+    """(d_gate, d_up) [num_rows, I]: d_h = bf16(dy·Wd[e]), then bf16(swiglu_backward(gate, up, d_h))."""
+    d_gate, d_up = (_zeros(sched, gate.shape[1], gate) for _ in range(2))  # [num_rows, I] each
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        d_h = mm(dy_rows[rows], w_down[e].T).to(BF16)  # [n, I]: K = hidden
+        dg, du = swiglu_backward(gate[rows], up[rows], d_h, swiglu_limit)  # [n, I] fp32 each
+        d_gate[rows], d_up[rows] = dg.to(BF16), du.to(BF16)
+    return d_gate, d_up
+
+
+def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=None):
+    """dx_rows [num_rows, H] = bf16(d_gate·Wg[e] + d_up·Wu[e]), one rounding; zero padding rows."""
+    dx = _zeros(sched, w_gate.shape[2], d_gate)  # [num_rows, H]
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        dx[rows] = (mm(d_gate[rows], w_gate[e].T) + mm(d_up[rows], w_up[e].T)).to(BF16)  # [n, H]
+    return dx
+
+
+def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_rows=True):
+    """out [T, H] = bf16(Σ_k w[t,k]·y_rows[route_to_row[t,k]] + shared[t]), L0's combine (weights 1 if None)."""
+    T, K = route_to_row.shape
+    y = y_rows[route_to_row.reshape(-1).long()].view(T, K, -1)  # [T, K, H]
+    w = torch.ones(T, K, device=y_rows.device) if topk_weights is None else topk_weights  # [T, K]
+    return combine(y, w, shared)
