@@ -1,6 +1,6 @@
 // The one file that sees both torch and mok's kernels: tensors in, raw pointers to the torch-free host
 // API (mok/api.h) out, on the current stream. Outputs are allocated and every argument is checked with
-// a clear message in mok/ops.py; the TORCH_CHECKs here only guard against misuse of the raw bindings.
+// a clear message in mok/ops/; the TORCH_CHECKs here only guard against misuse of the raw bindings.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>

@@ -98,10 +98,10 @@ def test_make_schedule_cuda_bad_inputs_raise_make_schedule_errors():
 
 
 def test_carve_gives_aligned_disjoint_views():
-    v = ops._carve(torch.int64, {"a": 3, "b": 0, "c": 33, "d": 1}, "cpu")
+    v = ops.moe._carve(torch.int64, {"a": 3, "b": 0, "c": 33, "d": 1}, "cpu")
     assert [t.numel() for t in v.values()] == [3, 0, 33, 1]
     base = v["a"].data_ptr()
-    assert all((t.data_ptr() - base) % ops._ALIGN == 0 for t in v.values() if t.numel())
+    assert all((t.data_ptr() - base) % ops.moe._ALIGN == 0 for t in v.values() if t.numel())
     for t in v.values():
         t.fill_(7)  # disjoint: writing one never changes another
     v["c"].fill_(1)

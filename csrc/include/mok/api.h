@@ -1,7 +1,7 @@
 // The host API of mok's CUDA kernels: plain C++ (no torch, no CUDA kernel code), so that
 // csrc/bindings.cpp, compiled by the host compiler, can call what csrc/*.cu define.
 // Every pointer is a device pointer; every call is asynchronous on `stream` and returns the launch
-// status. Shapes are checked (with clear messages) in mok/ops.py before these are reached.
+// status. Shapes are checked (with clear messages) in mok/ops/ before these are reached.
 #pragma once
 
 #include <cstdint>

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 // ---- host launcher ---------------------------------------------------------------------------------------
 // y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk] (int32 or int64); topk_weights fp32
 // [num_tokens, num_topk] or null (weights 1); shared bf16 [num_tokens, hidden] or null; out bf16
-// [num_tokens, hidden]. hidden % 8 == 0 and every pointer 16-byte aligned (checked in mok/ops.py).
+// [num_tokens, hidden]. hidden % 8 == 0 and every pointer 16-byte aligned (checked in mok/ops/).
 
 template <typename Index>
 inline cudaError_t launch_combine_rows(const void* y_rows, const Index* route_to_row, const float* topk_weights,

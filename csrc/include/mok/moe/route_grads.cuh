@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kRouteGradsThreads)
 }
 
 // ---- host launcher --------------------------------------------------------------------------------------------
-// Shapes and alignment as in mok/api.h (checked in mok/ops.py); num_tiles = num_rows / block_m.
+// Shapes and alignment as in mok/api.h (checked in mok/ops/); num_tiles = num_rows / block_m.
 
 inline cudaError_t launch_route_grads(const void* d_out, const float* topk_weights, const void* y_rows,
                                       const int64_t* route_to_row, const int64_t* tile_num_rows, void* dy_rows,

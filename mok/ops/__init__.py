@@ -1,0 +1,40 @@
+"""Python entry points of mok's CUDA kernels (csrc/), built on first use for Hopper (sm_90a).
+
+One module per family, everything re-exported here (call them as `mok.ops.<name>`):
+
+    core   the JIT build (csrc_hash, require_hopper, load_extension) and the shared tensor checks
+    quant  MXFP8 quantizers and dequantization (mxfp8_*)
+    gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
+    moe    the fixed-order combine (combine_rows), the device schedule (make_schedule_cuda) and the
+           backward's routed-gradient prep (route_grads_prep)
+
+Every op checks its arguments first (errors name the argument, the expectation and the actual value),
+then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
+"""
+
+from mok.ops.core import ARCH_FLAGS, CACHE, CSRC, REPO, csrc_hash, load_extension, require_hopper
+from mok.ops.gemm import (
+    GEMM_BLOCK_M,
+    GEMM_K_ALIGN,
+    gemm_schedule_tensors,
+    grouped_gemm_bf16_dgrad_gate_up,
+    grouped_gemm_bf16_dgrad_swiglu,
+    grouped_gemm_bf16_nt_contiguous,
+    grouped_gemm_bf16_swiglu_gather,
+)
+from mok.ops.moe import ROUTE_GRADS_MAX_TOPK, SCHEDULE_MAX_EXPERTS, combine_rows, make_schedule_cuda, route_grads_prep
+from mok.ops.quant import (
+    BLOCK_SIZE,
+    mxfp8_dequantize,
+    mxfp8_quantize_colwise,
+    mxfp8_quantize_dual,
+    mxfp8_quantize_rowwise,
+)
+
+__all__ = [
+    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO", "ROUTE_GRADS_MAX_TOPK",
+    "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gemm_schedule_tensors", "grouped_gemm_bf16_dgrad_gate_up",
+    "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_swiglu_gather",
+    "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
+    "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
+]

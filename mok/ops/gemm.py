@@ -1,0 +1,158 @@
+"""Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/l2_fused.md).
+
+Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
+multiple of the kernels' 128-row tile). Outputs stay in that row layout. Bitwise deterministic: every
+output is one fp32 sum over the full K in a fixed order, whatever `num_sms` (the persistent grid size;
+None = the device's SM count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok.checks import fail
+from mok.ops.core import check_cuda_tensor, load_extension
+
+GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
+GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
+
+
+def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows],
+    tile_to_expert int32 [num_rows / 128], one entry per 128-row kernel tile)."""
+    if sched.block_m % GEMM_BLOCK_M:
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=128), the default)",
+              f"block_m={sched.block_m}")
+    row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
+    tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
+    tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
+    return row_to_token, tile_to_expert.contiguous()
+
+
+def _check_shape(name: str, t, expected: tuple, what: str) -> None:
+    """dtype bf16 and shape `expected` (None = any size), before any device check (CPU-testable)."""
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype != torch.bfloat16:
+        fail(name, "dtype torch.bfloat16", t.dtype)
+    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+        want = ", ".join("*" if e is None else str(e) for e in expected)
+        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
+
+
+def _check_gemm_dim(name: str, size: int, what: str) -> None:
+    if size < GEMM_K_ALIGN or size % GEMM_K_ALIGN:
+        fail(name, f"{what} a positive multiple of {GEMM_K_ALIGN}", size)
+
+
+def _check_num_sms(num_sms) -> int:
+    if num_sms is None:
+        return 0
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        fail("num_sms", "None or an int >= 1", repr(num_sms))
+    return num_sms
+
+
+def _check_limit(swiglu_limit) -> None:
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit == swiglu_limit):
+        fail("swiglu_limit", "None or a float (not NaN)", repr(swiglu_limit))
+
+
+def _check_devices(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        check_cuda_tensor(name, t, torch.bfloat16)
+        if t.device != device:
+            fail(name, f"device {device} (the first operand's)", t.device)
+
+
+def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sched,
+                                    swiglu_limit: float | None = None, num_sms: int | None = None):
+    """GEMM1 of the routed experts with fused dispatch and SwiGLU, in the schedule's row layout:
+    for row r with token t = row_to_token[r] and expert e, gate[r] = bf16(x[t]·w_gate[e]ᵀ),
+    up[r] = bf16(x[t]·w_up[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r], swiglu_limit)) (mok.reference);
+    padding rows are zeros. x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate, hidden];
+    hidden and intermediate multiples of 8. Returns (h, gate, up), bf16 [num_rows, intermediate] each."""
+    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
+    hidden = x.shape[1]
+    _check_gemm_dim("x", hidden, "hidden (dim 1)")
+    _check_shape("w_gate", w_gate, (sched.num_experts, None, hidden), "[num_experts, intermediate, hidden]")
+    intermediate = w_gate.shape[1]
+    _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
+    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    _check_limit(swiglu_limit)
+    sms = _check_num_sms(num_sms)
+    _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
+    h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
+                   for _ in range(3))  # [num_rows, intermediate] each
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up,
+                                                     limit, swiglu_limit is not None, sms)
+    return h, gate, up
+
+
+def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched,
+                                    num_sms: int | None = None) -> torch.Tensor:
+    """GEMM2 of the routed experts, a plain grouped GEMM over the schedule's rows (no gather):
+    out_rows[r] = bf16(a_rows[r]·w[e]ᵀ), e = the expert of row r's segment; padding rows are zeros.
+    a_rows [num_rows, k]; w [num_experts, n, k]; k and n multiples of 8. Returns bf16 [num_rows, n]."""
+    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, k]")
+    k = a_rows.shape[1]
+    _check_gemm_dim("a_rows", k, "k (dim 1)")
+    _check_shape("w", w, (sched.num_experts, None, k), "[num_experts, n, k]")
+    _check_gemm_dim("w", w.shape[1], "n (dim 1)")
+    sms = _check_num_sms(num_sms)
+    _check_devices(a_rows.device, a_rows=a_rows, w=w)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
+    out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
+    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert, out_rows, sms)
+    return out_rows
+
+
+def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
+                                   up: torch.Tensor, sched, swiglu_limit: float | None = None,
+                                   num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of the down projection and of SwiGLU, in the schedule's row layout (L0's
+    mok.reference.expert_backward): d_h = bf16(dy_rows[r]·w_down[e]), then
+    (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h, swiglu_limit)); padding rows are zeros.
+    dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read transposed, no copy);
+    gate, up [num_rows, intermediate] as the forward saved them. Returns (d_gate, d_up), bf16 each."""
+    _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
+    hidden = dy_rows.shape[1]
+    _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
+    _check_shape("w_down", w_down, (sched.num_experts, hidden, None), "[num_experts, hidden, intermediate]")
+    intermediate = w_down.shape[2]
+    _check_gemm_dim("w_down", intermediate, "intermediate (dim 2)")
+    _check_shape("gate", gate, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_shape("up", up, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_limit(swiglu_limit)
+    sms = _check_num_sms(num_sms)
+    _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, dy_rows.device)  # [num_rows], [num_rows / 128]
+    d_gate, d_up = (torch.empty_like(gate) for _ in range(2))  # [num_rows, intermediate] each
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate,
+                                                    d_up, limit, swiglu_limit is not None, sms)
+    return d_gate, d_up
+
+
+def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
+                                    w_up: torch.Tensor, sched, num_sms: int | None = None) -> torch.Tensor:
+    """Backward of the gate/up projections in the schedule's row layout: dx_rows[r] =
+    bf16(d_gate[r]·w_gate[e] + d_up[r]·w_up[e]), one fp32 sum over K = 2·intermediate (L0 rounds once too);
+    padding rows are zeros. d_gate, d_up [num_rows, intermediate]; w_gate, w_up [num_experts, intermediate,
+    hidden] (read transposed, no copy). Returns dx_rows bf16 [num_rows, hidden]."""
+    _check_shape("d_gate", d_gate, (sched.num_rows, None), "[num_rows, intermediate]")
+    intermediate = d_gate.shape[1]
+    _check_gemm_dim("d_gate", intermediate, "intermediate (dim 1)")
+    _check_shape("d_up", d_up, tuple(d_gate.shape), "[num_rows, intermediate] (d_gate's)")
+    _check_shape("w_gate", w_gate, (sched.num_experts, intermediate, None), "[num_experts, intermediate, hidden]")
+    _check_gemm_dim("w_gate", w_gate.shape[2], "hidden (dim 2)")
+    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    sms = _check_num_sms(num_sms)
+    _check_devices(d_gate.device, d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up)
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 128]
+    dx_rows = torch.empty(sched.num_rows, w_gate.shape[2], dtype=torch.bfloat16, device=d_gate.device)
+    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
+                                                     dx_rows, sms)
+    return dx_rows

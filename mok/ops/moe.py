@@ -1,0 +1,191 @@
+"""The MoE plumbing around the GEMMs (csrc/include/mok/moe/; L2): the fixed-order combine, the route
+schedule built on the device, and the routed-gradient prep of the backward."""
+
+from __future__ import annotations
+
+import torch
+
+from mok.checks import check_int, fail
+from mok.ops.core import load_extension
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN
+from mok.routing import check_topk_idx
+from mok.schedule import Schedule, make_schedule, max_num_rows
+
+# ---- fixed-order combine (L2; csrc/include/mok/moe/combine.cuh) ----------------------------------------
+# out[t] = bf16(Σ_k w[t,k]·y_rows[route_to_row[t,k]] + shared[t]): fp32, increasing k, then shared; each
+# product and sum rounded on its own, so the bits equal mok.reference.combine's (and, without weights, the
+# d_x sum of mok.reference.moe_backward). One thread per output element: no atomics, no grid dependence.
+
+
+def _check_combine_operand(name: str, t, dtype: torch.dtype, expected: tuple, what: str) -> None:
+    """dtype(s) and shape, before any device check (CPU-testable); `dtype` may be a tuple of choices."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        fail(name, "dtype " + " or ".join(str(d) for d in dtypes), t.dtype)
+    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+        want = ", ".join("*" if e is None else str(e) for e in expected)
+        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
+
+
+def _check_on_device(name: str, t: torch.Tensor, device: torch.device, vector_rows: bool) -> None:
+    """CUDA, on `device`, contiguous; vector_rows: 16-byte aligned (the kernel reads rows in 16 bytes)."""
+    if t.device.type != "cuda":
+        fail(name, "a CUDA tensor", f"device {t.device}")
+    if t.device != device:
+        fail(name, f"device {device} (y_rows')", t.device)
+    if not t.is_contiguous():
+        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
+    if vector_rows and t.data_ptr() % 16 != 0:
+        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
+              f"address {t.data_ptr():#x}")
+
+
+def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                 shared: torch.Tensor | None = None, check_rows: bool = True) -> torch.Tensor:
+    """Fixed-order combine of per-route rows into tokens: out [num_tokens, hidden] bf16 with
+    out[t] = bf16(Σ_k topk_weights[t,k]·y_rows[route_to_row[t,k]] + shared[t]) in fp32, increasing k.
+
+    y_rows bf16 [num_rows, hidden] (hidden % 8 == 0); route_to_row int64 or int32 [num_tokens, num_topk]
+    (a schedule's `route_to_row`); topk_weights fp32 [num_tokens, num_topk] or None (weights 1: the d_x sum
+    of the backward); shared bf16 [num_tokens, hidden] or None. check_rows: verify every row id is in
+    [0, num_rows) (one host sync); without the check, a bad id gives NaN for its token, never a stray read."""
+    _check_combine_operand("y_rows", y_rows, torch.bfloat16, (None, None), "[num_rows, hidden]")
+    num_rows, hidden = y_rows.shape
+    if hidden % GEMM_K_ALIGN:
+        fail("y_rows", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
+    _check_combine_operand("route_to_row", route_to_row, (torch.int64, torch.int32), (None, None),
+                           "[num_tokens, num_topk]")
+    num_tokens, num_topk = route_to_row.shape
+    if topk_weights is not None:
+        _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
+                               "[num_tokens, num_topk] (route_to_row's)")
+    if shared is not None:
+        _check_combine_operand("shared", shared, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
+    operands = {"y_rows": (y_rows, True), "route_to_row": (route_to_row, False),
+                "topk_weights": (topk_weights, False), "shared": (shared, True)}
+    for name, (t, vector_rows) in operands.items():
+        if t is not None:
+            _check_on_device(name, t, y_rows.device, vector_rows)
+    if check_rows and route_to_row.numel():
+        low, high = int(route_to_row.min()), int(route_to_row.max())  # host sync
+        if low < 0 or high >= num_rows:
+            fail("route_to_row", f"row ids in [0, {num_rows}) (y_rows has {num_rows} rows)", f"ids in [{low}, {high}]")
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_tokens, hidden]
+    load_extension().combine_rows(y_rows, route_to_row, topk_weights, shared, out)
+    return out
+
+
+# ---- route schedule on the device (csrc/include/mok/moe/schedule.cuh) -----------------------------------
+# make_schedule_cuda = mok.schedule.make_schedule in three integer-only launches (counts per chunk of 1024
+# routes, a scan per expert, placement + row fill) and ONE host sync: the row arrays are allocated for
+# max_num_rows (no routing needs more), the kernels write the first num_rows entries, and a single read of
+# [num_rows, bad ids] at the end sizes the returned views. Every field is bitwise make_schedule's.
+
+SCHEDULE_MAX_EXPERTS = 4096  # kScheduleMaxExperts (mok/api.h): per-warp expert cursors in shared memory
+_ALIGN = 256  # bytes: every carved array starts on its own allocation-like boundary
+
+
+def _carve(dtype: torch.dtype, sizes: dict, device) -> dict:
+    """One allocation cut into contiguous 1-D arrays of `sizes[name]` elements, each 256-byte aligned."""
+    step = _ALIGN // torch.empty((), dtype=dtype).element_size()
+    starts, total = {}, 0
+    for name, n in sizes.items():
+        starts[name] = total
+        total += -(-n // step) * step
+    buf = torch.empty(total, dtype=dtype, device=device)  # [total]
+    return {name: buf[start:start + sizes[name]] for name, start in starts.items()}
+
+
+def _check_topk_idx_layout(topk_idx, num_experts: int) -> None:
+    """check_topk_idx's type, shape and dtype errors (same text) without its min/max host sync: an empty
+    slice passes through its range check; the kernels count ids outside [0, num_experts)."""
+    ok_shape = isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
+    check_topk_idx(topk_idx[:0] if ok_shape else topk_idx, num_experts)
+
+
+def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
+    """mok.schedule.make_schedule on the GPU: the same Schedule, bit for bit (Schedule.equal), same errors.
+
+    topk_idx: int64 CUDA `[num_tokens, num_topk]`, ids in [0, num_experts); duplicates allowed.
+    One host sync (reading num_rows and the number of bad ids together). The row arrays are views of
+    buffers sized for `max_num_rows` (a few MB at most; no copy). With block_m a multiple of 128 the result
+    also carries `gemm_tensors`, what `gemm_schedule_tensors(sched, device)` returns (int32 row_to_token
+    [num_rows], tile_to_expert per 128-row tile), written by the same launches; it is not a dataclass
+    field, so equality and `Schedule.to` ignore it. Beyond the kernels' limits (num_experts >
+    SCHEDULE_MAX_EXPERTS, or max_num_rows >= 2^31) it returns make_schedule's result.
+    """
+    _check_topk_idx_layout(topk_idx, num_experts)
+    check_int("block_m", block_m, 1)
+    if topk_idx.device.type != "cuda":
+        fail("topk_idx", "a CUDA tensor (mok.schedule.make_schedule runs on any device)", f"device {topk_idx.device}")
+    num_tokens, num_topk = topk_idx.shape
+    rows = max_num_rows(num_tokens, num_topk, num_experts, block_m)
+    if num_experts > SCHEDULE_MAX_EXPERTS or rows >= 2**31:  # beyond the kernels' int32 rows / smem cursors
+        return make_schedule(topk_idx, num_experts, block_m)  # the same bits from torch ops
+    E, device = num_experts, topk_idx.device
+    gemm_tiles = rows // GEMM_BLOCK_M if block_m % GEMM_BLOCK_M == 0 else 0
+    v = _carve(torch.int64, {"tokens_per_expert": E, "padded_per_expert": E, "expert_offsets": E + 1,
+                             "tile_offsets": E + 1, "route_to_row": num_tokens * num_topk, "row_to_token": rows,
+                             "row_to_k": rows, "row_to_route": rows, "row_to_expert": rows,
+                             "tile_to_expert": rows // block_m, "tile_num_rows": rows // block_m, "info": 2}, device)
+    v32 = _carve(torch.int32, {"row_to_token": rows, "tile_to_expert": gemm_tiles}, device)
+    load_extension().make_schedule(
+        topk_idx.contiguous(), v["tokens_per_expert"], v["padded_per_expert"], v["expert_offsets"],
+        v["tile_offsets"], v["route_to_row"], v["row_to_token"], v["row_to_k"], v["row_to_route"],
+        v["row_to_expert"], v["tile_to_expert"], v["tile_num_rows"], v["info"], v32["row_to_token"],
+        v32["tile_to_expert"] if gemm_tiles else None, num_experts, block_m)
+    num_rows, num_bad = v["info"].tolist()  # the one host sync
+    if num_bad:
+        check_topk_idx(topk_idx, num_experts)  # raises its error, with the ids' min and max
+        raise AssertionError(f"make_schedule_cuda: {num_bad} ids outside [0, {num_experts}) not seen by the check")
+    num_tiles = num_rows // block_m
+    sched = Schedule(
+        num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
+        tokens_per_expert=v["tokens_per_expert"], padded_per_expert=v["padded_per_expert"],
+        expert_offsets=v["expert_offsets"], row_to_token=v["row_to_token"][:num_rows],
+        row_to_k=v["row_to_k"][:num_rows], row_to_route=v["row_to_route"][:num_rows],
+        row_to_expert=v["row_to_expert"][:num_rows], route_to_row=v["route_to_row"].view(num_tokens, num_topk),
+        tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"][:num_tiles],
+        tile_num_rows=v["tile_num_rows"][:num_tiles])
+    if gemm_tiles:
+        sched.gemm_tensors = (v32["row_to_token"][:num_rows], v32["tile_to_expert"][:num_rows // GEMM_BLOCK_M])
+    return sched
+
+
+# ---- routed-gradient prep (csrc/include/mok/moe/route_grads.cuh) -----------------------------------------
+
+ROUTE_GRADS_MAX_TOPK = 1024  # kRouteGradsMaxTopk (mok/api.h): the per-warp partial sums in shared memory
+
+
+def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: torch.Tensor,
+                     sched: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's first step on the schedule's rows, one pass over d_out and y_rows:
+    dy_rows [num_rows, hidden] bf16, dy_rows[r] = bf16(fp32(d_out[t]) · w[t, k]) for r's route (t, k), zeros
+    in padding rows (bit for bit L0's dy gathered into rows); d_topk_weights [num_tokens, num_topk] fp32,
+    Σ_h fp32(d_out[t, h]) · fp32(y_rows[route_to_row[t, k], h]) in a fixed order (not torch's: agrees with
+    L0 to a few fp32 roundings, identical bits run to run). d_out bf16 [num_tokens, hidden] (hidden % 8 == 0);
+    topk_weights fp32 [num_tokens, num_topk]; y_rows bf16 [num_rows, hidden]; sched from make_schedule(_cuda)
+    on their device (its route_to_row is trusted: no host sync; a row id out of range gives NaN)."""
+    if not isinstance(sched, Schedule):
+        fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
+    num_tokens, num_topk = sched.num_tokens, sched.num_topk
+    _check_combine_operand("y_rows", y_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
+    hidden = y_rows.shape[1]
+    if hidden % GEMM_K_ALIGN:
+        fail("y_rows", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
+    _check_combine_operand("d_out", d_out, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
+    _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
+                           "[num_tokens, num_topk]")
+    if num_topk > ROUTE_GRADS_MAX_TOPK:
+        fail("sched", f"num_topk <= {ROUTE_GRADS_MAX_TOPK}", num_topk)
+    operands = {"y_rows": (y_rows, True), "d_out": (d_out, True), "topk_weights": (topk_weights, False),
+                "sched.route_to_row": (sched.route_to_row, False), "sched.tile_num_rows": (sched.tile_num_rows, False)}
+    for name, (t, vector_rows) in operands.items():
+        _check_on_device(name, t, y_rows.device, vector_rows)
+    dy_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_rows, hidden]
+    d_topk_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y_rows.device)  # [T, K]
+    load_extension().route_grads_prep(d_out, topk_weights, y_rows, sched.route_to_row, sched.tile_num_rows, dy_rows,
+                                      d_topk_weights, sched.block_m)
+    return dy_rows, d_topk_weights

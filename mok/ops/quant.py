@@ -1,0 +1,92 @@
+"""MXFP8 quantizers (csrc/quant_mxfp8.cu), bit-exact with the L0 spec `mok.mxfp8` (DESIGN §4): bf16 in,
+outputs in the logical layout.
+
+    mxfp8_quantize_rowwise(x)  -> (data, scales)   blocks along dim -1; scales [..., rows, cols // 32]
+    mxfp8_quantize_colwise(x)  -> (data, scales)   blocks along dim -2; scales [..., rows // 32, cols]
+    mxfp8_quantize_dual(x)     -> ((data_row, scales_row), (data_col, scales_col)), one read of x
+    mxfp8_dequantize(data, scales, dim=-1) -> bf16
+
+x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
+cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
+`variant` picks a kernel kept for the benchmark's record (docs/mxfp8_kernels.md); 0 is the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok.checks import fail
+from mok.ops.core import check_cuda_tensor, load_extension
+
+BLOCK_SIZE = 32  # MXFP8 elements per scale (mok.mxfp8.BLOCK_SIZE)
+
+
+def _check_blocks(name: str, shape: tuple, rowwise: bool, colwise: bool) -> None:
+    rows, cols = shape[-2], shape[-1]
+    if rowwise and cols % BLOCK_SIZE:
+        fail(name, f"cols (last dim) a multiple of {BLOCK_SIZE} for row-wise blocks", f"shape {shape}")
+    if colwise and rows % BLOCK_SIZE:
+        fail(name, f"rows (dim -2) a multiple of {BLOCK_SIZE} for column-wise blocks", f"shape {shape}")
+    if colwise and cols % 8:
+        fail(name, "cols (last dim) a multiple of 8 for column-wise kernels (16-byte row segments)",
+              f"shape {shape}")
+
+
+def _scales_shape(shape: tuple, dim: int) -> tuple:
+    out = list(shape)
+    out[dim] //= BLOCK_SIZE
+    return tuple(out)
+
+
+def mxfp8_quantize_rowwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along dim -1. Returns data float8_e4m3fn (x.shape), scales uint8 [..., cols // 32]."""
+    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=True, colwise=False)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales = torch.empty(_scales_shape(tuple(x.shape), -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
+    load_extension().mxfp8_quantize_rowwise(x, data, scales, variant)
+    return data, scales
+
+
+def mxfp8_quantize_colwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along dim -2. Returns data float8_e4m3fn (x.shape), scales uint8 [..., rows // 32, cols]."""
+    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=False, colwise=True)
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    # [..., rows / 32, cols]
+    scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)
+    load_extension().mxfp8_quantize_colwise(x, data, scales, variant)
+    return data, scales
+
+
+def mxfp8_quantize_dual(x: torch.Tensor, variant: int = 0):
+    """Row-wise and column-wise quantization from one read of x:
+    ((data_row, scales_row), (data_col, scales_col)), each equal to the single-direction op's output."""
+    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
+    shape = tuple(x.shape)
+    data_row = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales_row = torch.empty(_scales_shape(shape, -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
+    data_col = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
+    scales_col = torch.empty(_scales_shape(shape, -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
+    load_extension().mxfp8_quantize_dual(x, data_row, scales_row, data_col, scales_col, variant)
+    return (data_row, scales_row), (data_col, scales_col)
+
+
+def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """q * 2^e rounded to bf16 (NaN for a 0xFF scale); dim = -1 (row-wise scales) or -2 (column-wise)."""
+    check_cuda_tensor("data", data, torch.float8_e4m3fn)
+    check_cuda_tensor("scales", scales, torch.uint8)
+    if dim not in (-1, -2, data.dim() - 1, data.dim() - 2):
+        fail("dim", f"-1 or -2 (or {data.dim() - 1} / {data.dim() - 2}) for data of rank {data.dim()}", dim)
+    rowwise = dim in (-1, data.dim() - 1)
+    shape = tuple(data.shape)
+    _check_blocks("data", shape, rowwise=rowwise, colwise=not rowwise)
+    expected = _scales_shape(shape, -1 if rowwise else -2)
+    if tuple(scales.shape) != expected:
+        fail("scales", f"shape {expected} for data of shape {shape} and dim {dim}", tuple(scales.shape))
+    if scales.device != data.device:
+        fail("scales", f"device {data.device} (data's)", scales.device)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)  # data.shape
+    load_extension().mxfp8_dequantize(data, scales, out, rowwise)
+    return out
