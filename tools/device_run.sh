@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One H200 run of everything that needs the GPU, inside a time budget: the L2 kernel and level tests, the
+# quantization tests, the layer benchmark beside L1/Liger/the ceiling, and the dual-quantizer variants.
+# Each step's timeout is cut to what is left of the budget, so the command always returns in time and the
+# logs and CSVs under $OUT come back (docs/l2_fused.md, "Next"; ../shared/GPU.md).
+#
+#   usage (on the device machine, from the repo root):  bash tools/device_run.sh COMMIT BUDGET_SECONDS
+#   COMMIT: the commit you shipped. The device's copy of .git can be stale, so `git rev-parse` there may
+#   name an older commit; the benchmark rows record COMMIT through MOK_COMMIT.
+#   Liger's wheel travels in the git-ignored .whl/ (carry it): pip download --no-deps liger-kernel==0.8.5 -d .whl
+set -u
+commit=${1:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
+budget=${2:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
+out=${OUT:-/tmp/mok_out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions
+export LIGER_FUSED_MOE_AUTOTUNE=0 MOK_COMMIT=$commit
+t0=$(date +%s)
+
+step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
+  local name=$1 tmo=$2 pattern=$3
+  shift 3
+  local left=$((budget - $(date +%s) + t0 - 5))
+  if ((left < 20)); then echo "$name skipped (${left}s left)"; return; fi
+  ((tmo > left)) && tmo=$left
+  timeout "$tmo" "$@" >"$out/$name.log" 2>&1
+  echo "$name rc=$? [$(($(date +%s) - t0))s]"
+  grep -E "$pattern" "$out/$name.log" | tail -14
+}
+
+step gemm 120 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py
+step l2 90 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
+  tests/test_ops_schedule.py tests/test_ops_route_grads.py
+step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
+step qbench 60 "dual|copy" python -m mok.bench_quant --ops dual --variants 0,11,13,14,15,16 --no-l0 \
+  --out "$out/quant_dual.csv"
+step bench 120 "fused|liger" python -m mok.bench moe --levels torch fused --precisions bf16 --out "$out/moe.csv"
