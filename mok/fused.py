@@ -151,7 +151,7 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     s, sched, limit = saved, saved.sched, saved.swiglu_limit
     w_gate, w_up, w_down = s.weights[:3]
     y = scatter_routes(s.y_rows, sched)  # [T, K, H] per-route outputs, for d_topk_weights
-    d_topk_weights, dy_rows = L1.route_grads(s, d_out, y)  # [T, K], [R, H]
+    d_topk_weights, dy_rows = L1.route_grads(d_out, s.topk_weights, y, sched)  # [T, K], [R, H]
     del y
     d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit, s.num_sms)
     h = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down

@@ -105,13 +105,13 @@ def weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p):
     return [d_w_gate, d_w_up, d_w_down]
 
 
-def route_grads(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple:
-    """d_topk_weights [T, K] fp32 = Σ_h d_out·y, and dy_rows [R, H] = bf16(d_out·w) in the schedule's rows
-    (zeros in padding rows). Shared by L1 and L2."""
+def route_grads(d_out: torch.Tensor, topk_weights: torch.Tensor, y: torch.Tensor, sched) -> tuple:
+    """d_topk_weights [T, K] fp32 = Σ_h d_out·y (y [T, K, H] per route), and dy_rows [R, H] = bf16(d_out·w)
+    in `sched`'s rows (zeros in padding rows), as L0 computes them. Shared by L1, L2 and mok.twins."""
     T, K, H = y.shape
     d_topk_weights = (d_out.float()[:, None, :] * y.float()).sum(-1)  # [T, K]
-    dy = (d_out.float()[:, None, :] * saved.topk_weights[:, :, None]).to(BF16)  # [T, K, H]
-    return d_topk_weights, sch.gather_routes(dy.view(T * K, H), saved.sched)  # [T, K], [R, H]
+    dy = (d_out.float()[:, None, :] * topk_weights[:, :, None]).to(BF16)  # [T, K, H]
+    return d_topk_weights, sch.gather_routes(dy.view(T * K, H), sched)  # [T, K], [R, H]
 
 
 def routed_backward(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple:
@@ -121,7 +121,7 @@ def routed_backward(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple
     s, sched, p, limit = saved, saved.sched, saved.precision, saved.swiglu_limit
     w_gate, w_up, w_down = s.weights[:3]
     offs = sched.expert_offsets[1:].to(torch.int32)  # [E]
-    d_topk_weights, dy_rows = route_grads(s, d_out, y)  # [T, K], [R, H]
+    d_topk_weights, dy_rows = route_grads(d_out, s.topk_weights, y, sched)  # [T, K], [R, H]
     d_h = gmm(quant(dy_rows, -1, p), quant(w_down, -2, p), offs)  # [R, I]: K = hidden
     d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.gate, s.up, d_h, limit))  # [R, I] each
     dx_rows = (gmm(quant(d_gate, -1, p), quant(w_gate, -2, p), offs).float()
