@@ -123,6 +123,19 @@ void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const 
              "grouped_gemm_bf16_dgrad_gate_up");
 }
 
+void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& expert_offsets,
+                      at::Tensor& d_w, int64_t num_sms) {
+  check_arg(a_rows, "a_rows"), check_arg(b_rows, "b_rows"), check_arg(expert_offsets, "expert_offsets");
+  check_arg(d_w, "d_w");
+  TORCH_CHECK(expert_offsets.scalar_type() == at::kInt, "expert_offsets: expected int32");
+  const c10::cuda::CUDAGuard guard(a_rows.device());
+  check_cuda(mok::grouped_gemm_bf16_weight_grad(a_rows.data_ptr(), b_rows.data_ptr(), expert_offsets.data_ptr<int32_t>(),
+                                                d_w.data_ptr(), a_rows.size(0), a_rows.size(1), b_rows.size(1),
+                                                d_w.size(0), static_cast<int>(num_sms),
+                                                c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_weight_grad");
+}
+
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
              const std::optional<at::Tensor>& shared, at::Tensor& out) {
   check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
@@ -214,6 +227,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate, d_up, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
+  m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "

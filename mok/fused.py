@@ -4,19 +4,20 @@ Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(
 mok.layer), BF16 only. What runs where today:
 
 forward, all in Hopper kernels except the schedule:
-    make_schedule(topk_idx, block_m=128)       torch integer ops on the GPU (one host sync: num_rows)
+    make_schedule_cuda(topk_idx, block_m=128)  kernels: counts, offsets, placement (one host sync: num_rows)
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
                                                token order (row t = token t), weights viewed as [1, ...]
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
-    d_topk_weights, dy_rows                    torch ops (mok.torch_native.route_grads)
+    route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
     grouped_gemm_bf16_dgrad_swiglu             kernel: d_h = dy·W_down (read transposed) + SwiGLU backward
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
     shared expert dgrad                        the same two kernels on its one-expert schedule
-    weight gradients                           still L1 code: torch._grouped_mm k-grouped GEMMs (routed),
-                                               cuBLAS (shared) — mok.torch_native.weight_grads
+    grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
+                                               each expert's rows (x rows gathered by torch first)
+    shared expert weight gradients             cuBLAS (mok.torch_native.shared_weight_grads)
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
@@ -39,7 +40,7 @@ from mok import ops
 from mok import torch_native as L1
 from mok.checks import fail
 from mok.reference import BF16, Saved, swiglu
-from mok.schedule import Schedule, gather_rows, make_schedule, scatter_routes
+from mok.schedule import Schedule, gather_rows, make_schedule
 
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
            "num_sms_from_env", "shared_schedule"]
@@ -103,7 +104,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     _check_runs_here(x, precision)
     num_sms = num_sms_from_env() if num_sms is None else num_sms
     T = x.shape[0]
-    sched = make_schedule(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # on topk_idx's device
+    sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # bitwise make_schedule
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)  # [R, *]
 
     shared, shared_gate, shared_up, shared_rows = None, None, None, None
@@ -150,14 +151,13 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
     s, sched, limit = saved, saved.sched, saved.swiglu_limit
     w_gate, w_up, w_down = s.weights[:3]
-    y = scatter_routes(s.y_rows, sched)  # [T, K, H] per-route outputs, for d_topk_weights
-    d_topk_weights, dy_rows = L1.route_grads(d_out, s.topk_weights, y, sched)  # [T, K], [R, H]
-    del y
+    dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
     d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit, s.num_sms)
     h = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down
     x_rows = gather_rows(s.x, sched)  # [R, H]
-    offs = sched.expert_offsets[1:].to(torch.int32)  # [E] segment ends
-    d_w = L1.weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, s.precision)
+    d_w = [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=s.num_sms),  # [E, I, H]
+           ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=s.num_sms),  # [E, I, H]
+           ops.grouped_gemm_bf16_weight_grad(dy_rows, h, sched, num_sms=s.num_sms)]  # [E, H, I]
     del x_rows, h
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)

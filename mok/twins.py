@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
-from mok.schedule import segment
+from mok.schedule import make_schedule, scatter_routes, segment
+from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
-           "grouped_gemm_bf16_dgrad_gate_up", "combine_rows")
+           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "combine_rows",
+           "make_schedule_cuda", "route_grads_prep")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -76,3 +78,24 @@ def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_row
     y = y_rows[route_to_row.reshape(-1).long()].view(T, K, -1)  # [T, K, H]
     w = torch.ones(T, K, device=y_rows.device) if topk_weights is None else topk_weights  # [T, K]
     return combine(y, w, shared)
+
+
+def grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms=None):
+    """d_w [E, m, n]: d_w[e] = bf16(Σ_r a_rows[r]ᵀ·b_rows[r]) over expert e's rows; zeros for an empty expert."""
+    d_w = torch.zeros(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=BF16, device=a_rows.device)
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n_e]
+        if rows.numel():
+            d_w[e] = mm(a_rows[rows].T, b_rows[rows].T).to(BF16)  # [m, n]: K = the expert's rows
+    return d_w
+
+
+def make_schedule_cuda(topk_idx, num_experts, block_m=128):
+    """The schedule: make_schedule itself (the kernel is bitwise equal to it)."""
+    return make_schedule(topk_idx, num_experts, block_m=block_m)
+
+
+def route_grads_prep(d_out, topk_weights, y_rows, sched):
+    """(dy_rows [num_rows, H] bf16, d_topk_weights [T, K] fp32) as L0 computes them (mok.reference.moe_backward)."""
+    d_topk_weights, dy_rows = route_grads(d_out, topk_weights, scatter_routes(y_rows, sched), sched)
+    return dy_rows, d_topk_weights

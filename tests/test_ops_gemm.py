@@ -109,6 +109,9 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: dgrad_gate_up(a_rows, a_rows, wg, wu, sched), "d_gate: expected a CUDA tensor"),
         (lambda: dgrad_gate_up(a_rows, a_rows[:, :-8], wg, wu, sched), "d_up: expected shape"),
         (lambda: dgrad_gate_up(a_rows, a_rows, wg.transpose(1, 2), wu, sched), "w_gate: expected shape"),
+        (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows[1:], dy_rows, sched), "a_rows: expected shape"),
+        (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows, dy_rows[:, :-4], sched), "b_rows: expected n"),
+        (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows, dy_rows, sched), "a_rows: expected a CUDA tensor"),
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -187,6 +190,24 @@ def test_dgrad_gate_up_matches_l0(case):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("which", ["down", "gate"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_weight_grad_matches_l0(case, which):
+    """k-grouped weight gradients: K = each expert's rows (empty experts get zeros), both operands transposed.
+    "down": d_w_down = Σ dyᵀ·h ([H, I]); "gate": d_w_gate = Σ d_gateᵀ·x_rows ([I, H])."""
+    seed = fresh_seed()
+    _, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)  # zeros in padding rows
+    a_rows, b_rows = (b["dy_rows"], b["gate"]) if which == "down" else (b["gate"], b["dy_rows"])
+    expected = twins.grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched)  # [E, m, n]
+    poison_allocator(2 * expected.numel() * 2)
+    got = ops.grouped_gemm_bf16_weight_grad(a_rows.cuda(), b_rows.cuda(), sched.to("cuda"))
+    _assert_close(got, expected, f"{case} d_w_{which}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "deep-k"])
 def test_gemms_bitwise_repeatable_for_any_grid_size(case):
     """DESIGN §5: same bits run to run and whatever the persistent grid size."""
@@ -201,8 +222,10 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
         y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
         d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5, num_sms=num_sms)
         dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
-        runs.append((num_sms, [t.cpu().view(torch.int16) for t in (h, gate, up, y_rows, d_gate, d_up, dx_rows)]))
-    names = ("h", "gate", "up", "y_rows", "d_gate", "d_up", "dx_rows")
+        d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
+        outs = (h, gate, up, y_rows, d_gate, d_up, dx_rows, d_w_down)
+        runs.append((num_sms, [t.cpu().view(torch.int16) for t in outs]))
+    names = ("h", "gate", "up", "y_rows", "d_gate", "d_up", "dx_rows", "d_w_down")
     for num_sms, outs in runs[1:]:
         for name, a, b in zip(names, runs[0][1], outs):
             assert torch.equal(a, b), f"{case} {name}: bits differ with num_sms={num_sms} (seed {seed})"

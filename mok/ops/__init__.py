@@ -21,6 +21,7 @@ from mok.ops.gemm import (
     grouped_gemm_bf16_dgrad_swiglu,
     grouped_gemm_bf16_nt_contiguous,
     grouped_gemm_bf16_swiglu_gather,
+    grouped_gemm_bf16_weight_grad,
 )
 from mok.ops.moe import ROUTE_GRADS_MAX_TOPK, SCHEDULE_MAX_EXPERTS, combine_rows, make_schedule_cuda, route_grads_prep
 from mok.ops.quant import (
@@ -35,6 +36,7 @@ __all__ = [
     "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO", "ROUTE_GRADS_MAX_TOPK",
     "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gemm_schedule_tensors", "grouped_gemm_bf16_dgrad_gate_up",
     "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_swiglu_gather",
+    "grouped_gemm_bf16_weight_grad",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
 ]

@@ -23,6 +23,9 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
     if sched.block_m % GEMM_BLOCK_M:
         fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=128), the default)",
               f"block_m={sched.block_m}")
+    ready = getattr(sched, "gemm_tensors", None)  # written by make_schedule_cuda's own launches
+    if ready is not None and ready[0].device == torch.device(device):
+        return ready
     row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
     tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
     tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
@@ -156,3 +159,25 @@ def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_
     load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
                                                      dx_rows, sms)
     return dx_rows
+
+
+def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched,
+                                  num_sms: int | None = None) -> torch.Tensor:
+    """Weight gradients as one k-grouped GEMM over the schedule's segments: d_w[e] = bf16(Σ_r a_rows[r]ᵀ·b_rows[r])
+    over expert e's rows, one fp32 sum in row order (an expert without tokens gets zeros). a_rows [num_rows, m],
+    b_rows [num_rows, n] with zeros in padding rows (as the forward and the dgrad kernels write them); m and n
+    multiples of 8. d_w_down = (dy_rows, h); d_w_gate = (d_gate, x_rows); d_w_up = (d_up, x_rows).
+    Returns bf16 [num_experts, m, n]."""
+    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, m]")
+    _check_gemm_dim("a_rows", a_rows.shape[1], "m (dim 1)")
+    _check_shape("b_rows", b_rows, (sched.num_rows, None), "[num_rows, n]")
+    _check_gemm_dim("b_rows", b_rows.shape[1], "n (dim 1)")
+    if sched.block_m % GEMM_BLOCK_M:
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
+    sms = _check_num_sms(num_sms)
+    _check_devices(a_rows.device, a_rows=a_rows, b_rows=b_rows)
+    offsets = sched.expert_offsets.to(device=a_rows.device, dtype=torch.int32)  # [E + 1]
+    d_w = torch.empty(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.bfloat16,
+                      device=a_rows.device)  # [E, m, n]
+    load_extension().grouped_gemm_bf16_weight_grad(a_rows, b_rows, offsets, d_w, sms)
+    return d_w

@@ -61,6 +61,13 @@ cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up
                                             int64_t num_rows, int64_t hidden, int64_t intermediate,
                                             int64_t num_experts, int num_sms, cudaStream_t stream);
 
+// Weight gradients, a k-grouped GEMM: d_w[e] [m, n] = bf16(Σ_r a_rows[r]ᵀ · b_rows[r]) over the rows r of
+// expert e's segment [expert_offsets[e], expert_offsets[e + 1]) (int32, multiples of 128; padding rows zero);
+// a_rows [num_rows, m], b_rows [num_rows, n] (both read transposed); an expert without rows gets zeros.
+cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows, const int32_t* expert_offsets,
+                                          void* d_w, int64_t num_rows, int64_t m, int64_t n, int64_t num_experts,
+                                          int num_sms, cudaStream_t stream);
+
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):
 // y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk], int64 or int32; topk_weights fp32

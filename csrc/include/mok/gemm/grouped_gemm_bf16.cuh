@@ -10,6 +10,8 @@
 //   kDownDgrad    d_h = bf16(dy[r]·Wd[e]), (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h))
 //                 (Wd [E, H, I] read MN-major; the SwiGLU backward runs in the epilogue)
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
+//   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
+//                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
 //
 // Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
@@ -104,7 +106,7 @@ static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its ato
 
 // ---- parameters ----------------------------------------------------------------------------------------
 
-enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad };
+enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad };
 
 struct Params {
   const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
@@ -115,10 +117,14 @@ struct Params {
   uint16_t* gate;                  // kGateUp: gate out; kDownDgrad: gate in (saved). [num_rows, n]
   uint16_t* up;                    // kGateUp: up out; kDownDgrad: up in (saved). [num_rows, n]
   uint16_t* out2;                  // kDownDgrad: d_up [num_rows, n]
-  int num_rows;                    // a multiple of BLOCK_M
+  const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
+  int num_rows;                    // rows of the schedule, a multiple of BLOCK_M
+  int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
   int n;                           // output columns (intermediate for GEMM1, hidden for GEMM2), % 8 == 0
-  int k;                           // reduction length, % 8 == 0 (kGateUpDgrad: of each half, = intermediate)
-  int num_n_tiles;                 // ceil(n / kTaskN)
+  int k;                           // reduction length, % 8 == 0 (kGateUpDgrad: of each half, = intermediate;
+                                   // kWeightGrad: unused, K is each expert's rows)
+  int num_m_tiles, num_n_tiles;    // tiles per output matrix: ceil(rows / BLOCK_M), ceil(n / kTaskN)
+  int num_tasks;
   float swiglu_limit;              // used when has_limit
   int has_limit;
 };
@@ -126,7 +132,9 @@ struct Params {
 template <Gemm kGemm>
 struct Tile {
   static constexpr bool kGather = kGemm == Gemm::kGateUp;  // A gathered by cp.async, else by TMA
-  static constexpr bool kMajorMN = kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad;  // B transposed
+  static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
+      kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
+  static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
   static constexpr int kTaskN = kGemm == Gemm::kGateUp ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
   static constexpr int kB1Offset = kGemm == Gemm::kGateUp ? 0 : BLOCK_N_B;  // B1's first column vs B0's
   static constexpr uint32_t kFullArrivals = kGather ? kNumProducerThreads + 1 : 1;
@@ -141,6 +149,23 @@ MOK_HOST_DEVICE int num_k_blocks_of(int k) {
   return kGemm == Gemm::kGateUpDgrad ? 2 * half : half;
 }
 
+// Where a task's output tile sits and which K it runs. Tasks are numbered m-major; kWeightGrad numbers
+// (expert, m_tile, n_tile) and runs K over the expert's segment of rows [k_row0, k_row0 + 64·num_k_blocks).
+struct Task {
+  int m_tile, n_tile, expert, k_row0, num_k_blocks;
+};
+
+template <Gemm kGemm>
+MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
+  const int n_tile = task % p.num_n_tiles, mt = task / p.num_n_tiles;
+  if constexpr (kGemm == Gemm::kWeightGrad) {
+    const int expert = mt / p.num_m_tiles, row0 = p.expert_offsets[expert];
+    return {mt % p.num_m_tiles, n_tile, expert, row0, (p.expert_offsets[expert + 1] - row0) / BLOCK_K};
+  } else {
+    return {mt, n_tile, p.tile_to_expert[mt], 0, num_k_blocks};
+  }
+}
+
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
@@ -150,27 +175,34 @@ MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // whic
 
 // Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
 // kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
+// MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, int m_tile,
-                          int n0, int expert, int kb, int k) {
+                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Task& t,
+                          int kb, int k) {
   using T = Tile<kGemm>;
   const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
   const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
-  const int k0 = (second ? kb - half_blocks : kb) * BLOCK_K;
+  const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
+  const int batch = kGemm == Gemm::kWeightGrad ? 0 : t.expert;  // kWeightGrad's operands are row matrices
+  const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = kGemm == Gemm::kGateUp ? tmap_b1 : b_first;
   ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
-  if constexpr (!T::kGather)
-    ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m_tile * BLOCK_M, 0, bar);
+  if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
+    ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
+    ptx::tma_load_3d(stage_a(smem, stage) + kATileBytes / 2, tmap_a, m0 + 64, k0, 0, bar);
+  } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
+    ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
+  }
   for (int which = 0; which < 2; ++which) {
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
-      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, expert, bar);
-      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, expert, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, batch, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, batch, bar);
     } else {  // map dims (k, n, experts), box (64, 128, 1)
-      ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, expert, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, batch, bar);
     }
   }
 }
@@ -186,20 +218,17 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   const uint32_t row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-    const int m_tile = task / p.num_n_tiles, n_tile = task % p.num_n_tiles;
-    const int expert = p.tile_to_expert[m_tile];
-    const int n0 = n_tile * T::kTaskN;
+    const Task t = decode_task<kGemm>(p, task, num_k_blocks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
-        token[j] = p.row_to_token[m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
-    for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
+    for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
-      if (thread == 0)
-        issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, m_tile, n0, expert, kb, p.k);
+      if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
@@ -228,9 +257,11 @@ constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per acc
 MOK_DEVICE uint32_t staging_offset(uint32_t row, uint32_t chunk) { return row * 256 + ((chunk ^ (row % 8)) << 4); }
 
 // values(i, h) -> the bf16x2 word of column pair i, row half h (h = 0: row l/4, h = 1: row l/4 + 8).
-// Writes columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out` (row stride n); columns >= n skipped.
+// Writes columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out` (row stride n); columns >= n and rows
+// >= num_rows skipped.
 template <typename Values>
-MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, int n, uint32_t lane, Values values) {
+MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, int n, uint32_t lane, Values values,
+                           int num_rows = INT32_MAX) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
   for (int i = 0; i < BLOCK_N_B / 8; i += 2) {  // matrices (h, i) = (0, i), (1, i), (0, i + 1), (1, i + 1)
@@ -244,7 +275,8 @@ MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, 
   for (int j = 0; j < 8; ++j) {
     const uint32_t row = 2 * j + lane / 16;
     const uint4 v = *reinterpret_cast<const uint4*>(staging + staging_offset(row, chunk));
-    if (col < n) st_v4(out + static_cast<int64_t>(row0 + row) * n + col, v);  // n % 8 == 0: all in or out
+    if (col < n && row0 + static_cast<int>(row) < num_rows)  // n % 8 == 0: a chunk is all in or all out
+      st_v4(out + static_cast<int64_t>(row0 + row) * n + col, v);
   }
   __syncwarp();  // the staging area is reused by the next call
 }
@@ -345,6 +377,17 @@ MOK_DEVICE void store_swiglu_backward(float (&acc)[kAccPerThread], const Params&
   store_swiglu_grad<1>(acc, p, staging, row0, col0, lane);
 }
 
+// kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
+MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
+                                  uint8_t* staging, int expert, int row0, int n0, uint32_t lane) {
+  uint16_t* out = p.out + static_cast<int64_t>(expert) * p.m * p.n;
+  store_tile(staging, out, row0, n0, p.n, lane,
+             [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); }, p.m);
+  if (n0 + BLOCK_N_B < p.n)
+    store_tile(staging, out, row0, n0 + BLOCK_N_B, p.n, lane,
+               [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); }, p.m);
+}
+
 // ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
 
 MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread]) {
@@ -354,7 +397,7 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-template <bool kGather, bool kMajorMN>
+template <bool kGather, bool kMajorMNA, bool kMajorMN>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane) {
@@ -364,7 +407,10 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
     if constexpr (kGather) ptx::fence_proxy_async_shared();
-    const uint64_t desc_a = ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
+    // A: K-major, or MN-major (this warpgroup's 64 rows are one 64-column box: its LBO is never used).
+    constexpr uint32_t kAStep = kMajorMNA ? 16 * 128 : 32;
+    const uint64_t desc_a = kMajorMNA ? ptx::smem_desc_sw128_mn(stage_a(smem, stage) + a_offset, kATileBytes / 2)
+                                      : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
@@ -377,9 +423,9 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-      const uint64_t a = ptx::desc_advance(desc_a, 32 * kk);
-      ptx::wgmma_m64n128k16_bf16<0, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
-      ptx::wgmma_m64n128k16_bf16<0, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
+      const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
@@ -405,23 +451,26 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
                                                           kStagingBytesPerWarp;
   uint32_t it = 0;
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-    const int m_tile = task / p.num_n_tiles, n_tile = task % p.num_n_tiles;
+    const Task t = decode_task<kGemm>(p, task, num_k_blocks);
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kGather, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it, num_k_blocks, lane);
-    const int group_row0 = m_tile * BLOCK_M + group * WG_M;
+    it = mma_k_blocks<T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
+                                                            t.num_k_blocks, lane);
+    const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
 
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
-    const int n0 = n_tile * T::kTaskN;
+    const int n0 = t.n_tile * T::kTaskN;
     if constexpr (kGemm == Gemm::kGateUp) {
       store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kDownDgrad) {
       store_swiglu_backward(acc0, p, staging, row0, n0, lane);
       store_swiglu_backward(acc1, p, staging, row0, n0 + BLOCK_N_B, lane);
+    } else if constexpr (kGemm == Gemm::kWeightGrad) {
+      store_weight_grad(acc0, acc1, p, staging, t.expert, row0, n0, lane);
     } else {
       store_pair(acc0, acc1, p, staging, row0, n0, lane);
     }
@@ -457,8 +506,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
-  const int num_tasks = (p.num_rows / BLOCK_M) * p.num_n_tiles;
-  const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);
+  const int num_tasks = p.num_tasks;
+  const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
@@ -473,22 +522,32 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // launches on `stream`. w_b0/w_b1: the weights, bf16 [num_experts, ·, ·] in their stored (nn.Linear)
 // layout: [E, n, k] for K-major kinds (kDown passes one matrix twice), [E, k, n] for the MN-major ones
 // (kDownDgrad: W_down twice; kGateUpDgrad: W_gate, W_up). A rows (p.a, p.a2: [num_rows, k]) get a map each.
+// kWeightGrad: w_b0 = w_b1 = the B rows [num_rows, n], p.a = the A rows [num_rows, m], num_experts = E.
 
 template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
                                      int num_sms, cudaStream_t stream) {
   using T = Tile<kGemm>;
+  constexpr bool kWeightGrad = kGemm == Gemm::kWeightGrad;
+  p.num_m_tiles = static_cast<int>(ceil_div(kWeightGrad ? p.m : p.num_rows, BLOCK_M));
   p.num_n_tiles = static_cast<int>(ceil_div(p.n, T::kTaskN));
-  const int64_t num_tasks = static_cast<int64_t>(p.num_rows / BLOCK_M) * p.num_n_tiles;
+  const int64_t num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
   if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
+  p.num_tasks = static_cast<int>(num_tasks);
   CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;
   cudaError_t err = cudaSuccess;
-  if (!T::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) return err;
+  if (kWeightGrad) {  // A rows [num_rows, m] read MN-major: dims (m, rows, 1), box (64, 64)
+    if ((err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.m, 64, BLOCK_K))) return err;
+  } else if (!T::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) {
+    return err;
+  }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k).
+  // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
+  // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {
+    if (kWeightGrad) return encode_rows_map(map, w, 1, p.num_rows, p.n, 64, BLOCK_K);
     return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
                        : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
