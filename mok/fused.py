@@ -17,7 +17,7 @@ backward:
     shared expert dgrad                        the same two kernels on its one-expert schedule
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
                                                each expert's rows (x rows gathered by torch first)
-    shared expert weight gradients             cuBLAS (mok.torch_native.shared_weight_grads)
+    shared expert weight gradients             the same kernel on its one-expert schedule
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from mok import ops
-from mok import torch_native as L1
 from mok.checks import fail
 from mok.reference import BF16, Saved, swiglu
 from mok.schedule import Schedule, gather_rows, make_schedule
@@ -131,20 +130,29 @@ def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sm
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
-    """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones): dgrad in the kernels over the
-    cached one-expert schedule, weight gradients by cuBLAS."""
+    """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones): the routed experts' kernels over
+    the cached one-expert schedule, whose rows are the tokens in order and then zero padding."""
     ws_gate, ws_up, ws_down = s.weights[3:]
     if ws_gate is None:
         return None, [None, None, None]
     T = d_out.shape[0]
     sh = shared_schedule(T, d_out.device)
-    dy_rows = d_out.new_zeros(sh.num_rows, d_out.shape[1])  # [R_sh, H]: row t = token t, then zero padding
-    dy_rows[:T] = d_out
+    dy_rows, x_rows = (t.new_zeros(sh.num_rows, t.shape[1], dtype=BF16) for t in (d_out, s.x))  # [R_sh, H]
+    dy_rows[:T], x_rows[:T] = d_out, s.x
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
     d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None], ws_down[None],
                                            sh, s.swiglu_limit, s.num_sms)
-    h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh] recomputed
-    return dx_rows[:T], L1.shared_weight_grads(s.x, d_out, d_gate[:T], d_up[:T], h)
+    h_rows = swiglu(gate_rows, up_rows, s.swiglu_limit).to(BF16)  # [R_sh, I_sh] recomputed; 0 in padding
+    d_w = _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sh, s.num_sms)
+    return dx_rows[:T], [w[0] for w in d_w]
+
+
+def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list:
+    """[d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]]: the weight-gradient kernel, K = each
+    expert's rows."""
+    return [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=num_sms),
+            ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=num_sms),
+            ops.grouped_gemm_bf16_weight_grad(dy_rows, h_rows, sched, num_sms=num_sms)]
 
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
@@ -153,12 +161,9 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
     d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit, s.num_sms)
-    h = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down
-    x_rows = gather_rows(s.x, sched)  # [R, H]
-    d_w = [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=s.num_sms),  # [E, I, H]
-           ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=s.num_sms),  # [E, I, H]
-           ops.grouped_gemm_bf16_weight_grad(dy_rows, h, sched, num_sms=s.num_sms)]  # [E, H, I]
-    del x_rows, h
+    h_rows = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down
+    d_w = _weight_grads(gather_rows(s.x, sched), h_rows, dy_rows, d_gate, d_up, sched, s.num_sms)
+    del h_rows
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]

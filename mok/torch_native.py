@@ -98,7 +98,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
 def weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p):
     """Routed weight gradients as k-grouped GEMMs over each expert's rows (K = its tokens):
-    (d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]). Shared by L1 and L2 (mok.fused)."""
+    (d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I])."""
     d_w_down = gmm_k(quant(dy_rows, -2, p), quant(h, -2, p), offs)  # [E, H, I]
     d_w_gate = gmm_k(quant(d_gate, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
     d_w_up = gmm_k(quant(d_up, -2, p), quant(x_rows, -2, p), offs)  # [E, I, H]
@@ -131,12 +131,6 @@ def routed_backward(saved: Saved, d_out: torch.Tensor, y: torch.Tensor) -> tuple
     return d_topk_weights, dx_rows, weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p)
 
 
-def shared_weight_grads(x, d_out, d_gate, d_up, h) -> list:
-    """The shared expert's weight gradients (cuBLAS, BF16): [d_w_shared_gate [I_sh, H], _up, _down [H, I_sh]]
-    from x, d_out [T, H] and d_gate, d_up, h [T, I_sh]. Shared by L1 and L2."""
-    return [_linear(d_gate.T, x.T), _linear(d_up.T, x.T), _linear(d_out.to(BF16).T, h.T)]
-
-
 def shared_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
     """The shared expert's backward (BF16, DESIGN §4) from its saved gate/up [T, I_sh]. Returns
     (dx_shared [T, H] bf16 — rounded once, as L0's — or None, [d_w_shared_gate, _up, _down] or Nones)."""
@@ -148,7 +142,8 @@ def shared_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
     d_gate, d_up = (g.to(BF16) for g in swiglu_backward(s.shared_gate, s.shared_up, d_h, s.swiglu_limit))
     h = swiglu(s.shared_gate, s.shared_up, s.swiglu_limit).to(BF16)  # [T, I_sh]
     dx_shared = (_linear(d_gate, ws_gate.T).float() + _linear(d_up, ws_up.T).float()).to(BF16)  # [T, H]
-    return dx_shared, shared_weight_grads(s.x, d_out, d_gate, d_up, h)
+    d_w = [_linear(d_gate.T, s.x.T), _linear(d_up.T, s.x.T), _linear(d_out.to(BF16).T, h.T)]  # cuBLAS, BF16
+    return dx_shared, d_w
 
 
 def backward(saved: Saved, d_out: torch.Tensor) -> tuple:
