@@ -19,7 +19,7 @@
 // and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
-// consumers, each owning 64 of the tile's 128 rows (wgmma m64n128k16, two accumulators of 64 floats).
+// consumers, each owning 64 of the tile's 128 rows (wgmma m64n256k16 into two accumulators of 64 floats).
 // Both roles walk the same (task, k-block) sequence through a ring of kNumStages shared-memory stages;
 // stage s is handed over with two mbarriers:
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
@@ -411,22 +411,18 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     constexpr uint32_t kAStep = kMajorMNA ? 16 * 128 : 32;
     const uint64_t desc_a = kMajorMNA ? ptx::smem_desc_sw128_mn(stage_a(smem, stage) + a_offset, kATileBytes / 2)
                                       : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
-    // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
-    // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
+    // B0 and B1 are contiguous, so one n256 descriptor covers both (acc0 = B0's columns, acc1 = B1's).
+    // K-major B: 256 rows of 128 bytes, k16 slice kk starts 32·kk bytes into each row. MN-major B: four boxes
+    // of 64 columns, one box (8 KiB, the descriptor's leading byte offset) apart; slice kk 16 k-rows further.
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
-    const auto desc_b = [&](int which) {
-      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
-                      : ptx::smem_desc_sw128(stage_b(smem, stage, which));
-    };
-    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
+    const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0), kBTileBytes / 2)
+                                     : ptx::smem_desc_sw128(stage_b(smem, stage, 0));
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-      const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
-    }
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk)
+      ptx::wgmma_m64n256k16_bf16<kMajorMNA, kMajorMN>(acc0, acc1, ptx::desc_advance(desc_a, kAStep * kk),
+                                                      ptx::desc_advance(desc_b, kBStep * kk));
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
