@@ -91,17 +91,18 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
 
 void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
                        const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
-                       at::Tensor& d_gate, at::Tensor& d_up, double swiglu_limit, bool has_limit, int64_t num_sms) {
+                       at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h, double swiglu_limit, bool has_limit,
+                       int64_t num_sms) {
   check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
   check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up");
+  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
               "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(
                  dy_rows.data_ptr(), w_down.data_ptr(), gate.data_ptr(), up.data_ptr(),
                  row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), d_gate.data_ptr(),
-                 d_up.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
+                 d_up.data_ptr(), h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
                  static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_swiglu");
@@ -224,7 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, row_to_token, tile_to_expert, out, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
-        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate, d_up, swiglu_limit, has_limit, num_sms");
+        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate, d_up, h, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");

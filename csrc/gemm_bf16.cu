@@ -41,15 +41,16 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
 
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* d_gate,
-                                           void* d_up, int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
-                                           cudaStream_t stream) {
+                                           void* d_up, void* h, int64_t num_rows, int64_t hidden,
+                                           int64_t intermediate, int64_t num_experts, float swiglu_limit,
+                                           bool has_limit, int num_sms, cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(dy_rows);
   p.row_to_token = row_to_token;
   p.tile_to_expert = tile_to_expert;
   p.out = static_cast<uint16_t*>(d_gate);
   p.out2 = static_cast<uint16_t*>(d_up);
+  p.out3 = static_cast<uint16_t*>(h);
   p.gate = static_cast<uint16_t*>(const_cast<void*>(gate));  // read only in this kind
   p.up = static_cast<uint16_t*>(const_cast<void*>(up));
   p.num_rows = static_cast<int>(num_rows);

@@ -12,7 +12,8 @@ forward, all in Hopper kernels except the schedule:
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
     route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
-    grouped_gemm_bf16_dgrad_swiglu             kernel: d_h = dy·W_down (read transposed) + SwiGLU backward
+    grouped_gemm_bf16_dgrad_swiglu             kernel: d_h = dy·W_down (read transposed) + SwiGLU backward,
+                                               and h recomputed from gate/up for d_w_down
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
     shared expert dgrad                        the same two kernels on its one-expert schedule
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
@@ -38,7 +39,7 @@ import torch
 
 from mok import ops
 from mok.checks import fail
-from mok.reference import BF16, Saved, swiglu
+from mok.reference import BF16, Saved
 from mok.schedule import Schedule, gather_rows, make_schedule
 
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
@@ -122,11 +123,11 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
 
 def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms):
-    """The dgrad kernels over `sched`: (d_gate, d_up [R, I], dx_rows [R, H])."""
-    d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=limit,
-                                                      num_sms=num_sms)  # [R, I] each
+    """The dgrad kernels over `sched`: (d_gate, d_up, h [R, I], dx_rows [R, H]); h is recomputed by the first."""
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=limit,
+                                                         num_sms=num_sms)  # [R, I] each
     dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=num_sms)  # [R, H]
-    return d_gate, d_up, dx_rows
+    return d_gate, d_up, h, dx_rows
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
@@ -140,9 +141,8 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
     dy_rows, x_rows = (t.new_zeros(sh.num_rows, t.shape[1], dtype=BF16) for t in (d_out, s.x))  # [R_sh, H]
     dy_rows[:T], x_rows[:T] = d_out, s.x
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
-    d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None], ws_down[None],
-                                           sh, s.swiglu_limit, s.num_sms)
-    h_rows = swiglu(gate_rows, up_rows, s.swiglu_limit).to(BF16)  # [R_sh, I_sh] recomputed; 0 in padding
+    d_gate, d_up, h_rows, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
+                                                   ws_down[None], sh, s.swiglu_limit, s.num_sms)
     d_w = _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sh, s.num_sms)
     return dx_rows[:T], [w[0] for w in d_w]
 
@@ -160,10 +160,10 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     s, sched, limit = saved, saved.sched, saved.swiglu_limit
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
-    d_gate, d_up, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit, s.num_sms)
-    h_rows = swiglu(s.gate, s.up, limit).to(BF16)  # [R, I] recomputed for d_w_down
+    d_gate, d_up, h_rows, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit,
+                                                   s.num_sms)
     d_w = _weight_grads(gather_rows(s.x, sched), h_rows, dy_rows, d_gate, d_up, sched, s.num_sms)
-    del h_rows
+    del h_rows, d_gate, d_up
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]

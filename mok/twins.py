@@ -53,14 +53,16 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
 
 
 def grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=None, num_sms=None):
-    """(d_gate, d_up) [num_rows, I]: d_h = bf16(dy·Wd[e]), then bf16(swiglu_backward(gate, up, d_h))."""
-    d_gate, d_up = (_zeros(sched, gate.shape[1], gate) for _ in range(2))  # [num_rows, I] each
+    """(d_gate, d_up, h) [num_rows, I]: d_h = bf16(dy·Wd[e]), then bf16(swiglu_backward(gate, up, d_h)), and
+    h = bf16(swiglu(gate, up))."""
+    d_gate, d_up, h = (_zeros(sched, gate.shape[1], gate) for _ in range(3))  # [num_rows, I] each
     for e in range(sched.num_experts):
         rows = _rows_of(sched, e)  # [n]
         d_h = mm(dy_rows[rows], w_down[e].T).to(BF16)  # [n, I]: K = hidden
         dg, du = swiglu_backward(gate[rows], up[rows], d_h, swiglu_limit)  # [n, I] fp32 each
         d_gate[rows], d_up[rows] = dg.to(BF16), du.to(BF16)
-    return d_gate, d_up
+        h[rows] = swiglu(gate[rows], up[rows], swiglu_limit).to(BF16)
+    return d_gate, d_up, h
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=None):

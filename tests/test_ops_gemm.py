@@ -18,7 +18,7 @@ from mok import ops, routing, twins
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.reference import BF16, moe_forward
 from mok.schedule import make_schedule, scatter_routes
-from mok.testing import TOLERANCES, fresh_seed, make_inputs, poison_allocator, rel_err
+from mok.testing import TOLERANCES, bitwise_equal, fresh_seed, make_inputs, poison_allocator, rel_err
 
 # Irregular on purpose: K-tails (hidden not a multiple of 64), N-tails, more k-blocks than stages, empty
 # experts, one hot expert, num_topk 1 and 8, token counts that are no tile multiple.
@@ -157,17 +157,18 @@ def test_gemm2_nt_contiguous_matches_l0(case):
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("case", list(CASES))
 def test_dgrad_swiglu_matches_l0(case, limit):
-    """Backward of the down projection (W_down read transposed) with SwiGLU's backward in the epilogue."""
+    """Backward of the down projection (W_down read transposed) with SwiGLU's backward in the epilogue, and
+    h recomputed there from the saved gate/up."""
     seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     cfg = CASES[case][0]
     b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
     wd = inputs["w_down"]  # [E, H, I]
     expected = twins.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"], wd, b["gate"], b["up"], sched, limit)
-    poison_allocator(2 * 2 * sched.num_rows * cfg.intermediate * 2)
+    poison_allocator(2 * 3 * sched.num_rows * cfg.intermediate * 2)
     got = ops.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"].cuda(), wd.cuda(), b["gate"].cuda(), b["up"].cuda(),
                                              sched.to("cuda"), swiglu_limit=limit)
-    for name, a, e in zip(("d_gate", "d_up"), got, expected):
+    for name, a, e in zip(("d_gate", "d_up", "h"), got, expected):
         _assert_close(a, e, f"{case} limit={limit} {name}", seed)
 
 
@@ -220,7 +221,10 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
         poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
         h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
         y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
-        d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5, num_sms=num_sms)
+        d_gate, d_up, h_again = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5,
+                                                                   num_sms=num_sms)
+        # the backward's h is the forward's, bit for bit (one device function): d_w_down sees what GEMM2 saw
+        assert bitwise_equal(h_again, h), f"{case}: h recomputed in the dgrad epilogue differs (seed {seed})"
         dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
         d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
         outs = (h, gate, up, y_rows, d_gate, d_up, dx_rows, d_w_down)

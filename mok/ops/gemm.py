@@ -114,12 +114,14 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
 
 def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
                                    up: torch.Tensor, sched, swiglu_limit: float | None = None,
-                                   num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the down projection and of SwiGLU, in the schedule's row layout (L0's
     mok.reference.expert_backward): d_h = bf16(dy_rows[r]·w_down[e]), then
-    (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h, swiglu_limit)); padding rows are zeros.
-    dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read transposed, no copy);
-    gate, up [num_rows, intermediate] as the forward saved them. Returns (d_gate, d_up), bf16 each."""
+    (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h, swiglu_limit)), and h[r] =
+    bf16(swiglu(gate[r], up[r], swiglu_limit)) recomputed for d_w_down (the epilogue reads gate/up anyway);
+    padding rows are zeros. dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read
+    transposed, no copy); gate, up [num_rows, intermediate] as the forward saved them. Returns
+    (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
     _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
@@ -132,11 +134,11 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     sms = _check_num_sms(num_sms)
     _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, dy_rows.device)  # [num_rows], [num_rows / 128]
-    d_gate, d_up = (torch.empty_like(gate) for _ in range(2))  # [num_rows, intermediate] each
+    d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate,
-                                                    d_up, limit, swiglu_limit is not None, sms)
-    return d_gate, d_up
+                                                    d_up, h, limit, swiglu_limit is not None, sms)
+    return d_gate, d_up, h
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,

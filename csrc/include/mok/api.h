@@ -47,12 +47,13 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
 
 // Backward, dgrad of the down projection with the SwiGLU backward in the epilogue: d_h = bf16(dy_rows[r] ·
 // w_down[e]) (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows,
-// intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate].
+// intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and
+// h = bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* d_gate,
-                                           void* d_up, int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
-                                           cudaStream_t stream);
+                                           void* d_up, void* h, int64_t num_rows, int64_t hidden,
+                                           int64_t intermediate, int64_t num_experts, float swiglu_limit,
+                                           bool has_limit, int num_sms, cudaStream_t stream);
 
 // Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]),
 // one fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).

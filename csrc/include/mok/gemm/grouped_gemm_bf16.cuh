@@ -7,8 +7,9 @@
 //   kGateUp       gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r]))
 //                 (x rows gathered through row_to_token: the dispatch is fused)
 //   kDown         out[r] = bf16(a[r]·W[e]ᵀ)                          (the down projection, or any NT GEMM)
-//   kDownDgrad    d_h = bf16(dy[r]·Wd[e]), (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h))
-//                 (Wd [E, H, I] read MN-major; the SwiGLU backward runs in the epilogue)
+//   kDownDgrad    d_h = bf16(dy[r]·Wd[e]), (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h)),
+//                 and h[r] = bf16(swiglu(gate[r], up[r])) again for d_w_down (Wd [E, H, I] read MN-major; the
+//                 SwiGLU backward runs in the epilogue, which reads gate/up anyway)
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
 //                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
@@ -117,6 +118,7 @@ struct Params {
   uint16_t* gate;                  // kGateUp: gate out; kDownDgrad: gate in (saved). [num_rows, n]
   uint16_t* up;                    // kGateUp: up out; kDownDgrad: up in (saved). [num_rows, n]
   uint16_t* out2;                  // kDownDgrad: d_up [num_rows, n]
+  uint16_t* out3;                  // kDownDgrad: h [num_rows, n], recomputed (the forward's bits)
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   int num_rows;                    // rows of the schedule, a multiple of BLOCK_M
   int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
@@ -351,17 +353,22 @@ MOK_DEVICE SwiGLUGrad swiglu_backward(float g, float u, float d_h, float limit, 
 }
 
 // kDownDgrad: per 128-column half, d_h = bf16(acc), then d_gate (kWhich = 0, to out) or d_up (kWhich = 1, to
-// out2) from the saved gate/up at the same positions (read pairwise from global memory, L2-resident).
+// out2) from the saved gate/up at the same positions (read pairwise from global memory, L2-resident), or
+// h = swiglu(gate, up) (kWhich = 2, to out3: the same function as GEMM1's epilogue, so the forward's bits).
 template <int kWhich>
 MOK_DEVICE void store_swiglu_grad(float (&acc)[kAccPerThread], const Params& p, uint8_t* staging, int row0,
                                   int col0, uint32_t lane) {
   const int64_t at0 = static_cast<int64_t>(row0 + static_cast<int>(lane / 4)) * p.n + col0 + 2 * (lane % 4);
   const bool real0 = p.row_to_token[row0 + lane / 4] >= 0, real1 = p.row_to_token[row0 + lane / 4 + 8] >= 0;
-  store_tile(staging, kWhich == 0 ? p.out : p.out2, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
+  uint16_t* out = kWhich == 0 ? p.out : (kWhich == 1 ? p.out2 : p.out3);
+  store_tile(staging, out, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
     if (!(h == 0 ? real0 : real1) || col0 + 8 * i + 2 * static_cast<int>(lane % 4) >= p.n) return 0u;
     const int64_t at = at0 + 8 * h * static_cast<int64_t>(p.n) + 8 * i;
     const uint32_t g2 = *reinterpret_cast<const uint32_t*>(p.gate + at);
     const uint32_t u2 = *reinterpret_cast<const uint32_t*>(p.up + at);
+    if constexpr (kWhich == 2)
+      return pack_bf16x2(swiglu(bf16_lo_as_f32(g2), bf16_lo_as_f32(u2), p.swiglu_limit, p.has_limit != 0),
+                         swiglu(bf16_hi_as_f32(g2), bf16_hi_as_f32(u2), p.swiglu_limit, p.has_limit != 0));
     const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g2), bf16_lo_as_f32(u2), round_bf16(acc[4 * i + 2 * h]),
                                           p.swiglu_limit, p.has_limit != 0);
     const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g2), bf16_hi_as_f32(u2), round_bf16(acc[4 * i + 2 * h + 1]),
@@ -375,6 +382,7 @@ MOK_DEVICE void store_swiglu_backward(float (&acc)[kAccPerThread], const Params&
   if (col0 >= p.n) return;
   store_swiglu_grad<0>(acc, p, staging, row0, col0, lane);
   store_swiglu_grad<1>(acc, p, staging, row0, col0, lane);
+  store_swiglu_grad<2>(acc, p, staging, row0, col0, lane);
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
