@@ -2,6 +2,7 @@
 
     python -m mok.bench moe  [--shapes ...] [--levels torch] [--precisions bf16 mxfp8] [--passes ...]
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
+    python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
     python -m mok.bench summary [data/bench/moe.csv]   (the README's table, in markdown)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up),
@@ -234,14 +235,18 @@ def main(argv=None) -> int:
     if argv[:1] == ["quant"]:
         from mok import bench_quant
         return bench_quant.main(argv[1:])
+    if argv[:1] == ["parts"]:
+        from mok import bench_parts
+        return bench_parts.main(argv[1:])
     if argv[:1] == ["summary"]:
         path = Path(argv[1]) if len(argv) > 1 else DATA / "moe.csv"
         print(summary_markdown(pd.read_csv(path)))
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["moe", "quant", "summary"],
-                   help="moe: the MoE layer; quant: MXFP8 quantizers; summary [CSV]: the README table")
+    p.add_argument("what", choices=["moe", "quant", "parts", "summary"],
+                   help="moe: the MoE layer; quant: MXFP8 quantizers; parts: the L2 passes kernel by kernel; "
+                        "summary [CSV]: the README table")
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, ...)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)

@@ -1,12 +1,19 @@
-"""The benchmark harness on the CPU: row schema of DESIGN §8, FLOP bookkeeping, CSV merging."""
+"""The benchmark harness on the CPU: row schema of DESIGN §8, FLOP bookkeeping, CSV merging, and the L2
+breakdown (mok.bench_parts) on the kernels' L0 twins."""
 
+import inspect
 import math
+from collections import Counter
 
 import pandas as pd
 import pytest
+import torch
 
-from mok import bench
+from mok import bench, bench_parts, fused, ops, twins
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
+from mok.routing import random_routing
+from mok.schedule import Schedule, make_schedule
+from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_args
 
 COLUMNS = {"shape", "level", "precision", "pass", "time_ms", "tflops", "ceiling_tflops", "frac_of_ceiling",
            "speedup_vs_torch", "peak_mem_gb", "gpu", "torch", "cuda", "commit", "date"}
@@ -49,3 +56,165 @@ def test_committed_rows_have_provenance():
     assert set(STANDARD_SHAPES) <= set(df["shape"])
     ceiling = df[df.level == "cublas-dense"]
     assert (ceiling.frac_of_ceiling == 1.0).all()
+
+
+# ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
+
+FWD_STEPS = ["schedule", "gemm1", "gemm2", "combine"]
+BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "swiglu_h", "gather_x", "wgrad_gate", "wgrad_up",
+             "wgrad_down", "combine_dx"]
+SHARED_FWD_STEPS = ["shared_gemm1", "shared_gemm2"]
+SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_swiglu_h",
+                    "shared_wgrad_gate", "shared_wgrad_up", "shared_wgrad_down"]
+PARTS_COLUMNS = {"shape", "pass", "step", "time_ms", "share_of_pass", "flops", "padded_flops", "tflops",
+                 "ceiling_tflops", "frac_of_ceiling", "bytes", "gbps", "gpu", "torch", "cuda", "commit", "date"}
+
+
+def _describe(v):
+    """What a call's argument is, for comparing calls: tensors by shape and dtype, schedules by their sizes."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.dtype
+    if isinstance(v, Schedule):
+        return "Schedule", v.num_tokens, v.num_topk, v.num_experts, v.num_rows, v.block_m
+    return v
+
+
+def _recorder(log: list, name: str, fn):
+    def call(*args, **kwargs):
+        bound = inspect.signature(fn).bind(*args, **kwargs)  # positional or keyword: the same call
+        bound.apply_defaults()
+        log.append((name, tuple((k, _describe(v)) for k, v in bound.arguments.items())))
+        return fn(*args, **kwargs)
+    return call
+
+
+@pytest.fixture
+def twin_calls(monkeypatch) -> list:
+    """Every mok.ops kernel replaced by its L0 twin and the level's torch glue kept; each call is logged."""
+    log = []
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, _recorder(log, name, getattr(twins, name)))
+    for name in ("gather_rows", "swiglu"):
+        monkeypatch.setattr(fused, name, _recorder(log, name, getattr(fused, name)))
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    return log
+
+
+def _expected_steps(with_shared: bool) -> set:
+    return set(FWD_STEPS + BWD_STEPS + (SHARED_FWD_STEPS + SHARED_BWD_STEPS if with_shared else []))
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_parts_steps_make_the_levels_calls(twin_calls, monkeypatch, shape, limit):
+    """Per pass, the steps call the same kernels and glue with the same arguments as mok.fused, and give its
+    outputs bit for bit: the breakdown cannot drift from the level unnoticed. A swiglu_limit and a grid size
+    (MOK_NUM_SMS) that are not the defaults must reach every kernel as they do in the level."""
+    monkeypatch.setenv(fused.NUM_SMS_ENV, "7")
+    cfg = TINY_SHAPES[shape]
+    inputs = make_inputs(cfg, seed=fresh_seed())
+    out, saved = fused.forward(*moe_args(inputs), swiglu_limit=limit)
+    level_fwd = Counter(twin_calls)
+    twin_calls.clear()
+    grads = fused.backward(saved, inputs["d_out"])
+    level_bwd = Counter(twin_calls)
+    twin_calls.clear()
+
+    steps = bench_parts.steps_of(saved)
+    assert {s.name for s in steps} == _expected_steps(cfg.has_shared)
+    assert len({s.name for s in steps}) == len(steps)
+    fwd = bench_parts.run_steps([s for s in steps if s.pass_ == "fwd"], bench_parts.forward_state(inputs))
+    assert Counter(twin_calls) == level_fwd
+    twin_calls.clear()
+    bwd = bench_parts.run_steps([s for s in steps if s.pass_ == "bwd"], bench_parts.backward_state(inputs, saved))
+    assert Counter(twin_calls) == level_bwd
+
+    assert bitwise_equal(fwd["out"], out)
+    mine = [bwd["d_x"], bwd["d_topk_weights"], bwd["d_w_gate"], bwd["d_w_up"], bwd["d_w_down"]]
+    if cfg.has_shared:
+        mine += [bwd[f"shared_d_w_{n}"][0] for n in ("gate", "up", "down")]
+    for name, a, b in zip(GRAD_NAMES, mine, grads):
+        assert bitwise_equal(a, b), name
+
+
+def _sized_saved(cfg) -> fused.FusedSaved:
+    """A FusedSaved with the sizes of `cfg` and a real schedule, its big tensors zero-stride views (no memory):
+    enough for steps_of, which reads sizes only."""
+    T, H, I, E, K, I_sh = (cfg.num_tokens, cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.num_topk,
+                           cfg.shared_intermediate)
+    topk_idx, topk_weights = random_routing(T, E, K, generator=torch.Generator().manual_seed(fresh_seed()))
+    size = lambda *shape: torch.empty((), dtype=torch.bfloat16).expand(*shape)  # noqa: E731
+    weights = (size(E, I, H), size(E, I, H), size(E, H, I),
+               *((size(I_sh, H), size(I_sh, H), size(H, I_sh)) if I_sh else (None,) * 3))
+    return fused.FusedSaved(size(T, H), topk_idx, topk_weights, weights, None, None, None, None, None, "bf16", None,
+                            sched=make_schedule(topk_idx, E, block_m=fused.BLOCK_M))
+
+
+@pytest.mark.parametrize("cfg", list(STANDARD_SHAPES.values()) + list(TINY_SHAPES.values()), ids=lambda c: c.name)
+def test_parts_gemm_flops_are_the_moe_flops(cfg):
+    """The GEMM steps' useful FLOPs are MoK's, piece by piece; padded FLOPs count the schedule's rows."""
+    saved = _sized_saved(cfg)
+    steps = bench_parts.steps_of(saved)
+    assert {s.name for s in steps} == _expected_steps(cfg.has_shared)
+    R, H, I, T, I_sh = cfg.num_routes, cfg.hidden, cfg.intermediate, cfg.num_tokens, cfg.shared_intermediate
+    rows, rows_sh = saved.sched.num_rows, fused.shared_schedule(T, "cpu").num_rows if I_sh else 0
+    for pass_, times in (("fwd", 1), ("bwd", 2)):
+        gemms = [s for s in steps if s.pass_ == pass_ and s.mnk is not None]
+        routed = [s for s in gemms if not s.name.startswith("shared_")]
+        assert sum(s.flops for s in gemms) == cfg.flops(pass_)
+        assert sum(s.flops for s in routed) == times * 6 * R * H * I
+        assert sum(s.flops for s in gemms) - sum(s.flops for s in routed) == times * 6 * T * H * I_sh
+        assert sum(s.padded_flops for s in gemms) == times * 6 * (rows * I + rows_sh * I_sh) * H
+    for s in steps:  # a step is a GEMM or moves bytes, never both
+        assert (s.mnk is None) == (s.padded_mnk is None) == (s.nbytes is not None)
+        assert s.mnk is None or s.padded_flops >= s.flops > 0
+        assert s.nbytes is None or s.nbytes > 0
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
+def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
+    """The rows of one shape (the twins on the CPU, perf_counter timings): every step once with its share of
+    the pass, the whole passes and the sum of their steps, and a CSV keyed by (shape, step)."""
+    cfg = TINY_SHAPES[shape]
+    rows = bench_parts.bench_parts_shape(cfg, iters=3, device="cpu")
+    assert all(PARTS_COLUMNS <= set(r) for r in rows)
+    names = [r["step"] for r in rows]
+    assert set(names) == _expected_steps(cfg.has_shared) | {"whole_fwd", "steps_fwd", "whole_bwd", "steps_bwd"}
+    assert len(set(names)) == len(names)
+    for pass_ in ("fwd", "bwd"):
+        mine = [r for r in rows if r["pass"] == pass_]
+        steps = [r for r in mine if r["kind"] in ("gemm", "memory")]
+        whole, total = (next(r for r in mine if r["step"] == f"{k}_{pass_}") for k in ("whole", "steps"))
+        assert whole["share_of_pass"] == 1.0 and whole["flops"] == cfg.flops(pass_)
+        assert math.isclose(total["time_ms"], sum(r["time_ms"] for r in steps))
+        for r in steps:
+            assert r["time_ms"] > 0 and 0 < r["share_of_pass"] <= 1, r
+            assert math.isclose(r["share_of_pass"], r["time_ms"] / whole["time_ms"])
+            if r["kind"] == "gemm":
+                assert math.isclose(r["tflops"], r["flops"] / r["time_ms"] / 1e9)
+                assert math.isclose(r["frac_of_ceiling"], r["tflops"] / r["ceiling_tflops"])
+                assert math.isnan(r["gbps"])
+            else:
+                assert math.isclose(r["gbps"], r["bytes"] / r["time_ms"] / 1e6) and math.isnan(r["tflops"])
+
+    path = tmp_path / "parts.csv"
+    bench.write_rows(rows, path, key=bench_parts.KEY)
+    bench.write_rows(rows[:2], path, key=bench_parts.KEY)  # the same keys again: replaced, not duplicated
+    df = pd.read_csv(path)
+    assert len(df) == len(rows) and not df.duplicated(subset=bench_parts.KEY).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
+def test_parts_rows_on_hopper(shape):
+    """The same rows from the real kernels: finite, every step a share of its pass."""
+    cfg = TINY_SHAPES[shape]
+    rows = bench_parts.bench_parts_shape(cfg, iters=3, device="cuda")
+    assert {r["step"] for r in rows} >= _expected_steps(cfg.has_shared)
+    for r in rows:
+        assert r["time_ms"] > 0 and math.isfinite(r["time_ms"]), r
+        if r["kind"] == "gemm":
+            assert r["tflops"] > 0 and r["frac_of_ceiling"] > 0, r
+        if r["kind"] in ("gemm", "memory"):
+            assert 0 < r["share_of_pass"] <= 1, r

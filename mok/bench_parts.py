@@ -1,0 +1,295 @@
+"""Where the L2 `fused` level's time goes, kernel by kernel (`python -m mok.bench parts`).
+
+For each shape (bf16, no swiglu_limit, as the layer benchmark runs), one fused forward gives the saved
+state; every step of a pass (the list in mok/fused.py's docstring) then runs once, in the level's order, to
+build the intermediates, and is timed alone with mok.bench.time_ms (CUDA events, one sync per timing),
+next to the whole fused passes timed in the same process. The steps call the same mok.ops kernels with the
+same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_rows, swiglu);
+tests/test_bench.py runs both on the kernels' L0 twins and checks that they make the same calls.
+
+Per (shape, step) one row:
+    GEMM steps     flops = 2·M·N·K on real rows (M = routes, or tokens for the shared expert; for the weight
+                   gradients those rows are K), padded_flops on the schedule's rows (padding included: what
+                   the kernel runs), tflops on the useful flops, the cuBLAS dense ceiling of the same (M, N, K)
+                   (torch.mm on bf16 randn, same timing, same process) and frac_of_ceiling
+    memory steps   bytes = the fewest bytes the step must move (every input byte read once, every output
+                   byte written once, as mok.bench_quant counts) and gbps
+    whole_fwd/bwd  the level's passes (mok.bench.level_pass_fn, as `python -m mok.bench moe` times them)
+                   with MoK's flops (mok.config) against the sum of the GEMM steps' ceilings
+    steps_fwd/bwd  the sum of the pass's steps; 1 - its share_of_pass is launch gaps and anything missed
+share_of_pass = time_ms / the whole pass's time_ms.
+
+    python -m mok.bench parts [--shapes ...] [--iters 20] [--out data/bench/parts.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from mok import bench, fused, ops
+from mok.config import STANDARD_SHAPES, MoEConfig, get_shape
+from mok.reference import BF16
+from mok.schedule import Schedule
+from mok.testing import make_inputs, moe_args
+
+KEY = ["shape", "step"]  # step names are unique over both passes
+BF16_B, FP32_B, INT64_B = 2, 4, 8  # bytes per element
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # unique over both passes
+    pass_: str  # "fwd" or "bwd"
+    run: Callable[[dict], dict]  # the pass's state -> the tensors the step adds to it
+    mnk: tuple[int, int, int] | None = None  # GEMM (M, N, K) on real rows; None: a memory-bound step
+    padded_mnk: tuple[int, int, int] | None = None  # the same GEMM on the schedule's rows
+    nbytes: int | None = None  # memory-bound: fewest bytes read + written
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * math.prod(self.mnk) if self.mnk else math.nan
+
+    @property
+    def padded_flops(self) -> float:
+        return 2.0 * math.prod(self.padded_mnk) if self.padded_mnk else math.nan
+
+
+# --- the steps ---------------------------------------------------------------------------------------
+
+def _rows_gemm(real: int, padded: int, n: int, k: int) -> dict:
+    """An activation GEMM: M = rows (real, or the schedule's)."""
+    return dict(mnk=(real, n, k), padded_mnk=(padded, n, k))
+
+
+def _wgrad_gemm(m: int, n: int, real: int, padded: int) -> dict:
+    """A weight-gradient GEMM: K = rows, summed per expert."""
+    return dict(mnk=(m, n, real), padded_mnk=(m, n, padded))
+
+
+def _schedule_bytes(sched: Schedule) -> int:
+    """topk_idx read, every schedule array written (and the GEMMs' int32 copies, when the kernel made them)."""
+    arrays = [getattr(sched, f.name) for f in fields(sched)] + list(getattr(sched, "gemm_tensors", ()))
+    return sched.num_routes * INT64_B + sum(t.nbytes for t in arrays if isinstance(t, torch.Tensor))
+
+
+def _expert_forward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
+    """GEMM1 and GEMM2 of one expert group (fused.experts_forward, a step per kernel); p: state-key prefix."""
+    def gemm1(s):
+        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(s["x"], s[p + "w_gate"], s[p + "w_up"], s[p + "sched"],
+                                                          swiglu_limit=limit, num_sms=num_sms)  # [R, I] each
+        return {p + "h": h, p + "gate": gate, p + "up": up}
+
+    def gemm2(s):
+        return {p + "y_rows": ops.grouped_gemm_bf16_nt_contiguous(s[p + "h"], s[p + "w_down"], s[p + "sched"],
+                                                                  num_sms=num_sms)}  # [R, H]
+
+    return [Step(p + "gemm1", "fwd", gemm1, **_rows_gemm(real, padded, 2 * width, hidden)),
+            Step(p + "gemm2", "fwd", gemm2, **_rows_gemm(real, padded, hidden, width))]
+
+
+def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
+    """The dgrad kernels, the recompute of h and the three weight gradients of one expert group
+    (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
+    def dgrad_swiglu(s):
+        d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"],
+                                                          s[p + "up"], s[p + "sched"], swiglu_limit=limit,
+                                                          num_sms=num_sms)  # [R, I] each
+        return {p + "d_gate": d_gate, p + "d_up": d_up}
+
+    def dgrad_gate_up(s):
+        return {p + "dx_rows": ops.grouped_gemm_bf16_dgrad_gate_up(s[p + "d_gate"], s[p + "d_up"], s[p + "w_gate"],
+                                                                   s[p + "w_up"], s[p + "sched"],
+                                                                   num_sms=num_sms)}  # [R, H]
+
+    def swiglu_h(s):
+        return {p + "h_rows": fused.swiglu(s[p + "gate"], s[p + "up"], limit).to(BF16)}  # [R, I]
+
+    def wgrad(name: str, out: str, a: str, b: str, m: int, n: int) -> Step:  # d_w[e] = Σ_r a[r]ᵀ·b[r], e's rows
+        run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad(s[p + a], s[p + b], s[p + "sched"],
+                                                                    num_sms=num_sms)}  # [E, m, n]
+        return Step(p + name, "bwd", run, **_wgrad_gemm(m, n, real, padded))
+
+    return [Step(p + "dgrad_swiglu", "bwd", dgrad_swiglu, **_rows_gemm(real, padded, width, hidden)),
+            Step(p + "dgrad_gate_up", "bwd", dgrad_gate_up, **_rows_gemm(real, padded, hidden, 2 * width)),
+            Step(p + "swiglu_h", "bwd", swiglu_h, nbytes=3 * padded * width * BF16_B),
+            wgrad("wgrad_gate", "d_w_gate", "d_gate", "x_rows", width, hidden),
+            wgrad("wgrad_up", "d_w_up", "d_up", "x_rows", width, hidden),
+            wgrad("wgrad_down", "d_w_down", "dy_rows", "h_rows", hidden, width)]
+
+
+def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[T, H] -> [num_rows, H], zeros after row T: fused._shared_backward's glue for d_out and x."""
+    rows = t.new_zeros(num_rows, t.shape[1], dtype=BF16)  # [R_sh, H]
+    rows[: t.shape[0]] = t
+    return rows
+
+
+def steps_of(saved: fused.FusedSaved) -> list[Step]:
+    """Every step of the fused forward then backward, in the level's order, sized from its saved state."""
+    T, H = saved.x.shape  # [T, H]
+    R, I = saved.topk_idx.numel(), saved.weights[0].shape[1]  # routes, intermediate
+    sched, limit, num_sms = saved.sched, saved.swiglu_limit, saved.num_sms
+    rows = sched.num_rows  # routes and padding
+    shared = saved.weights[3] is not None
+    routed = (R, rows, I, H, limit, num_sms)
+
+    def make_schedule(s):
+        return {"sched": ops.make_schedule_cuda(s["topk_idx"], s["w_gate"].shape[0], block_m=fused.BLOCK_M)}
+
+    def combine(s):
+        y_shared = s["shared_y_rows"][:T] if shared else None  # [T, H]: row t = token t
+        return {"out": ops.combine_rows(s["y_rows"], s["sched"].route_to_row, s["topk_weights"], y_shared,
+                                        check_rows=False)}  # [T, H]
+
+    def route_grads_prep(s):
+        dy_rows, d_topk_weights = ops.route_grads_prep(s["d_out"], s["topk_weights"], s["y_rows"], s["sched"])
+        return {"dy_rows": dy_rows, "d_topk_weights": d_topk_weights}  # [R, H], [T, K]
+
+    def combine_dx(s):
+        dx_shared = s["shared_dx_rows"][:T] if shared else None  # [T, H]
+        return {"d_x": ops.combine_rows(s["dx_rows"], s["sched"].route_to_row, None, dx_shared, check_rows=False)}
+
+    tok, row_buf = T * H * BF16_B, rows * H * BF16_B  # one [T, H] and one [num_rows, H] bf16 tensor
+    routes_in = R * (H * BF16_B + INT64_B)  # each route's row of a [num_rows, H] tensor and its row id
+    shared_in = tok if shared else 0  # the shared expert's [T, H] output or d_x part
+    fwd = [Step("schedule", "fwd", make_schedule, nbytes=_schedule_bytes(sched)),
+           *_expert_forward_steps("", *routed)]
+    routed_bwd = _expert_backward_steps("", *routed)  # dgrad x2, swiglu_h, then the weight gradients
+    bwd = [Step("route_grads_prep", "bwd", route_grads_prep,  # d_out, y rows, weights in; dy_rows, d_topk_weights out
+                nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
+           *routed_bwd[:3],
+           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_rows(s["x"], s["sched"])},
+                nbytes=tok + rows * INT64_B + row_buf),
+           *routed_bwd[3:]]
+    if shared:
+        I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
+        fwd += _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
+        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": _pad_rows(s["d_out"], R_sh),
+                                                             "shared_x_rows": _pad_rows(s["x"], R_sh)},
+                        nbytes=2 * (T + R_sh) * H * BF16_B))
+        bwd += _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
+    fwd.append(Step("combine", "fwd", combine, nbytes=routes_in + R * FP32_B + shared_in + tok))
+    bwd.append(Step("combine_dx", "bwd", combine_dx, nbytes=routes_in + shared_in + tok))
+    return fwd + bwd
+
+
+def _group_weights(w: dict) -> dict:
+    """The state's weights: routed as given, the shared expert's viewed as one expert ([1, ...])."""
+    state = {k: w[k] for k in ("w_gate", "w_up", "w_down")}
+    if w["w_shared_gate"] is not None:
+        state.update({f"shared_{k}": w[f"w_shared_{k[2:]}"][None] for k in ("w_gate", "w_up", "w_down")})
+    return state
+
+
+def forward_state(inputs: dict) -> dict:
+    """What the forward steps start from: the inputs and the cached shared-expert schedule."""
+    x = inputs["x"]  # [T, H]
+    return {**inputs, **_group_weights(inputs), "shared_sched": fused.shared_schedule(x.shape[0], x.device)}
+
+
+def backward_state(inputs: dict, saved: fused.FusedSaved) -> dict:
+    """What the backward steps start from: the level's saved state and d_out."""
+    names = ("w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
+    state = {"x": saved.x, "topk_weights": saved.topk_weights, "d_out": inputs["d_out"], "sched": saved.sched,
+             "y_rows": saved.y_rows, "gate": saved.gate, "up": saved.up,  # [R, H], [R, I] x2
+             **_group_weights(dict(zip(names, saved.weights)))}
+    if saved.shared_rows is not None:
+        state.update(shared_sched=fused.shared_schedule(saved.x.shape[0], saved.x.device),
+                     shared_gate=saved.shared_rows[0], shared_up=saved.shared_rows[1])  # [R_sh, I_sh] each
+    return state
+
+
+def run_steps(steps: list[Step], state: dict) -> dict:
+    """Each step once, in order, each adding its outputs to `state` (the intermediates the timings reuse)."""
+    for step in steps:
+        state.update(step.run(state))
+    return state
+
+
+# --- timing and rows ----------------------------------------------------------------------------------
+
+def dense_ms(mnk: tuple[int, int, int], iters: int, device, time_fn) -> float:
+    """cuBLAS (torch.mm) on bf16 randn [M, K] · [K, N], timed as the steps are."""
+    M, N, K = mnk
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)  # [M, K]
+    b = torch.randn(N, K, device=device, dtype=torch.bfloat16)  # [N, K]
+    return time_fn(functools.partial(torch.mm, a, b.T), iters)
+
+
+def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float) -> dict:
+    gemm = step.mnk is not None
+    return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms,
+            "share_of_pass": ms / pass_ms, "flops": step.flops, "padded_flops": step.padded_flops,
+            "tflops": step.flops / ms / 1e9, "ceiling_tflops": step.flops / ceiling_ms / 1e9,
+            "frac_of_ceiling": ceiling_ms / ms, "bytes": step.nbytes if not gemm else math.nan,
+            "gbps": step.nbytes / ms / 1e6 if not gemm else math.nan,
+            "mnk": "x".join(map(str, step.mnk)) if gemm else ""}
+
+
+def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], ceiling_ms: float) -> list[dict]:
+    """The whole pass (MoK's flops against the GEMM steps' summed ceiling) and the sum of its steps."""
+    padded = sum(r["padded_flops"] for r in rows if r["kind"] == "gemm")
+    flops = cfg.flops(pass_)
+    out = []
+    for step, kind, ms in ((f"whole_{pass_}", "pass", whole_ms), (f"steps_{pass_}", "sum",
+                                                                   sum(r["time_ms"] for r in rows))):
+        out.append({"pass": pass_, "step": step, "kind": kind, "time_ms": ms, "share_of_pass": ms / whole_ms,
+                    "flops": flops, "padded_flops": padded, "tflops": flops / ms / 1e9,
+                    "ceiling_tflops": flops / ceiling_ms / 1e9, "frac_of_ceiling": ceiling_ms / ms,
+                    "bytes": math.nan, "gbps": math.nan, "mnk": ""})
+    return out
+
+
+def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=bench.time_ms, seed: int = 0):
+    """Rows for one shape: every step of both passes, then each pass whole and summed (see the docstring).
+    time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own)."""
+    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
+    _, saved = fused.forward(*moe_args(inputs))
+    fused.backward(saved, inputs["d_out"])  # warm: the JIT build and every kernel's first launch
+    steps, ceilings, rows = steps_of(saved), {}, []
+    for pass_, state in (("fwd", forward_state(inputs)), ("bwd", backward_state(inputs, saved))):
+        pass_steps = [s for s in steps if s.pass_ == pass_]
+        run_steps(pass_steps, state)
+        whole_ms = time_fn(bench.level_pass_fn("fused", inputs, "bf16", pass_), iters)
+        step_rows = []
+        for step in pass_steps:
+            ms = time_fn(functools.partial(step.run, state), iters)
+            if step.mnk is not None and step.mnk not in ceilings:
+                ceilings[step.mnk] = dense_ms(step.mnk, iters, device, time_fn)
+            step_rows.append(step_row(step, ms, whole_ms, ceilings.get(step.mnk, math.nan)))
+        ceiling_ms = sum(ceilings[s.mnk] for s in pass_steps if s.mnk is not None)
+        rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms)
+        del state
+    prov = bench.provenance()
+    return [{"shape": cfg.name, **r, "iters": iters, **prov} for r in rows]
+
+
+# --- CLI ----------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mok.bench parts", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
+    p.add_argument("--iters", type=int, default=20, help="timed runs of every step, pass and ceiling (≥ 20)")
+    p.add_argument("--out", type=Path, default=bench.DATA / "parts.csv")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    all_rows = []
+    for name in tqdm(args.shapes, desc="shapes"):
+        rows = bench_parts_shape(get_shape(name), args.iters, device)
+        bench.write_rows(rows, args.out, key=KEY)  # as it goes: a killed sweep keeps what it measured
+        all_rows += rows
+        torch.cuda.empty_cache() if device == "cuda" else None
+    cols = ["shape", "step", "time_ms", "share_of_pass", "tflops", "frac_of_ceiling", "gbps"]
+    print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"wrote {args.out}")
+    return 0
