@@ -37,7 +37,6 @@ from tqdm import tqdm
 
 from mok import bench, fused, ops
 from mok.config import STANDARD_SHAPES, MoEConfig, get_shape
-from mok.reference import BF16
 from mok.schedule import Schedule
 from mok.testing import make_inputs, moe_args
 
@@ -97,21 +96,18 @@ def _expert_forward_steps(p: str, real: int, padded: int, width: int, hidden: in
 
 
 def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
-    """The dgrad kernels, the recompute of h and the three weight gradients of one expert group
+    """The dgrad kernels (the first also recomputes h) and the three weight gradients of one expert group
     (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
     def dgrad_swiglu(s):
-        d_gate, d_up = ops.grouped_gemm_bf16_dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"],
-                                                          s[p + "up"], s[p + "sched"], swiglu_limit=limit,
-                                                          num_sms=num_sms)  # [R, I] each
-        return {p + "d_gate": d_gate, p + "d_up": d_up}
+        d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"],
+                                                             s[p + "up"], s[p + "sched"], swiglu_limit=limit,
+                                                             num_sms=num_sms)  # [R, I] each
+        return {p + "d_gate": d_gate, p + "d_up": d_up, p + "h_rows": h}
 
     def dgrad_gate_up(s):
         return {p + "dx_rows": ops.grouped_gemm_bf16_dgrad_gate_up(s[p + "d_gate"], s[p + "d_up"], s[p + "w_gate"],
                                                                    s[p + "w_up"], s[p + "sched"],
                                                                    num_sms=num_sms)}  # [R, H]
-
-    def swiglu_h(s):
-        return {p + "h_rows": fused.swiglu(s[p + "gate"], s[p + "up"], limit).to(BF16)}  # [R, I]
 
     def wgrad(name: str, out: str, a: str, b: str, m: int, n: int) -> Step:  # d_w[e] = Σ_r a[r]ᵀ·b[r], e's rows
         run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad(s[p + a], s[p + b], s[p + "sched"],
@@ -120,17 +116,9 @@ def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: i
 
     return [Step(p + "dgrad_swiglu", "bwd", dgrad_swiglu, **_rows_gemm(real, padded, width, hidden)),
             Step(p + "dgrad_gate_up", "bwd", dgrad_gate_up, **_rows_gemm(real, padded, hidden, 2 * width)),
-            Step(p + "swiglu_h", "bwd", swiglu_h, nbytes=3 * padded * width * BF16_B),
             wgrad("wgrad_gate", "d_w_gate", "d_gate", "x_rows", width, hidden),
             wgrad("wgrad_up", "d_w_up", "d_up", "x_rows", width, hidden),
             wgrad("wgrad_down", "d_w_down", "dy_rows", "h_rows", hidden, width)]
-
-
-def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[T, H] -> [num_rows, H], zeros after row T: fused._shared_backward's glue for d_out and x."""
-    rows = t.new_zeros(num_rows, t.shape[1], dtype=BF16)  # [R_sh, H]
-    rows[: t.shape[0]] = t
-    return rows
 
 
 def steps_of(saved: fused.FusedSaved) -> list[Step]:
@@ -163,18 +151,18 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     shared_in = tok if shared else 0  # the shared expert's [T, H] output or d_x part
     fwd = [Step("schedule", "fwd", make_schedule, nbytes=_schedule_bytes(sched)),
            *_expert_forward_steps("", *routed)]
-    routed_bwd = _expert_backward_steps("", *routed)  # dgrad x2, swiglu_h, then the weight gradients
+    routed_bwd = _expert_backward_steps("", *routed)  # dgrad x2, then the weight gradients
     bwd = [Step("route_grads_prep", "bwd", route_grads_prep,  # d_out, y rows, weights in; dy_rows, d_topk_weights out
                 nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
-           *routed_bwd[:3],
+           *routed_bwd[:2],
            Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_rows(s["x"], s["sched"])},
                 nbytes=tok + rows * INT64_B + row_buf),
-           *routed_bwd[3:]]
+           *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
         fwd += _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
-        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": _pad_rows(s["d_out"], R_sh),
-                                                             "shared_x_rows": _pad_rows(s["x"], R_sh)},
+        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
+                                                             "shared_x_rows": fused.pad_rows(s["x"], R_sh)},
                         nbytes=2 * (T + R_sh) * H * BF16_B))
         bwd += _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
     fwd.append(Step("combine", "fwd", combine, nbytes=routes_in + R * FP32_B + shared_in + tok))

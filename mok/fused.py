@@ -43,7 +43,7 @@ from mok.reference import BF16, Saved
 from mok.schedule import Schedule, gather_rows, make_schedule
 
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
-           "num_sms_from_env", "shared_schedule"]
+           "num_sms_from_env", "pad_rows", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -138,13 +138,19 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
         return None, [None, None, None]
     T = d_out.shape[0]
     sh = shared_schedule(T, d_out.device)
-    dy_rows, x_rows = (t.new_zeros(sh.num_rows, t.shape[1], dtype=BF16) for t in (d_out, s.x))  # [R_sh, H]
-    dy_rows[:T], x_rows[:T] = d_out, s.x
+    dy_rows, x_rows = pad_rows(d_out, sh.num_rows), pad_rows(s.x, sh.num_rows)  # [R_sh, H] each
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
     d_gate, d_up, h_rows, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
                                                    ws_down[None], sh, s.swiglu_limit, s.num_sms)
     d_w = _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sh, s.num_sms)
     return dx_rows[:T], [w[0] for w in d_w]
+
+
+def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[T, H] -> bf16 [num_rows, H]: row t = t's row t, then zero rows (the shared schedule's row layout)."""
+    rows = t.new_zeros(num_rows, t.shape[1], dtype=BF16)  # [num_rows, H]
+    rows[: t.shape[0]] = t
+    return rows
 
 
 def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list:

@@ -61,11 +61,11 @@ def test_committed_rows_have_provenance():
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
 
 FWD_STEPS = ["schedule", "gemm1", "gemm2", "combine"]
-BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "swiglu_h", "gather_x", "wgrad_gate", "wgrad_up",
-             "wgrad_down", "combine_dx"]
+BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "gather_x", "wgrad_gate", "wgrad_up", "wgrad_down",
+             "combine_dx"]
 SHARED_FWD_STEPS = ["shared_gemm1", "shared_gemm2"]
-SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_swiglu_h",
-                    "shared_wgrad_gate", "shared_wgrad_up", "shared_wgrad_down"]
+SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_wgrad_gate",
+                    "shared_wgrad_up", "shared_wgrad_down"]
 PARTS_COLUMNS = {"shape", "pass", "step", "time_ms", "share_of_pass", "flops", "padded_flops", "tflops",
                  "ceiling_tflops", "frac_of_ceiling", "bytes", "gbps", "gpu", "torch", "cuda", "commit", "date"}
 
@@ -94,7 +94,7 @@ def twin_calls(monkeypatch) -> list:
     log = []
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, _recorder(log, name, getattr(twins, name)))
-    for name in ("gather_rows", "swiglu"):
+    for name in ("gather_rows", "pad_rows"):
         monkeypatch.setattr(fused, name, _recorder(log, name, getattr(fused, name)))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
     return log
@@ -188,7 +188,7 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
         assert whole["share_of_pass"] == 1.0 and whole["flops"] == cfg.flops(pass_)
         assert math.isclose(total["time_ms"], sum(r["time_ms"] for r in steps))
         for r in steps:
-            assert r["time_ms"] > 0 and 0 < r["share_of_pass"] <= 1, r
+            assert r["time_ms"] > 0 and r["share_of_pass"] > 0, r  # a step timed alone may exceed its pass
             assert math.isclose(r["share_of_pass"], r["time_ms"] / whole["time_ms"])
             if r["kind"] == "gemm":
                 assert math.isclose(r["tflops"], r["flops"] / r["time_ms"] / 1e9)
@@ -217,4 +217,4 @@ def test_parts_rows_on_hopper(shape):
         if r["kind"] == "gemm":
             assert r["tflops"] > 0 and r["frac_of_ceiling"] > 0, r
         if r["kind"] in ("gemm", "memory"):
-            assert 0 < r["share_of_pass"] <= 1, r
+            assert r["share_of_pass"] > 0, r
