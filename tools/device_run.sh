@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 run of everything that needs the GPU, inside a time budget: the L2 kernel and level tests, the
-# quantization tests, compute-sanitizer on the L2 kernels, the layer benchmark beside L1/Liger/the ceiling, and the dual-quantizer variants.
+# quantization tests, compute-sanitizer on the L2 kernels, the layer benchmark beside L1/Liger/the ceiling, the L2
+# breakdown kernel by kernel, and the quantizers' benchmark.
 # Each step's timeout is cut to what is left of the budget, so the command always returns in time and the
 # logs and CSVs under $OUT come back (docs/l2_fused.md, "Next"; ../shared/GPU.md).
 #
@@ -36,8 +37,8 @@ step gemm 120 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 test
 step l2 90 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_schedule.py tests/test_ops_route_grads.py
 step bench 120 "fused|liger" python -m mok.bench moe --levels torch fused --precisions bf16 --out "$out/moe.csv"
+step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py
 step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
-step qbench 60 "dual|copy" python -m mok.bench_quant --ops dual --variants 0,11,13,14,15,16 --no-l0 \
-  --out "$out/quant_dual.csv"
+step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
