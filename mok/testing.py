@@ -1,11 +1,13 @@
 """Problems and comparisons shared by tests, benchmarks and notebooks.
 
 `make_inputs` draws a fresh MoE problem (never zeros); `rel_err` is DESIGN §9's metric
-Σ|Δ|/Σ|ref|; `TOLERANCES` names every bound a level is held to.
+Σ|Δ|/Σ|ref|; `TOLERANCES` names every bound a level is held to; `saved_nbytes` measures what a
+forward keeps for its backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -102,3 +104,34 @@ def run_level(level, inputs: dict, *, precision="bf16", swiglu_limit=None) -> tu
     """Forward and backward of one level module: (out, grads tuple)."""
     out, saved = level.forward(*moe_args(inputs), precision=precision, swiglu_limit=swiglu_limit)
     return out, level.backward(saved, inputs["d_out"])
+
+
+INPUT_FIELDS = ("x", "topk_idx", "topk_weights", "weights")  # a Saved's references to the layer's own inputs
+
+
+def _tensors_in(obj):
+    """Every tensor reachable from obj through tuples, lists and dataclass attributes (a Schedule's too)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for item in vars(obj).values():  # vars, not fields: attributes added later (sched.gemm_tensors) count
+            yield from _tensors_in(item)
+
+
+def saved_nbytes(saved, include_inputs: bool = False) -> int:
+    """Bytes of memory a level's saved state (mok.reference.Saved or a subclass) keeps alive: each storage
+    under its tensors counted once, whole (a view keeps its whole buffer alive). The layer's inputs (x,
+    topk_idx, topk_weights, weights), which autograd keeps anyway, are left out unless include_inputs."""
+    def key(t):
+        return t.device, t.untyped_storage().data_ptr()
+
+    inputs = () if include_inputs else tuple(getattr(saved, f) for f in INPUT_FIELDS)
+    skip = {key(t) for t in _tensors_in(inputs)}
+    storages = {}
+    for t in _tensors_in(saved):
+        if key(t) not in skip:
+            storages[key(t)] = t.untyped_storage().nbytes()
+    return sum(storages.values())

@@ -5,12 +5,14 @@ Two uses: the GPU tests compare each kernel with its twin (tests/test_ops_gemm.p
 the whole `fused` level with every kernel replaced by its twin (tests/test_fused.py), which must give L0's
 bits exactly: that checks the level's wiring (schedules, saved state, gradient order) where CI has no GPU.
 The twins round where the kernels round (DESIGN §3); only the fp32 summation order differs from the kernels.
+The MXFP8 quantizer twins are the L0 spec itself (mok.mxfp8), which the kernels match bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mok import mxfp8
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
 from mok.schedule import make_schedule, scatter_routes, segment
 from mok.torch_native import route_grads
@@ -18,7 +20,8 @@ from mok.torch_native import route_grads
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "combine_rows",
-           "make_schedule_cuda", "route_grads_prep")
+           "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
+           "mxfp8_quantize_dual", "mxfp8_dequantize")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -101,3 +104,25 @@ def route_grads_prep(d_out, topk_weights, y_rows, sched):
     """(dy_rows [num_rows, H] bf16, d_topk_weights [T, K] fp32) as L0 computes them (mok.reference.moe_backward)."""
     d_topk_weights, dy_rows = route_grads(d_out, topk_weights, scatter_routes(y_rows, sched), sched)
     return dy_rows, d_topk_weights
+
+
+# ---- MXFP8 (mok.ops.quant): the kernels are bit-exact with mok.mxfp8 (tests/test_ops_quant.py) -------------------
+
+def mxfp8_quantize_rowwise(x, variant=0):
+    """(data e4m3 x.shape, scales uint8 [..., cols / 32]): blocks of 32 along dim -1."""
+    return mxfp8.quantize(x, dim=-1)
+
+
+def mxfp8_quantize_colwise(x, variant=0):
+    """(data e4m3 x.shape, scales uint8 [..., rows / 32, cols]): blocks of 32 along dim -2."""
+    return mxfp8.quantize(x, dim=-2)
+
+
+def mxfp8_quantize_dual(x, variant=0):
+    """((data_row, scales_row), (data_col, scales_col)): both directions, each from x (BF16) independently."""
+    return mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2)
+
+
+def mxfp8_dequantize(data, scales, dim=-1):
+    """q · 2^e rounded to bf16, data.shape; dim -1 (row-wise scales) or -2 (column-wise)."""
+    return mxfp8.dequantize(data, scales, dim=dim, dtype=BF16)
