@@ -1,32 +1,50 @@
 """L2 `fused`: the MoE layer on mok's Hopper kernels (sm_90a), a few launches per pass.
 
 Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(saved, d_out)`, see
-mok.layer), BF16 only. What runs where today:
+mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q+dq` = an MXFP8 quantize
+kernel then a dequantize kernel back to bf16, along the GEMM's K; every GEMM itself is the BF16 kernel):
 
 forward, all in Hopper kernels except the schedule:
     make_schedule_cuda(topk_idx, block_m=128)  kernels: counts, offsets, placement (one host sync: num_rows)
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
+                                               mx: q+dq x [T, H] row-wise (once, before the gather);
+                                               w_gate, w_up along hidden
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
+                                               mx: q+dq h along intermediate, w_down along intermediate
+    saved gate/up                              mx: quantized row-wise, kept as MXFP8 (data + scales)
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
-                                               token order (row t = token t), weights viewed as [1, ...]
+                                               token order (row t = token t), weights viewed as [1, ...];
+                                               BF16 in every precision (DESIGN §4)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
     route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
+                                               mx: dequantize the saved gate/up
     grouped_gemm_bf16_dgrad_swiglu             kernel: d_h = dy·W_down (read transposed) + SwiGLU backward,
                                                and h recomputed from gate/up for d_w_down
+                                               mx: dual-quantize dy_rows (row-wise here, column-wise for
+                                               d_w_down), dq both; q+dq w_down along hidden (dim -2)
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
-    shared expert dgrad                        the same two kernels on its one-expert schedule
+                                               mx: dual-quantize d_gate, d_up, dq both; q+dq w_gate, w_up
+                                               along intermediate (dim -2)
+    shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
                                                each expert's rows (x rows gathered by torch first)
-    shared expert weight gradients             the same kernel on its one-expert schedule
+                                               mx: every operand column-wise (blocks along the rows):
+                                               q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
+    shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
-order than L0's, so results agree within DESIGN §9's tolerance (most elements bit for bit). Bits
-are identical run to run and for any persistent grid size: set it with `num_sms=` or the environment
-variable MOK_NUM_SMS (unset or 0: every SM), which tests use to run two grid sizes.
+order than L0's, so results agree within DESIGN §9's tolerance (most elements bit for bit). In mxfp8 the
+GEMMs see exactly L0's operands (mok.reference.quant): E4M3·2^e is exact in bf16, so a BF16 GEMM of
+dequantized operands is the MXFP8 GEMM. Bits are identical run to run and for any persistent grid size:
+set it with `num_sms=` or the environment variable MOK_NUM_SMS (unset or 0: every SM), which tests use to
+run two grid sizes.
 
-precision="mxfp8" raises NotImplementedError (no fused MXFP8 path yet); backend="auto" then picks L1.
+MXFP8 cost of this first, exact step (`_mx`, `_mx_dual`): 12 extra launches in the forward, 21 in the
+backward; a q+dq moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32; dequantize the reverse),
+three times the GEMM's own read of the bf16 operand, and the weights dominate (3 · 6 · E·I·H bytes per pass).
+The next step dequantizes inside the GEMM mainloops and replaces those two functions.
 """
 
 from __future__ import annotations
@@ -47,16 +65,19 @@ __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "ex
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
-PRECISIONS = ("bf16",)  # what this level runs (mok.layer.resolve_backend reads it)
+PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
 
 
 @dataclass(eq=False)
 class FusedSaved(Saved):
-    """L0's Saved, with the routed outputs kept in the schedule's row layout (`y` stays None)."""
+    """L0's Saved, with the routed outputs kept in the schedule's row layout (`y` stays None). In mxfp8 the
+    routed gate/up are kept as MXFP8 in gate_mx/up_mx and `gate`/`up` are None."""
 
     y_rows: torch.Tensor | None = None  # [num_rows, H]
     shared_rows: tuple | None = None  # (gate, up) [R_sh, I_sh] of the shared expert, padding rows included
     num_sms: int | None = None  # the forward's grid size, reused by the backward kernels
+    gate_mx: tuple | None = None  # mxfp8: (data e4m3 [num_rows, I], scales uint8 [num_rows, I / 32]), row-wise
+    up_mx: tuple | None = None  # mxfp8: as gate_mx
 
 
 def num_sms_from_env() -> int | None:
@@ -70,9 +91,6 @@ def num_sms_from_env() -> int | None:
 
 
 def _check_runs_here(x: torch.Tensor, precision: str) -> None:
-    if precision == "mxfp8":
-        raise NotImplementedError("precision: backend 'fused' (L2) has no MXFP8 path yet; use backend='torch' "
-                                  "(L1, an MXFP8 emulation) or backend='auto', which picks it for mxfp8")
     if precision not in PRECISIONS:
         fail("precision", f"one of {PRECISIONS} for backend 'fused'", repr(precision))
     if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
@@ -81,11 +99,55 @@ def _check_runs_here(x: torch.Tensor, precision: str) -> None:
     ops.require_hopper()
 
 
-def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
-    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I])."""
-    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=swiglu_limit,
-                                                      num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, w_down, sched, num_sms=num_sms)  # [R, H]
+def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
+    """The MXFP8 kernels block whole rows/columns only: hidden and intermediate (every routed GEMM's K) must
+    be multiples of 32 (mok.moe checks the same for every level; L0/L1 called directly zero-pad instead)."""
+    for name, dim, size in (("x", "hidden (dim 1)", x.shape[-1]), ("w_gate", "intermediate (dim 1)", w_gate.shape[1])):
+        if size % ops.BLOCK_SIZE:
+            fail(name, f"{dim} a multiple of {ops.BLOCK_SIZE} for precision 'mxfp8' on backend 'fused' (MXFP8 "
+                       "blocks along each GEMM's K; L1, mok.torch_native, zero-pads blocks and runs this size)",
+                 size)
+
+
+# ---- MXFP8 operands: quantize -> dequantize -> the BF16 kernels (DESIGN §4) --------------------------------
+# An E4M3 value times 2^e is exact in bf16, so a BF16 GEMM of dequantized operands is L0's MXFP8 GEMM
+# (mok.reference.quant), bit for bit in its operands. These two functions are the level's whole MXFP8
+# operand path: the next step dequantizes inside the GEMM mainloops and replaces them.
+#
+# Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
+# once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
+# boundary) and their padding rows are zero (the GEMM and route_grads_prep kernels write zeros there, h
+# recomputed by the dgrad kernel included, and gather_rows too), just as L0 pads each expert's rows to 32
+# with zero rows; zeros never change a block's amax, and padding rows of a zero-padded block stay zero.
+
+def _mx(t: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
+    """The operand a GEMM sees: t itself in bf16; in mxfp8 its MXFP8 round trip in blocks of 32 along
+    dim (-1: row-wise, -2: column-wise), the GEMM's K. bf16, t's shape."""
+    if precision == "bf16":
+        return t
+    quantize = ops.mxfp8_quantize_rowwise if dim == -1 else ops.mxfp8_quantize_colwise
+    return ops.mxfp8_dequantize(*quantize(t), dim)  # t.shape
+
+
+def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(_mx(t, -1), _mx(t, -2)) from one read of t (ops.mxfp8_quantize_dual): a backward operand that is
+    both a dgrad operand (K along its row) and a weight-gradient operand (K along the rows)."""
+    if precision == "bf16":
+        return t, t
+    (data_row, scales_row), (data_col, scales_col) = ops.mxfp8_quantize_dual(t)
+    return ops.mxfp8_dequantize(data_row, scales_row, -1), ops.mxfp8_dequantize(data_col, scales_col, -2)
+
+
+# ---- forward --------------------------------------------------------------------------------------------
+
+def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
+    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I]), gate/up in
+    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands)."""
+    p = precision
+    # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx(w_gate, -1, p), _mx(w_up, -1, p), sched,
+                                                      swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
     return y_rows, gate, up
 
 
@@ -101,11 +163,17 @@ def shared_schedule(num_tokens: int, device) -> Schedule:
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
             w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None):
     """out [T, H] bf16 and a FusedSaved. num_sms: the GEMMs' grid size (None: MOK_NUM_SMS, else all SMs)."""
+    if precision == "mxfp8":
+        _check_mxfp8_dims(x, w_gate)
     _check_runs_here(x, precision)
     num_sms = num_sms_from_env() if num_sms is None else num_sms
     T = x.shape[0]
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # bitwise make_schedule
-    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)  # [R, *]
+    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
+    gate_mx, up_mx = None, None
+    if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
+        gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
+        gate, up = None, None
 
     shared, shared_gate, shared_up, shared_rows = None, None, None, None
     if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
@@ -118,21 +186,38 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
-                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms)
+                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms,
+                       gate_mx=gate_mx, up_mx=up_mx)
     return out, saved
 
 
-def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms):
-    """The dgrad kernels over `sched`: (d_gate, d_up, h [R, I], dx_rows [R, H]); h is recomputed by the first."""
-    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=limit,
-                                                         num_sms=num_sms)  # [R, I] each
-    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=num_sms)  # [R, H]
-    return d_gate, d_up, h, dx_rows
+# ---- backward -------------------------------------------------------------------------------------------
+
+def _saved_gate_up(s: FusedSaved) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed gate/up [R, I] bf16 as L0's backward reads them (mxfp8: the row-wise round trip)."""
+    if s.gate_mx is None:
+        return s.gate, s.up
+    return ops.mxfp8_dequantize(*s.gate_mx, -1), ops.mxfp8_dequantize(*s.up_mx, -1)
+
+
+def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16"):
+    """The dgrad kernels over `sched`: (dx_rows [R, H], h [R, I] recomputed by the first from gate/up, and
+    (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8)."""
+    p = precision
+    dy_k, dy_w = _mx_dual(dy_rows, p)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_k, _mx(w_down, -2, p), gate, up, sched, swiglu_limit=limit,
+                                                         num_sms=num_sms)  # [R, I] each; w_down along hidden
+    del dy_k
+    (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p), _mx_dual(d_up, p)  # [R, I] each
+    del d_gate, d_up
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx(w_gate, -2, p), _mx(w_up, -2, p), sched,
+                                                  num_sms=num_sms)  # [R, H]; weights along intermediate
+    return dx_rows, h, (dy_w, d_gate_w, d_up_w)
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
     """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones): the routed experts' kernels over
-    the cached one-expert schedule, whose rows are the tokens in order and then zero padding."""
+    the cached one-expert schedule, whose rows are the tokens in order and then zero padding. BF16 always."""
     ws_gate, ws_up, ws_down = s.weights[3:]
     if ws_gate is None:
         return None, [None, None, None]
@@ -140,9 +225,9 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
     sh = shared_schedule(T, d_out.device)
     dy_rows, x_rows = pad_rows(d_out, sh.num_rows), pad_rows(s.x, sh.num_rows)  # [R_sh, H] each
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
-    d_gate, d_up, h_rows, dx_rows = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
-                                                   ws_down[None], sh, s.swiglu_limit, s.num_sms)
-    d_w = _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sh, s.num_sms)
+    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
+                                                ws_down[None], sh, s.swiglu_limit, s.num_sms)
+    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sh, s.num_sms)
     return dx_rows[:T], [w[0] for w in d_w]
 
 
@@ -155,7 +240,7 @@ def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list:
     """[d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]]: the weight-gradient kernel, K = each
-    expert's rows."""
+    expert's rows; the operands as the GEMMs see them (already column-wise MXFP8 in mxfp8)."""
     return [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=num_sms),
             ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=num_sms),
             ops.grouped_gemm_bf16_weight_grad(dy_rows, h_rows, sched, num_sms=num_sms)]
@@ -163,13 +248,16 @@ def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
-    s, sched, limit = saved, saved.sched, saved.swiglu_limit
+    s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
-    d_gate, d_up, h_rows, dx_rows = _experts_dgrad(dy_rows, s.gate, s.up, w_gate, w_up, w_down, sched, limit,
-                                                   s.num_sms)
-    d_w = _weight_grads(gather_rows(s.x, sched), h_rows, dy_rows, d_gate, d_up, sched, s.num_sms)
-    del h_rows, d_gate, d_up
+    gate, up = _saved_gate_up(s)  # [R, I] bf16 each
+    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
+    del dy_rows, gate, up
+    h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
+    x_rows = _mx(gather_rows(s.x, sched), -2, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
+    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
+    del h_rows, x_rows, wgrad_ops
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]

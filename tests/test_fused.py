@@ -1,15 +1,19 @@
 """L2 `fused` (mok.fused) against L0: forward and every gradient, determinism, backend resolution.
 
-GPU (Hopper): the tiny shapes and the four standard shapes at 512 tokens (full width, expert count and
-top-k), with and without the shared expert, with and without a swiglu_limit, under DESIGN §9's
-tolerance; the shared expert's path through the routed kernels (a one-expert schedule of all tokens)
-against L0's shared-expert forward; bitwise identical bits run to run and for two persistent grid sizes
-(MOK_NUM_SMS). CPU: backend resolution (auto picks L2 only on sm_90 and in bf16) and clear errors.
-Inputs are drawn fresh every run (the seed is in each failure message); the allocator is poisoned
-with NaN before the level runs.
+GPU (Hopper), in bf16 and mxfp8 (against L0 in the same precision): the tiny shapes and the four standard
+shapes at 512 tokens (full width, expert count and top-k), with and without the shared expert, with and
+without a swiglu_limit, under DESIGN §9's tolerances; the shared expert's path through the routed kernels
+(a one-expert schedule of all tokens) against L0's shared-expert forward; bitwise identical bits run to
+run and for two persistent grid sizes (MOK_NUM_SMS); in mxfp8, zero padding rows under every column-wise
+quantized operand and a smaller saved state than bf16's. CPU: the level's wiring with every kernel
+replaced by its L0 twin gives L0's bits in both precisions; backend resolution (auto picks L2 only on
+sm_90) and clear errors. Inputs are drawn fresh every run (the seed is in each failure message); the
+allocator is poisoned with NaN before the level runs.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from mok.layer import resolve_backend
 from mok.routing import hot_expert_routing
 from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, fresh_seed, make_inputs, moe_args, run_level
 
-TOL = TOLERANCES["bf16_vs_l0"]
+TOL = {"bf16": TOLERANCES["bf16_vs_l0"], "mxfp8": TOLERANCES["mxfp8_vs_l0_mxfp8"]}  # against L0 in that precision
 SHARED_KEYS = ("w_shared_gate", "w_shared_up", "w_shared_down")
 # The GEMMs' fp32 sums run in another order than L0's, which flips the bf16 rounding of a fraction of the
 # outputs that grows with K (12% at K = 3072, and cancellation makes some flips several ulps): on short
@@ -44,14 +48,15 @@ def _inputs(cfg, with_shared: bool, seed: int, routing_fn=None) -> dict:
     return inputs
 
 
-def _check_against_l0(inputs: dict, limit, what: str) -> None:
-    out0, grads0 = run_level(L0, inputs, swiglu_limit=limit)
+def _check_against_l0(inputs: dict, limit, what: str, precision: str = "bf16") -> None:
+    tol = TOL[precision]
+    out0, grads0 = run_level(L0, inputs, precision=precision, swiglu_limit=limit)
     testing.poison_allocator(256 << 20)
-    out, grads = run_level(fused, inputs, swiglu_limit=limit)
+    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=limit)
     assert out.dtype == torch.bfloat16 and out.shape == out0.shape, what
     assert torch.isfinite(out).all(), f"{what}: out has non-finite (unwritten?) elements"
     err = testing.rel_err(out, out0)
-    assert err <= TOL, f"{what}: out rel_err {err:.3e}"
+    assert err <= tol, f"{what}: out rel_err {err:.3e}"
     for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
         if g0 is None:
             assert g is None, f"{what}: {name}"
@@ -59,7 +64,7 @@ def _check_against_l0(inputs: dict, limit, what: str) -> None:
         assert g.dtype == g0.dtype and g.shape == g0.shape, f"{what}: {name}"
         assert torch.isfinite(g).all(), f"{what}: {name} has non-finite elements"
         err = testing.rel_err(g, g0)
-        assert err <= TOL, f"{what}: {name} rel_err {err:.3e}"
+        assert err <= tol, f"{what}: {name} rel_err {err:.3e}"
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------
@@ -67,21 +72,24 @@ def _check_against_l0(inputs: dict, limit, what: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("limit", [None, 1.0])
 @pytest.mark.parametrize("cfg,with_shared", _cases(), ids=lambda v: v.name if hasattr(v, "name") else
                          ("shared" if v else "noshared"))
-def test_fused_matches_l0(cfg, with_shared, limit):
+def test_fused_matches_l0(cfg, with_shared, limit, precision):
     seed = fresh_seed()
-    _check_against_l0(_inputs(cfg, with_shared, seed), limit, f"{cfg.name} limit={limit} (seed {seed})")
+    _check_against_l0(_inputs(cfg, with_shared, seed), limit, f"{cfg.name} {precision} limit={limit} (seed {seed})",
+                      precision)
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_fused_hot_expert_and_empty_experts():
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_fused_hot_expert_and_empty_experts(precision):
     seed = fresh_seed()
     cfg = TINY_SHAPES["tiny-noshared"]
     routing_fn = lambda T, E, K, g: hot_expert_routing(T, E - 2, K, generator=g)  # last two experts empty
-    _check_against_l0(_inputs(cfg, False, seed, routing_fn), None, f"hot expert (seed {seed})")
+    _check_against_l0(_inputs(cfg, False, seed, routing_fn), None, f"hot expert {precision} (seed {seed})", precision)
 
 
 @pytest.mark.gpu
@@ -103,7 +111,7 @@ def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
     for name, a, e in zip(("shared", "gate", "up"), rows, (y0, gate0, up0)):
         a = a[: x.shape[0]]
         err = testing.rel_err(a, e)
-        assert err <= TOL, f"{name}: rel_err {err:.3e} (seed {seed})"
+        assert err <= TOL["bf16"], f"{name}: rel_err {err:.3e} (seed {seed})"
         if cfg.hidden <= 128:  # short sums: nearly every element within one ulp (long ones: rel_err only)
             ulps = (a.view(torch.int16).int() - e.view(torch.int16).int()).abs()  # same sign: ulp distance
             close = ((ulps <= 1) | (a == e)).float().mean().item()
@@ -112,9 +120,10 @@ def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512), TINY_SHAPES["tiny-top8"]],
                          ids=lambda c: c.name)
-def test_fused_bitwise_across_runs_and_grid_sizes(cfg, monkeypatch):
+def test_fused_bitwise_across_runs_and_grid_sizes(cfg, precision, monkeypatch):
     """DESIGN §5: the same bits run to run and whatever the persistent grid size (MOK_NUM_SMS)."""
     seed = fresh_seed()
     inputs = _inputs(cfg, True, seed)
@@ -122,56 +131,165 @@ def test_fused_bitwise_across_runs_and_grid_sizes(cfg, monkeypatch):
     for num_sms in ("132", "37", "132", "0"):  # 0: all SMs
         monkeypatch.setenv(fused.NUM_SMS_ENV, num_sms)
         testing.poison_allocator(256 << 20)
-        runs.append((num_sms, run_level(fused, inputs, swiglu_limit=1.0)))
+        runs.append((num_sms, run_level(fused, inputs, precision=precision, swiglu_limit=1.0)))
     (_, (out_a, grads_a)) = runs[0]
     for num_sms, (out, grads) in runs[1:]:
-        assert bitwise_equal(out, out_a), f"out: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
+        assert bitwise_equal(out, out_a), f"{precision} out: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
         for name, a, b in zip(GRAD_NAMES, grads_a, grads):
-            assert bitwise_equal(a, b), f"{name}: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
+            assert bitwise_equal(a, b), f"{precision} {name}: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_autograd_and_auto_backend_on_hopper():
-    """mok.moe(backend="auto") on an H100/H200 runs L2 in bf16 (L1 in mxfp8), with L2's own gradients."""
-    assert resolve_backend("auto", torch.device("cuda")) == "fused"
-    assert resolve_backend("auto", torch.device("cuda"), "mxfp8") == "torch"
+@pytest.mark.parametrize("cfg", [TINY_SHAPES["tiny"], STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300)],
+                         ids=lambda c: c.name)
+def test_mxfp8_column_wise_operands_have_zero_padding_rows(cfg, monkeypatch):
+    """Column-wise MXFP8 blocks over the schedule's row arrays are L0's per-expert blocks only if every
+    padding row is zero (mok.fused's MXFP8 comment): checked on the operands the quantize kernels receive."""
+    seed = fresh_seed()
+    inputs = _inputs(cfg, True, seed)
+    testing.poison_allocator(256 << 20)
+    _check_padding_rows_of_colwise_operands(monkeypatch, inputs, f"{cfg.name} (seed {seed})")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("cfg", [TINY_SHAPES["tiny"], STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512)],
+                         ids=lambda c: c.name)
+def test_mxfp8_saved_state_is_smaller(cfg):
+    """gate/up are saved as MXFP8 (1 + 1/32 bytes per element) instead of bf16 (2): exactly that saving."""
+    _check_saved_bytes(_inputs(cfg, True, fresh_seed()))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_autograd_and_auto_backend_on_hopper(precision):
+    """mok.moe(backend="auto") on an H100/H200 runs L2 in both precisions, with L2's own gradients."""
+    assert resolve_backend("auto", torch.device("cuda"), precision) == "fused"
     inputs = _inputs(TINY_SHAPES["tiny"], True, fresh_seed())
     args = [a.clone().requires_grad_() if a.is_floating_point() else a for a in moe_args(inputs)]
-    out = mok.moe(*args, swiglu_limit=1.5)
+    out = mok.moe(*args, precision=precision, swiglu_limit=1.5)
     out.backward(inputs["d_out"])
-    ref_out, ref_grads = run_level(fused, inputs, swiglu_limit=1.5)
+    ref_out, ref_grads = run_level(fused, inputs, precision=precision, swiglu_limit=1.5)
     assert bitwise_equal(out.detach(), ref_out)
     grads = [args[0].grad, args[2].grad, *(a.grad for a in args[3:])]
     for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
         assert bitwise_equal(g, r), name
 
 
-# ---- CPU -----------------------------------------------------------------------------------------------
+# ---- shared by the GPU and CPU tests -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("limit", [None, 0.7])
-@pytest.mark.parametrize("shape", list(TINY_SHAPES))
-def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit):
-    """The level's Python (schedules, the shared expert as a one-expert schedule, what is saved, the order of
-    the gradients) with every kernel replaced by its L0 twin (mok.twins) must give L0's bits exactly; the
-    kernels themselves are held to their twins on the GPU (tests/test_ops_gemm.py, test_ops_combine.py)."""
+def _check_saved_bytes(inputs: dict) -> None:
+    """mxfp8 saves gate/up [R, I] each as e4m3 data + one scale byte per 32 instead of bf16; all else alike."""
+    saved = {p: fused.forward(*moe_args(inputs), precision=p)[1] for p in ("bf16", "mxfp8")}
+    nbytes = {p: testing.saved_nbytes(s) for p, s in saved.items()}
+    num_rows, intermediate = saved["bf16"].sched.num_rows, inputs["w_gate"].shape[1]
+    saving = 2 * num_rows * intermediate * (2 - 1 - 1 / 32)  # gate and up
+    assert nbytes["mxfp8"] < nbytes["bf16"], nbytes
+    assert nbytes["bf16"] - nbytes["mxfp8"] == saving, (nbytes, saving)
+    assert saved["mxfp8"].gate is None and saved["mxfp8"].gate_mx[0].dtype == torch.float8_e4m3fn
+
+
+def _check_padding_rows_of_colwise_operands(monkeypatch, inputs: dict, what: str) -> None:
+    """Run the mxfp8 forward and backward with the column-wise quantizers spied on; every row array [R, *]
+    they quantize (x_rows, h_rows, dy, d_gate, d_up: 5) must hold exact zeros in the padding rows."""
+    seen = []
+
+    def spy(name):
+        kernel = getattr(ops, name)
+
+        def recorded(x, *args, **kwargs):
+            seen.append((name, x.clone()))
+            return kernel(x, *args, **kwargs)
+        return recorded
+
+    for name in ("mxfp8_quantize_colwise", "mxfp8_quantize_dual"):
+        monkeypatch.setattr(ops, name, spy(name))
+    out, saved = fused.forward(*moe_args(inputs), precision="mxfp8")
+    fused.backward(saved, inputs["d_out"])
+    padding = saved.sched.row_to_token < 0  # [R]
+    row_arrays = [(name, t) for name, t in seen if t.dim() == 2]  # the 3D ones are the weights
+    assert len(row_arrays) == 5, f"{what}: {[(n, tuple(t.shape)) for n, t in seen]}"
+    assert padding.any(), f"{what}: no padding rows to check"
+    for name, t in row_arrays:
+        assert t.shape[0] == saved.sched.num_rows, f"{what}: {name} {tuple(t.shape)}"
+        assert (t[padding] == 0).all(), f"{what}: {name} of width {t.shape[1]} has non-zero padding rows"
+
+
+def _wide_range(inputs: dict, seed: int, span: int = 6) -> dict:
+    """inputs with every float tensor scaled by 2^(a_row + b_col), a and b random ints in [-span, span]
+    (exact in bf16). With N(0, σ) data, an MXFP8 round trip hardly depends on the block direction (rounding
+    to 3 mantissa bits is scale-free; only elements below 2^-6 of their block's scale round differently), so
+    quantizing an operand along the wrong dim would go unseen; across rows and columns that differ by up to
+    2^(2·span), the small elements of a block land in E4M3's subnormals or flush to zero, and the direction
+    shows."""
+    g = torch.Generator().manual_seed(seed)
+    scaled = dict(inputs)
+    for name, t in inputs.items():
+        if t is None or not t.is_floating_point() or name == "topk_weights":
+            continue
+        rows = torch.randint(-span, span + 1, (*t.shape[:-1], 1), generator=g)  # [..., rows, 1]
+        cols = torch.randint(-span, span + 1, (*t.shape[:-2], 1, t.shape[-1]), generator=g)  # [..., 1, cols]
+        scaled[name] = (t.float() * torch.exp2((rows + cols).float())).to(t.dtype)  # exact: powers of two
+    return scaled
+
+
+def _use_twins(monkeypatch) -> None:
+    """Every kernel the level calls replaced by its L0 twin (mok.twins), and no device check."""
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, getattr(twins, name))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
-    inputs = make_inputs(TINY_SHAPES[shape], seed=fresh_seed())
-    out0, grads0 = run_level(L0, inputs, swiglu_limit=limit)
-    out, grads = run_level(fused, inputs, swiglu_limit=limit)
-    assert bitwise_equal(out, out0), f"{shape}: out"
-    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
-        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name}"
 
+
+# ---- CPU -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
+    """The level's Python (schedules, the shared expert as a one-expert schedule, what is saved, the order of
+    the gradients; in mxfp8 which operand is quantized along which dim, and the MXFP8 saved gate/up) with
+    every kernel replaced by its L0 twin (mok.twins) must give L0's bits exactly, in the same precision; the
+    kernels themselves are held to their twins on the GPU (tests/test_ops_gemm.py, test_ops_combine.py,
+    test_ops_quant.py)."""
+    _use_twins(monkeypatch)
+    seed = fresh_seed()
+    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
+    out0, grads0 = run_level(L0, inputs, precision=precision, swiglu_limit=limit)
+    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=limit)
+    assert bitwise_equal(out, out0), f"{shape} {precision}: out (seed {seed})"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape} {precision}: {name} (seed {seed})"
+
+
+@pytest.mark.parametrize("name", twins.KERNELS)
+def test_twins_have_the_kernels_signatures(name):
+    """A twin stands in for its kernel only if the level can call it the same way."""
+    kernel, twin = inspect.signature(getattr(ops, name)), inspect.signature(getattr(twins, name))
+    assert list(kernel.parameters) == list(twin.parameters), name
+    assert [p.default for p in kernel.parameters.values()] == [p.default for p in twin.parameters.values()], name
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-top8"])
+def test_mxfp8_saved_state_is_smaller_with_twins(monkeypatch, shape):
+    _use_twins(monkeypatch)
+    _check_saved_bytes(make_inputs(TINY_SHAPES[shape], seed=fresh_seed()))
+
+
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_mxfp8_padding_rows_are_zero_with_twins(monkeypatch, shape):
+    _use_twins(monkeypatch)
+    _check_padding_rows_of_colwise_operands(monkeypatch, make_inputs(TINY_SHAPES[shape], seed=fresh_seed()), shape)
 
 
 @pytest.mark.parametrize("capability,precision,expected", [
     ((9, 0), "bf16", "fused"),  # Hopper: L2
-    ((9, 0), "mxfp8", "torch"),  # L2 has no MXFP8 path: L1
+    ((9, 0), "mxfp8", "fused"),  # Hopper: L2 (MXFP8 operands into the BF16 kernels)
     ((8, 0), "bf16", "torch"),  # A100: the Hopper kernels do not run there
+    ((8, 0), "mxfp8", "torch"),
     ((10, 0), "bf16", "torch"),  # Blackwell: neither (sm_90a code)
 ])
 def test_auto_backend_picks_fused_only_on_hopper(monkeypatch, capability, precision, expected):
@@ -181,11 +299,20 @@ def test_auto_backend_picks_fused_only_on_hopper(monkeypatch, capability, precis
     assert resolve_backend("fused", torch.device("cpu"), precision) == "fused"  # explicit: the level says no
 
 
-def test_fused_on_cpu_or_in_mxfp8_is_a_clear_error():
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_fused_on_cpu_is_a_clear_error(precision):
     inputs = make_inputs(TINY_SHAPES["tiny"], seed=fresh_seed())
     with pytest.raises(ValueError, match="x: expected a CUDA tensor on a Hopper GPU for backend 'fused'"):
-        mok.moe(*moe_args(inputs), backend="fused")
-    with pytest.raises(NotImplementedError, match="no MXFP8 path"):
+        mok.moe(*moe_args(inputs), backend="fused", precision=precision)
+
+
+@pytest.mark.parametrize("arg,changes", [("x", dict(hidden=48)), ("w_gate", dict(intermediate=80))])
+def test_fused_mxfp8_dims_not_multiples_of_32_are_a_clear_error(arg, changes):
+    """mok.moe rejects these for every level; the level itself says so too (before any device check)."""
+    inputs = make_inputs(TINY_SHAPES["tiny"].scaled(**changes), seed=fresh_seed())
+    with pytest.raises(ValueError, match=rf"{arg}: expected .* a multiple of 32 for precision 'mxfp8' .*L1"):
+        fused.forward(*moe_args(inputs), precision="mxfp8")
+    with pytest.raises(ValueError, match="multiple of 32"):
         mok.moe(*moe_args(inputs), backend="fused", precision="mxfp8")
 
 
