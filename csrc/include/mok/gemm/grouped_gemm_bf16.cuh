@@ -20,7 +20,7 @@
 // and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
-// consumers, each owning 64 of the tile's 128 rows (wgmma m64n256k16 into two accumulators of 64 floats).
+// consumers, each owning 64 of the tile's 128 rows (wgmma m64n128k16, two accumulators of 64 floats).
 // Both roles walk the same (task, k-block) sequence through a ring of kNumStages shared-memory stages;
 // stage s is handed over with two mbarriers:
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
@@ -335,10 +335,11 @@ MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerTh
     });
 }
 
-// L0's swiglu_backward (mok.reference) for one element, in fp32, from bf16-exact gate, up and d_h:
-// with a limit L the clamped inputs pass no gradient (g > L; u outside [-L, L]), as torch.clamp.
+// L0's swiglu_backward (mok.reference) for one element, in fp32, from bf16-exact gate, up and d_h: with a
+// limit L the clamped inputs pass no gradient (g > L; u outside [-L, L]), as torch.clamp. Also h =
+// swiglu(g, u), the same expression as swiglu() above, so the forward's bits.
 struct SwiGLUGrad {
-  float d_gate, d_up;
+  float d_gate, d_up, h;
 };
 MOK_DEVICE SwiGLUGrad swiglu_backward(float g, float u, float d_h, float limit, bool has_limit) {
   float g_pass = 1.0f, u_pass = 1.0f;
@@ -349,40 +350,56 @@ MOK_DEVICE SwiGLUGrad swiglu_backward(float g, float u, float d_h, float limit, 
     u = u < -limit ? -limit : (u > limit ? limit : u);
   }
   const float s = 1.0f / (1.0f + expf(-g));
-  return {d_h * u * s * (1.0f + g * (1.0f - s)) * g_pass, d_h * g * s * u_pass};
+  return {d_h * u * s * (1.0f + g * (1.0f - s)) * g_pass, d_h * g * s * u_pass, g * s * u};
 }
 
-// kDownDgrad: per 128-column half, d_h = bf16(acc), then d_gate (kWhich = 0, to out) or d_up (kWhich = 1, to
-// out2) from the saved gate/up at the same positions (read pairwise from global memory, L2-resident), or
-// h = swiglu(gate, up) (kWhich = 2, to out3: the same function as GEMM1's epilogue, so the forward's bits).
-template <int kWhich>
-MOK_DEVICE void store_swiglu_grad(float (&acc)[kAccPerThread], const Params& p, uint8_t* staging, int row0,
-                                  int col0, uint32_t lane) {
+// kDownDgrad, one 128-column half: dh = the half's d_h as bf16x2 (fragment order, dh[2i + h] = column pair i,
+// row half h). The saved gate/up pairs at the same positions are all loaded first (64 independent loads: one
+// memory latency, not one per column pair behind each stmatrix), then one swiglu_backward per element gives
+// d_gate (to out), d_up (to out2) and h (to out3), stored as three tiles.
+MOK_DEVICE void store_swiglu_grads(const uint32_t (&dh)[32], const Params& p, uint8_t* staging, int row0, int col0,
+                                   uint32_t lane) {
   const int64_t at0 = static_cast<int64_t>(row0 + static_cast<int>(lane / 4)) * p.n + col0 + 2 * (lane % 4);
-  const bool real0 = p.row_to_token[row0 + lane / 4] >= 0, real1 = p.row_to_token[row0 + lane / 4 + 8] >= 0;
-  uint16_t* out = kWhich == 0 ? p.out : (kWhich == 1 ? p.out2 : p.out3);
-  store_tile(staging, out, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
-    if (!(h == 0 ? real0 : real1) || col0 + 8 * i + 2 * static_cast<int>(lane % 4) >= p.n) return 0u;
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
+  uint32_t g2[32], u2[32], d_up[32], h2[32];
+  uint32_t in = 0;  // bit j: pair j is a real row inside n (padding rows are zeros whatever the weights hold)
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {  // j = 2i + h
+    const int i = j / 2, h = j % 2;
+    const bool in_j = real[h] && col0 + 8 * i + 2 * static_cast<int>(lane % 4) < p.n;
     const int64_t at = at0 + 8 * h * static_cast<int64_t>(p.n) + 8 * i;
-    const uint32_t g2 = *reinterpret_cast<const uint32_t*>(p.gate + at);
-    const uint32_t u2 = *reinterpret_cast<const uint32_t*>(p.up + at);
-    if constexpr (kWhich == 2)
-      return pack_bf16x2(swiglu(bf16_lo_as_f32(g2), bf16_lo_as_f32(u2), p.swiglu_limit, p.has_limit != 0),
-                         swiglu(bf16_hi_as_f32(g2), bf16_hi_as_f32(u2), p.swiglu_limit, p.has_limit != 0));
-    const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g2), bf16_lo_as_f32(u2), round_bf16(acc[4 * i + 2 * h]),
-                                          p.swiglu_limit, p.has_limit != 0);
-    const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g2), bf16_hi_as_f32(u2), round_bf16(acc[4 * i + 2 * h + 1]),
-                                          p.swiglu_limit, p.has_limit != 0);
-    return kWhich == 0 ? pack_bf16x2(lo.d_gate, hi.d_gate) : pack_bf16x2(lo.d_up, hi.d_up);
+    g2[j] = in_j ? *reinterpret_cast<const uint32_t*>(p.gate + at) : 0u;
+    u2[j] = in_j ? *reinterpret_cast<const uint32_t*>(p.up + at) : 0u;
+    in |= static_cast<uint32_t>(in_j) << j;
+  }
+  const bool has_limit = p.has_limit != 0;
+  store_tile(staging, p.out, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
+    const int j = 2 * i + h;
+    const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g2[j]), bf16_lo_as_f32(u2[j]), bf16_lo_as_f32(dh[j]),
+                                          p.swiglu_limit, has_limit);
+    const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g2[j]), bf16_hi_as_f32(u2[j]), bf16_hi_as_f32(dh[j]),
+                                          p.swiglu_limit, has_limit);
+    const bool in_j = (in >> j) & 1u;
+    d_up[j] = in_j ? pack_bf16x2(lo.d_up, hi.d_up) : 0u;
+    h2[j] = in_j ? pack_bf16x2(lo.h, hi.h) : 0u;
+    return in_j ? pack_bf16x2(lo.d_gate, hi.d_gate) : 0u;
   });
+  store_tile(staging, p.out2, row0, col0, p.n, lane, [&](int i, int h) { return d_up[2 * i + h]; });
+  store_tile(staging, p.out3, row0, col0, p.n, lane, [&](int i, int h) { return h2[2 * i + h]; });
 }
 
-MOK_DEVICE void store_swiglu_backward(float (&acc)[kAccPerThread], const Params& p, uint8_t* staging, int row0,
-                                      int col0, uint32_t lane) {
-  if (col0 >= p.n) return;
-  store_swiglu_grad<0>(acc, p, staging, row0, col0, lane);
-  store_swiglu_grad<1>(acc, p, staging, row0, col0, lane);
-  store_swiglu_grad<2>(acc, p, staging, row0, col0, lane);
+// kDownDgrad: both halves' d_h are rounded to bf16 first (exactly what swiglu_backward takes), which halves
+// the registers they hold while the gate/up pairs are in flight.
+MOK_DEVICE void store_swiglu_backward(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
+                                      uint8_t* staging, int row0, int n0, uint32_t lane) {
+  uint32_t dh0[32], dh1[32];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    dh0[j] = pack_bf16x2(acc0[2 * j], acc0[2 * j + 1]);  // acc[4i + 2h + {0, 1}] = pair j = 2i + h
+    dh1[j] = pack_bf16x2(acc1[2 * j], acc1[2 * j + 1]);
+  }
+  if (n0 < p.n) store_swiglu_grads(dh0, p, staging, row0, n0, lane);
+  if (n0 + BLOCK_N_B < p.n) store_swiglu_grads(dh1, p, staging, row0, n0 + BLOCK_N_B, lane);
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
@@ -419,18 +436,24 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     constexpr uint32_t kAStep = kMajorMNA ? 16 * 128 : 32;
     const uint64_t desc_a = kMajorMNA ? ptx::smem_desc_sw128_mn(stage_a(smem, stage) + a_offset, kATileBytes / 2)
                                       : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
-    // B0 and B1 are contiguous, so one n256 descriptor covers both (acc0 = B0's columns, acc1 = B1's).
-    // K-major B: 256 rows of 128 bytes, k16 slice kk starts 32·kk bytes into each row. MN-major B: four boxes
-    // of 64 columns, one box (8 KiB, the descriptor's leading byte offset) apart; slice kk 16 k-rows further.
+    // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
+    // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
+    // NOTE: one m64n256k16 over B0|B1 (contiguous) instead of these two measured no faster on the routed GEMMs
+    // and 5-20% slower on the shared expert's (H200, data/bench/parts.csv vs an A/B run at 86c2bfb).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
-    const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0), kBTileBytes / 2)
-                                     : ptx::smem_desc_sw128(stage_b(smem, stage, 0));
+    const auto desc_b = [&](int which) {
+      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
+                      : ptx::smem_desc_sw128(stage_b(smem, stage, which));
+    };
+    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_K / 16; ++kk)
-      ptx::wgmma_m64n256k16_bf16<kMajorMNA, kMajorMN>(acc0, acc1, ptx::desc_advance(desc_a, kAStep * kk),
-                                                      ptx::desc_advance(desc_b, kBStep * kk));
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+      const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
+    }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
@@ -471,8 +494,7 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
     if constexpr (kGemm == Gemm::kGateUp) {
       store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kDownDgrad) {
-      store_swiglu_backward(acc0, p, staging, row0, n0, lane);
-      store_swiglu_backward(acc1, p, staging, row0, n0 + BLOCK_N_B, lane);
+      store_swiglu_backward(acc0, acc1, p, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, staging, t.expert, row0, n0, lane);
     } else {
