@@ -13,6 +13,7 @@ set -u
 commit=${1:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
 budget=${2:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
 out=${OUT:-/tmp/mok_out}
+logs=$(mktemp -d)  # the logs come back as one archive, $out/logs.tgz: the device returns only a few files
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -28,15 +29,16 @@ step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/
   local left=$((budget - $(date +%s) + t0 - 5))
   if ((left < 20)); then echo "$name skipped (${left}s left)"; return; fi
   ((tmo > left)) && tmo=$left
-  timeout "$tmo" "$@" >"$out/$name.log" 2>&1
+  timeout "$tmo" "$@" >"$logs/$name.log" 2>&1
   echo "$name rc=$? [$(($(date +%s) - t0))s]"
-  grep -E "$pattern" "$out/$name.log" | tail -14
+  grep -E "$pattern" "$logs/$name.log" | tail -14
+  tar czf "$out/logs.tgz" -C "$logs" .  # after every step: a run cut short keeps what it logged
 }
 
 step gemm 120 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py
 step l2 90 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_schedule.py tests/test_ops_route_grads.py
-step bench 120 "fused|liger" python -m mok.bench moe --levels torch fused --precisions bf16 --out "$out/moe.csv"
+step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py

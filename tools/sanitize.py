@@ -1,8 +1,8 @@
 """The workload compute-sanitizer checks (issue 5): the L2 `fused` level, forward and backward, on small shapes.
 
 One pass runs every L2 kernel (the four GEMM kinds and the weight-gradient kind, the schedule, the
-route-gradient glue and the combine) with and without the shared expert, then checks the result against
-L0 so that a sanitizer run that silently skipped a kernel cannot pass.
+route-gradient glue and the combine, and in mxfp8 the quantizers) with and without the shared expert, then
+checks the result against L0 so that a sanitizer run that silently skipped a kernel cannot pass.
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py
@@ -14,12 +14,15 @@ from mok import fused, testing
 from mok import reference as L0
 from mok.config import TINY_SHAPES
 
-for cfg in (TINY_SHAPES["tiny"], TINY_SHAPES["tiny-top8"], TINY_SHAPES["tiny-noshared"]):
-    inputs = testing.make_inputs(cfg, device="cuda", seed=1, draw_on="cuda")
-    out, grads = testing.run_level(fused, inputs, swiglu_limit=1.0)
-    out0, grads0 = testing.run_level(L0, inputs, swiglu_limit=1.0)
+CASES = [("tiny", "bf16"), ("tiny-top8", "bf16"), ("tiny-noshared", "bf16"), ("tiny", "mxfp8")]
+TOLERANCE = {"bf16": testing.TOLERANCES["bf16_vs_l0"], "mxfp8": testing.TOLERANCES["mxfp8_vs_l0_mxfp8"]}
+
+for name, precision in CASES:
+    inputs = testing.make_inputs(TINY_SHAPES[name], device="cuda", seed=1, draw_on="cuda")
+    out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    out0, grads0 = testing.run_level(L0, inputs, precision=precision, swiglu_limit=1.0)
     torch.cuda.synchronize()
     errors = [testing.rel_err(a, b) for a, b in zip((out, *grads), (out0, *grads0)) if b is not None]
     worst = max(errors)
-    assert worst <= testing.TOLERANCES["bf16_vs_l0"], f"{cfg.name}: worst rel_err {worst:.3e}"
-    print(f"{cfg.name}: fused == L0 within tolerance (worst rel_err {worst:.2e})", flush=True)
+    assert worst <= TOLERANCE[precision], f"{name} {precision}: worst rel_err {worst:.3e}"
+    print(f"{name} {precision}: fused == L0 within tolerance (worst rel_err {worst:.2e})", flush=True)
