@@ -4,7 +4,7 @@ For each shape (bf16, no swiglu_limit, as the layer benchmark runs), one fused f
 state; every step of a pass (the list in mok/fused.py's docstring) then runs once, in the level's order, to
 build the intermediates, and is timed alone with mok.bench.time_ms (CUDA events, one sync per timing),
 next to the whole fused passes timed in the same process. The steps call the same mok.ops kernels with the
-same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_rows, swiglu);
+same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_x_rows, pad_rows);
 tests/test_bench.py runs both on the kernels' L0 twins and checks that they make the same calls.
 
 Per (shape, step) one row:
@@ -155,7 +155,7 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     bwd = [Step("route_grads_prep", "bwd", route_grads_prep,  # d_out, y rows, weights in; dy_rows, d_topk_weights out
                 nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
            *routed_bwd[:2],
-           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_rows(s["x"], s["sched"])},
+           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])},
                 nbytes=tok + rows * INT64_B + row_buf),
            *routed_bwd[2:]]
     if shared:

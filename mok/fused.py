@@ -28,7 +28,7 @@ backward:
                                                along intermediate (dim -2)
     shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
-                                               each expert's rows (x rows gathered by torch first)
+                                               each expert's rows (x rows gathered first by combine_rows, one route per row)
                                                mx: every operand column-wise (blocks along the rows):
                                                q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
@@ -58,10 +58,10 @@ import torch
 from mok import ops
 from mok.checks import fail
 from mok.reference import BF16, Saved
-from mok.schedule import Schedule, gather_rows, make_schedule
+from mok.schedule import Schedule, make_schedule
 
 __all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
-           "num_sms_from_env", "pad_rows", "shared_schedule"]
+           "gather_x_rows", "num_sms_from_env", "pad_rows", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -117,7 +117,7 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 # Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
 # once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
 # boundary) and their padding rows are zero (the GEMM and route_grads_prep kernels write zeros there, h
-# recomputed by the dgrad kernel included, and gather_rows too), just as L0 pads each expert's rows to 32
+# recomputed by the dgrad kernel included, and gather_x_rows too), just as L0 pads each expert's rows to 32
 # with zero rows; zeros never change a block's amax, and padding rows of a zero-padded block stay zero.
 
 def _mx(t: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
@@ -231,6 +231,17 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
     return dx_rows[:T], [w[0] for w in d_w]
 
 
+def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding rows (mok.schedule.gather_rows).
+    The combine kernel with one route per row and unit weights is a row gather (fp32 sum of one bf16 value:
+    exact) at ~3 TB/s; torch's index + where ran at ~0.6 TB/s (bench parts, gather_x). Padding rows read an
+    appended zero row."""
+    T = x.shape[0]
+    x_ext = torch.cat([x.to(BF16), x.new_zeros(1, x.shape[1], dtype=BF16)])  # [T + 1, H]
+    rows = torch.where(sched.row_to_token >= 0, sched.row_to_token, T)  # [num_rows]
+    return ops.combine_rows(x_ext, rows[:, None], None, None, check_rows=False)  # [num_rows, H]
+
+
 def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[T, H] -> bf16 [num_rows, H]: row t = t's row t, then zero rows (the shared schedule's row layout)."""
     rows = t.new_zeros(num_rows, t.shape[1], dtype=BF16)  # [num_rows, H]
@@ -255,7 +266,7 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
     del dy_rows, gate, up
     h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
-    x_rows = _mx(gather_rows(s.x, sched), -2, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
+    x_rows = _mx(gather_x_rows(s.x, sched), -2, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
     del h_rows, x_rows, wgrad_ops
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None

@@ -94,7 +94,7 @@ def twin_calls(monkeypatch) -> list:
     log = []
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, _recorder(log, name, getattr(twins, name)))
-    for name in ("gather_rows", "pad_rows"):
+    for name in ("gather_x_rows", "pad_rows"):
         monkeypatch.setattr(fused, name, _recorder(log, name, getattr(fused, name)))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
     return log
