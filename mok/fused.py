@@ -28,7 +28,8 @@ backward:
                                                along intermediate (dim -2)
     shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
-                                               each expert's rows (x rows gathered first by combine_rows, one route per row)
+                                               each expert's rows (x rows gathered first: combine_rows,
+                                               one route per row)
                                                mx: every operand column-wise (blocks along the rows):
                                                q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)

@@ -16,7 +16,7 @@ from mok.schedule import Schedule, make_schedule
 from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_args
 
 COLUMNS = {"shape", "level", "precision", "pass", "time_ms", "tflops", "ceiling_tflops", "frac_of_ceiling",
-           "speedup_vs_torch", "peak_mem_gb", "gpu", "torch", "cuda", "commit", "date"}
+           "speedup_vs_torch", "peak_mem_gb", "saved_gb", "gpu", "torch", "cuda", "commit", "date"}
 
 
 @pytest.mark.parametrize("cfg", list(STANDARD_SHAPES.values()) + list(TINY_SHAPES.values()), ids=lambda c: c.name)
@@ -37,6 +37,9 @@ def test_bench_rows_on_cpu(tmp_path):
         assert r["time_ms"] > 0 and math.isclose(r["tflops"], cfg.flops(r["pass"]) / r["time_ms"] / 1e9)
     torch_rows = [r for r in rows if r["level"] == "torch"]
     assert all(r["speedup_vs_torch"] == 1.0 for r in torch_rows)
+    saved = {(r["level"], r["precision"]): r["saved_gb"] for r in rows if r["kind"] == "mok"}
+    assert all(v > 0 for v in saved.values())
+    assert saved[("torch", "mxfp8")] == saved[("torch", "bf16")]  # L1 saves gate/up dequantized, as bf16
 
     path = tmp_path / "moe.csv"
     bench.write_rows(rows, path)
