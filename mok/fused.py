@@ -4,7 +4,7 @@ Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(
 mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q+dq` = an MXFP8 quantize
 kernel then a dequantize kernel back to bf16, along the GEMM's K; every GEMM itself is the BF16 kernel):
 
-forward, all in Hopper kernels except the schedule:
+forward:
     make_schedule_cuda(topk_idx, block_m=128)  kernels: counts, offsets, placement (one host sync: num_rows)
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
                                                mx: q+dq x [T, H] row-wise (once, before the gather);
