@@ -113,13 +113,16 @@ def gemm_shapes(cfg: MoEConfig, pass_: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms) -> float:
+    """cuBLAS (torch.mm) on bf16 randn [M, K] · [K, N]: the ceiling of one GEMM shape."""
+    M, N, K = mnk
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)  # [M, K]
+    b = torch.randn(N, K, device=device, dtype=torch.bfloat16)  # [N, K]
+    return time_fn(functools.partial(torch.mm, a, b.T), iters)
+
+
 def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device) -> float:
-    total = 0.0
-    for M, N, K in gemm_shapes(cfg, pass_):
-        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        b = torch.randn(N, K, device=device, dtype=torch.bfloat16)
-        total += time_ms(functools.partial(torch.mm, a, b.T), iters=iters)
-    return total
+    return sum(dense_gemm_ms(mnk, iters, device) for mnk in gemm_shapes(cfg, pass_))
 
 
 # --- levels and peers -------------------------------------------------------------------------------
@@ -191,14 +194,18 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
     def n(pass_):  # DESIGN §8: ≥ 20 timings forward, ≥ 10 with a backward
         return iters if pass_ == "fwd" else max(10, iters // 2)
 
+    saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
+
     for pass_ in passes:
         ceiling_ms = dense_ceiling_ms(cfg, pass_, n(pass_), device)
         row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"))
         for precision in precisions:
             for level in levels:
                 fn = level_pass_fn(level, inputs, precision, pass_)
+                if (level, precision) not in saved:
+                    saved[level, precision] = saved_gb(level, inputs, precision)
                 row(level, "mok", precision, pass_, time_ms(fn, n(pass_)), ceiling_ms, peak_mem_gb(fn),
-                    saved_gb(level, inputs, precision))
+                    saved[level, precision])
                 del fn
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)

@@ -205,14 +205,6 @@ def run_steps(steps: list[Step], state: dict) -> dict:
 
 # --- timing and rows ----------------------------------------------------------------------------------
 
-def dense_ms(mnk: tuple[int, int, int], iters: int, device, time_fn) -> float:
-    """cuBLAS (torch.mm) on bf16 randn [M, K] · [K, N], timed as the steps are."""
-    M, N, K = mnk
-    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)  # [M, K]
-    b = torch.randn(N, K, device=device, dtype=torch.bfloat16)  # [N, K]
-    return time_fn(functools.partial(torch.mm, a, b.T), iters)
-
-
 def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float) -> dict:
     gemm = step.mnk is not None
     return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms,
@@ -252,7 +244,7 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
         for step in pass_steps:
             ms = time_fn(functools.partial(step.run, state), iters)
             if step.mnk is not None and step.mnk not in ceilings:
-                ceilings[step.mnk] = dense_ms(step.mnk, iters, device, time_fn)
+                ceilings[step.mnk] = bench.dense_gemm_ms(step.mnk, iters, device, time_fn)
             step_rows.append(step_row(step, ms, whole_ms, ceilings.get(step.mnk, math.nan)))
         ceiling_ms = sum(ceilings[s.mnk] for s in pass_steps if s.mnk is not None)
         rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms)
