@@ -2,6 +2,7 @@
 // Torch-free.
 #include "mok/api.h"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
+#include "mok/moe/swiglu_backward_rows.cuh"
 
 namespace mok {
 
@@ -48,17 +49,15 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
   p.a = static_cast<const uint16_t*>(dy_rows);
   p.row_to_token = row_to_token;
   p.tile_to_expert = tile_to_expert;
-  p.out = static_cast<uint16_t*>(d_gate);
-  p.out2 = static_cast<uint16_t*>(d_up);
-  p.out3 = static_cast<uint16_t*>(h);
-  p.gate = static_cast<uint16_t*>(const_cast<void*>(gate));  // read only in this kind
-  p.up = static_cast<uint16_t*>(const_cast<void*>(up));
+  p.out = static_cast<uint16_t*>(d_gate);  // d_h, overwritten in place with d_gate by the elementwise pass
   p.num_rows = static_cast<int>(num_rows);
   p.n = static_cast<int>(intermediate);
   p.k = static_cast<int>(hidden);
-  p.swiglu_limit = swiglu_limit;
-  p.has_limit = has_limit ? 1 : 0;
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms, stream);
+  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
+                                                                            stream);
+  if (err) return err;
+  return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, d_gate, d_up, h, num_rows, intermediate,
+                                          swiglu_limit, has_limit, stream);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,

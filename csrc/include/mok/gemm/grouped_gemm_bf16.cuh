@@ -7,9 +7,8 @@
 //   kGateUp       gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r]))
 //                 (x rows gathered through row_to_token: the dispatch is fused)
 //   kDown         out[r] = bf16(a[r]·W[e]ᵀ)                          (the down projection, or any NT GEMM)
-//   kDownDgrad    d_h = bf16(dy[r]·Wd[e]), (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h)),
-//                 and h[r] = bf16(swiglu(gate[r], up[r])) again for d_w_down (Wd [E, H, I] read MN-major; the
-//                 SwiGLU backward runs in the epilogue, which reads gate/up anyway)
+//   kDownDgrad    d_h[r] = bf16(dy[r]·Wd[e])  (Wd [E, H, I] read MN-major; the SwiGLU backward runs after it
+//                 as an elementwise kernel, mok/moe/swiglu_backward_rows.cuh: see the note there)
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
 //                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
@@ -40,6 +39,7 @@
 
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/tensor_map.cuh"
+#include "mok/swiglu.cuh"
 
 namespace mok::gemm {
 
@@ -114,11 +114,9 @@ struct Params {
   const uint16_t* a2;              // kGateUpDgrad: d_up rows (A of the second half of K; a = d_gate)
   const int32_t* row_to_token;     // [num_rows], -1 = padding (GEMM1 gathers through it)
   const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
-  uint16_t* out;                   // [num_rows, n] bf16: h, out, d_gate or dx
-  uint16_t* gate;                  // kGateUp: gate out; kDownDgrad: gate in (saved). [num_rows, n]
-  uint16_t* up;                    // kGateUp: up out; kDownDgrad: up in (saved). [num_rows, n]
-  uint16_t* out2;                  // kDownDgrad: d_up [num_rows, n]
-  uint16_t* out3;                  // kDownDgrad: h [num_rows, n], recomputed (the forward's bits)
+  uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h or dx
+  uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
+  uint16_t* up;                    // kGateUp: up out [num_rows, n]
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   int num_rows;                    // rows of the schedule, a multiple of BLOCK_M
   int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
@@ -283,25 +281,6 @@ MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, 
   __syncwarp();  // the staging area is reused by the next call
 }
 
-MOK_DEVICE float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-MOK_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// L0's swiglu (mok.reference.swiglu) on bf16-exact inputs, in fp32: g = min(g, L), u = clamp(u, -L, L)
-// (NaN passes through, as torch.clamp), then silu(g)·u = (g·sigmoid(g))·u with IEEE expf and division.
-MOK_DEVICE float swiglu(float g, float u, float limit, bool has_limit) {
-  if (has_limit) {
-    g = g > limit ? limit : g;
-    u = u < -limit ? -limit : u;
-    u = u > limit ? limit : u;
-  }
-  const float sigmoid = 1.0f / (1.0f + expf(-g));
-  return g * sigmoid * u;
-}
-
 // kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
 // (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
@@ -322,7 +301,7 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
   });
 }
 
-// kDown, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
+// kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
                            uint8_t* staging, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
@@ -333,73 +312,6 @@ MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerTh
     store_tile(staging, p.out, row0, n0 + BLOCK_N_B, p.n, lane, [&](int i, int h) {
       return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
     });
-}
-
-// L0's swiglu_backward (mok.reference) for one element, in fp32, from bf16-exact gate, up and d_h: with a
-// limit L the clamped inputs pass no gradient (g > L; u outside [-L, L]), as torch.clamp. Also h =
-// swiglu(g, u), the same expression as swiglu() above, so the forward's bits.
-struct SwiGLUGrad {
-  float d_gate, d_up, h;
-};
-MOK_DEVICE SwiGLUGrad swiglu_backward(float g, float u, float d_h, float limit, bool has_limit) {
-  float g_pass = 1.0f, u_pass = 1.0f;
-  if (has_limit) {
-    g_pass = g <= limit ? 1.0f : 0.0f;
-    u_pass = (u >= -limit && u <= limit) ? 1.0f : 0.0f;
-    g = g > limit ? limit : g;
-    u = u < -limit ? -limit : (u > limit ? limit : u);
-  }
-  const float s = 1.0f / (1.0f + expf(-g));
-  return {d_h * u * s * (1.0f + g * (1.0f - s)) * g_pass, d_h * g * s * u_pass, g * s * u};
-}
-
-// kDownDgrad, one 128-column half: dh = the half's d_h as bf16x2 (fragment order, dh[2i + h] = column pair i,
-// row half h). The saved gate/up pairs at the same positions are all loaded first (64 independent loads: one
-// memory latency, not one per column pair behind each stmatrix), then one swiglu_backward per element gives
-// d_gate (to out), d_up (to out2) and h (to out3), stored as three tiles.
-MOK_DEVICE void store_swiglu_grads(const uint32_t (&dh)[32], const Params& p, uint8_t* staging, int row0, int col0,
-                                   uint32_t lane) {
-  const int64_t at0 = static_cast<int64_t>(row0 + static_cast<int>(lane / 4)) * p.n + col0 + 2 * (lane % 4);
-  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  uint32_t g2[32], u2[32], d_up[32], h2[32];
-  uint32_t in = 0;  // bit j: pair j is a real row inside n (padding rows are zeros whatever the weights hold)
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {  // j = 2i + h
-    const int i = j / 2, h = j % 2;
-    const bool in_j = real[h] && col0 + 8 * i + 2 * static_cast<int>(lane % 4) < p.n;
-    const int64_t at = at0 + 8 * h * static_cast<int64_t>(p.n) + 8 * i;
-    g2[j] = in_j ? *reinterpret_cast<const uint32_t*>(p.gate + at) : 0u;
-    u2[j] = in_j ? *reinterpret_cast<const uint32_t*>(p.up + at) : 0u;
-    in |= static_cast<uint32_t>(in_j) << j;
-  }
-  const bool has_limit = p.has_limit != 0;
-  store_tile(staging, p.out, row0, col0, p.n, lane, [&](int i, int h) -> uint32_t {
-    const int j = 2 * i + h;
-    const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g2[j]), bf16_lo_as_f32(u2[j]), bf16_lo_as_f32(dh[j]),
-                                          p.swiglu_limit, has_limit);
-    const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g2[j]), bf16_hi_as_f32(u2[j]), bf16_hi_as_f32(dh[j]),
-                                          p.swiglu_limit, has_limit);
-    const bool in_j = (in >> j) & 1u;
-    d_up[j] = in_j ? pack_bf16x2(lo.d_up, hi.d_up) : 0u;
-    h2[j] = in_j ? pack_bf16x2(lo.h, hi.h) : 0u;
-    return in_j ? pack_bf16x2(lo.d_gate, hi.d_gate) : 0u;
-  });
-  store_tile(staging, p.out2, row0, col0, p.n, lane, [&](int i, int h) { return d_up[2 * i + h]; });
-  store_tile(staging, p.out3, row0, col0, p.n, lane, [&](int i, int h) { return h2[2 * i + h]; });
-}
-
-// kDownDgrad: both halves' d_h are rounded to bf16 first (exactly what swiglu_backward takes), which halves
-// the registers they hold while the gate/up pairs are in flight.
-MOK_DEVICE void store_swiglu_backward(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                                      uint8_t* staging, int row0, int n0, uint32_t lane) {
-  uint32_t dh0[32], dh1[32];
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    dh0[j] = pack_bf16x2(acc0[2 * j], acc0[2 * j + 1]);  // acc[4i + 2h + {0, 1}] = pair j = 2i + h
-    dh1[j] = pack_bf16x2(acc1[2 * j], acc1[2 * j + 1]);
-  }
-  if (n0 < p.n) store_swiglu_grads(dh0, p, staging, row0, n0, lane);
-  if (n0 + BLOCK_N_B < p.n) store_swiglu_grads(dh1, p, staging, row0, n0 + BLOCK_N_B, lane);
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
@@ -493,8 +405,6 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (kGemm == Gemm::kGateUp) {
       store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
-    } else if constexpr (kGemm == Gemm::kDownDgrad) {
-      store_swiglu_backward(acc0, acc1, p, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, staging, t.expert, row0, n0, lane);
     } else {

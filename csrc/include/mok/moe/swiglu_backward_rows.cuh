@@ -1,0 +1,73 @@
+// The SwiGLU backward over the schedule's rows, after the down-projection dgrad GEMM (kDownDgrad):
+//   (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h[r])), h[r] = bf16(swiglu(gate[r], up[r]))
+// with padding rows (row_to_token[r] < 0) written as zeros whatever the inputs hold. d_h may be d_gate's own
+// buffer (in place: each thread reads its 8 elements before it writes them).
+//
+// NOTE: this ran inside the GEMM's epilogue until 2ed96d2, where it made the GEMM 2-4x slower than the same
+// GEMM without it (0.26-0.47 of a dense GEMM, `python -m mok.bench parts`, not understood: docs/l2_fused.md).
+// As its own pass it moves 12 bytes per element (d_h, gate, up in; d_gate, d_up, h out) at memory speed.
+#pragma once
+
+#include "mok/common.cuh"
+#include "mok/swiglu.cuh"
+
+namespace mok::moe {
+
+constexpr int kSwiGLUThreads = 256;
+
+// One 16-byte vector (8 columns) per thread per step, grid-stride over rows x (n / 8) vectors.
+__global__ void __launch_bounds__(kSwiGLUThreads)
+    swiglu_backward_rows_kernel(const uint16_t* d_h, const uint16_t* gate, const uint16_t* up,
+                                const int32_t* row_to_token, uint16_t* d_gate, uint16_t* d_up, uint16_t* h,
+                                int64_t num_rows, int64_t n, float limit, bool has_limit) {
+  const int64_t vecs_per_row = n / 8, num_vecs = num_rows * vecs_per_row;
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vecs;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = v * 8;  // first element: row v / vecs_per_row, n % 8 == 0
+    uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
+    if (row_to_token[v / vecs_per_row] >= 0) {
+      const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
+      const uint4 g4 = ld_stream_v4(gate + at), u4 = ld_stream_v4(up + at);
+      const uint32_t dh[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g[4] = {g4.x, g4.y, g4.z, g4.w};
+      const uint32_t u[4] = {u4.x, u4.y, u4.z, u4.w};
+      uint32_t rg[4], ru[4], rh[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g[i]), bf16_lo_as_f32(u[i]), bf16_lo_as_f32(dh[i]),
+                                              limit, has_limit);
+        const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g[i]), bf16_hi_as_f32(u[i]), bf16_hi_as_f32(dh[i]),
+                                              limit, has_limit);
+        rg[i] = pack_bf16x2(lo.d_gate, hi.d_gate), ru[i] = pack_bf16x2(lo.d_up, hi.d_up);
+        rh[i] = pack_bf16x2(lo.h, hi.h);
+      }
+      out_g = make_uint4(rg[0], rg[1], rg[2], rg[3]), out_u = make_uint4(ru[0], ru[1], ru[2], ru[3]);
+      out_h = make_uint4(rh[0], rh[1], rh[2], rh[3]);
+    }
+    st_v4(d_gate + at, out_g);
+    st_v4(d_up + at, out_u);
+    st_v4(h + at, out_h);
+  }
+}
+
+// rows = the schedule's num_rows; n = intermediate (% 8 == 0); every pointer 16-byte aligned.
+inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate, const void* up,
+                                               const int32_t* row_to_token, void* d_gate, void* d_up, void* h,
+                                               int64_t num_rows, int64_t n, float limit, bool has_limit,
+                                               cudaStream_t stream) {
+  if (n % 8 != 0) return cudaErrorInvalidValue;
+  const int64_t num_vecs = num_rows * (n / 8);
+  if (num_vecs == 0) return cudaSuccess;
+  int device = 0, num_sms = 0;  // elementwise: the grid size changes no bits, so always one full wave
+  cudaError_t err = cudaGetDevice(&device);
+  if (err || (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device))) return err;
+  const int64_t blocks_needed = (num_vecs + kSwiGLUThreads - 1) / kSwiGLUThreads;
+  const int64_t resident = static_cast<int64_t>(num_sms) * (2048 / kSwiGLUThreads);
+  const int grid = static_cast<int>(blocks_needed < resident ? blocks_needed : resident);
+  swiglu_backward_rows_kernel<<<grid, kSwiGLUThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(d_h), static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+      row_to_token, static_cast<uint16_t*>(d_gate), static_cast<uint16_t*>(d_up), static_cast<uint16_t*>(h),
+      num_rows, n, limit, has_limit);
+  return cudaGetLastError();
+}
+
+}  // namespace mok::moe
