@@ -5,7 +5,7 @@
 # Each step's timeout is cut to what is left of the budget, so the command always returns in time and the
 # logs and CSVs under $OUT come back (docs/l2_fused.md, "Next"; ../shared/GPU.md).
 #
-#   usage (on the device machine, from the repo root):  bash tools/device_run.sh COMMIT BUDGET_SECONDS
+#   usage (on the device machine, from the repo root):  [MOK_STEPS="gemm l2 ..."] bash tools/device_run.sh COMMIT BUDGET_SECONDS
 #   COMMIT: the commit you shipped. The device's copy of .git can be stale, so `git rev-parse` there may
 #   name an older commit; the benchmark rows record COMMIT through MOK_COMMIT.
 #   Liger's wheel travels in the git-ignored .whl/ (carry it): pip download --no-deps liger-kernel==0.8.5 -d .whl
@@ -23,9 +23,12 @@ export LIGER_FUSED_MOE_AUTOTUNE=0 MOK_COMMIT=$commit
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 t0=$(date +%s)
 
+steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
+
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
   shift 3
+  [[ $steps == *" $name "* ]] || return 0
   local left=$((budget - $(date +%s) + t0 - 5))
   if ((left < 20)); then echo "$name skipped (${left}s left)"; return; fi
   ((tmo > left)) && tmo=$left
