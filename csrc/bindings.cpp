@@ -137,20 +137,6 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
              "grouped_gemm_bf16_weight_grad");
 }
 
-void gemm_weight_grad_x(const at::Tensor& a_rows, const at::Tensor& x, const at::Tensor& row_to_token,
-                        const at::Tensor& expert_offsets, at::Tensor& d_w, int64_t num_sms) {
-  check_arg(a_rows, "a_rows"), check_arg(x, "x"), check_arg(row_to_token, "row_to_token");
-  check_arg(expert_offsets, "expert_offsets"), check_arg(d_w, "d_w");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && expert_offsets.scalar_type() == at::kInt,
-              "row_to_token, expert_offsets: expected int32");
-  const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_weight_grad_x(a_rows.data_ptr(), x.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                                                  expert_offsets.data_ptr<int32_t>(), d_w.data_ptr(), a_rows.size(0),
-                                                  a_rows.size(1), x.size(1), d_w.size(0), static_cast<int>(num_sms),
-                                                  c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_weight_grad_x");
-}
-
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
              const std::optional<at::Tensor>& shared, at::Tensor& out) {
   check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
@@ -243,7 +229,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
-  m.def("grouped_gemm_bf16_weight_grad_x", &gemm_weight_grad_x, "a_rows, x, row_to_token, expert_offsets, d_w, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "

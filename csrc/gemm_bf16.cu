@@ -89,19 +89,4 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(b_rows, b_rows, num_experts, p, num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_weight_grad_x(const void* a_rows, const void* x, const int32_t* row_to_token,
-                                            const int32_t* expert_offsets, void* d_w, int64_t num_rows, int64_t m,
-                                            int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(a_rows);
-  p.b_gather = static_cast<const uint16_t*>(x);
-  p.row_to_token = row_to_token;
-  p.expert_offsets = expert_offsets;
-  p.out = static_cast<uint16_t*>(d_w);
-  p.num_rows = static_cast<int>(num_rows);
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGradX>(x, x, num_experts, p, num_sms, stream);
-}
-
 }  // namespace mok

@@ -4,7 +4,7 @@ For each shape (bf16, no swiglu_limit, as the layer benchmark runs), one fused f
 state; every step of a pass (the list in mok/fused.py's docstring) then runs once, in the level's order, to
 build the intermediates, and is timed alone with mok.bench.time_ms (CUDA events, one sync per timing),
 next to the whole fused passes timed in the same process. The steps call the same mok.ops kernels with the
-same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, pad_rows);
+same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_x_rows, pad_rows);
 tests/test_bench.py runs both on the kernels' L0 twins and checks that they make the same calls.
 
 Per (shape, step) one row:
@@ -97,8 +97,7 @@ def _expert_forward_steps(p: str, real: int, padded: int, width: int, hidden: in
 
 def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
     """The dgrad kernels (the first also recomputes h) and the three weight gradients of one expert group
-    (fused._experts_dgrad, fused._weight_grads: d_w_gate, d_w_up gather x's rows in the kernel); dy_rows comes
-    from the steps before."""
+    (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
     def dgrad_swiglu(s):
         d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"],
                                                              s[p + "up"], s[p + "sched"], swiglu_limit=limit,
@@ -111,18 +110,14 @@ def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: i
                                                                    num_sms=num_sms)}  # [R, H]
 
     def wgrad(name: str, out: str, a: str, b: str, m: int, n: int) -> Step:  # d_w[e] = Σ_r a[r]ᵀ·b[r], e's rows
-        if b == "x":  # b's rows gathered from x [T, H] by the kernel
-            run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad_x(s[p + a], s["x"], s[p + "sched"],
-                                                                          num_sms=num_sms)}  # [E, m, n]
-        else:
-            run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad(s[p + a], s[p + b], s[p + "sched"],
-                                                                        num_sms=num_sms)}  # [E, m, n]
+        run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad(s[p + a], s[p + b], s[p + "sched"],
+                                                                    num_sms=num_sms)}  # [E, m, n]
         return Step(p + name, "bwd", run, **_wgrad_gemm(m, n, real, padded))
 
     return [Step(p + "dgrad_swiglu", "bwd", dgrad_swiglu, **_rows_gemm(real, padded, width, hidden)),
             Step(p + "dgrad_gate_up", "bwd", dgrad_gate_up, **_rows_gemm(real, padded, hidden, 2 * width)),
-            wgrad("wgrad_gate", "d_w_gate", "d_gate", "x", width, hidden),
-            wgrad("wgrad_up", "d_w_up", "d_up", "x", width, hidden),
+            wgrad("wgrad_gate", "d_w_gate", "d_gate", "x_rows", width, hidden),
+            wgrad("wgrad_up", "d_w_up", "d_up", "x_rows", width, hidden),
             wgrad("wgrad_down", "d_w_down", "dy_rows", "h_rows", hidden, width)]
 
 
@@ -159,12 +154,16 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     routed_bwd = _expert_backward_steps("", *routed)  # dgrad x2, then the weight gradients
     bwd = [Step("route_grads_prep", "bwd", route_grads_prep,  # d_out, y rows, weights in; dy_rows, d_topk_weights out
                 nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
-           *routed_bwd]
+           *routed_bwd[:2],
+           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])},
+                nbytes=tok + rows * INT64_B + row_buf),
+           *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
         fwd += _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
-        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh)},
-                        nbytes=(T + R_sh) * H * BF16_B))
+        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
+                                                             "shared_x_rows": fused.pad_rows(s["x"], R_sh)},
+                        nbytes=2 * (T + R_sh) * H * BF16_B))
         bwd += _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
     fwd.append(Step("combine", "fwd", combine, nbytes=routes_in + R * FP32_B + shared_in + tok))
     bwd.append(Step("combine_dx", "bwd", combine_dx, nbytes=routes_in + shared_in + tok))

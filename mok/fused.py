@@ -27,11 +27,11 @@ backward:
                                                mx: dual-quantize d_gate, d_up, dq both; q+dq w_gate, w_up
                                                along intermediate (dim -2)
     shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
-    grouped_gemm_bf16_weight_grad(_x)          kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
-                                               each expert's rows (the _x kind gathers x's rows itself)
+    grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
+                                               each expert's rows (x rows gathered first: combine_rows,
+                                               one route per row)
                                                mx: every operand column-wise (blocks along the rows):
-                                               q+dq x_rows (gathered first: combine_rows, one route per
-                                               row) and h_rows; dy, d_gate, d_up from the duals
+                                               q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
@@ -224,11 +224,11 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
         return None, [None, None, None]
     T = d_out.shape[0]
     sh = shared_schedule(T, d_out.device)
-    dy_rows = pad_rows(d_out, sh.num_rows)  # [R_sh, H]
+    dy_rows, x_rows = pad_rows(d_out, sh.num_rows), pad_rows(s.x, sh.num_rows)  # [R_sh, H] each
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
                                                 ws_down[None], sh, s.swiglu_limit, s.num_sms)
-    d_w = _weight_grads(None, h_rows, *wgrad_ops, sh, s.num_sms, x=s.x)  # x's rows gathered by the kernel
+    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sh, s.num_sms)
     return dx_rows[:T], [w[0] for w in d_w]
 
 
@@ -250,15 +250,12 @@ def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
     return rows
 
 
-def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms, x=None) -> list:
+def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list:
     """[d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]]: the weight-gradient kernel, K = each
-    expert's rows; the operands as the GEMMs see them (already column-wise MXFP8 in mxfp8). With x [T, H]
-    instead of x_rows the kernel gathers x's rows itself (grouped_gemm_bf16_weight_grad_x)."""
-    if x is None:
-        d_w_x = [ops.grouped_gemm_bf16_weight_grad(d, x_rows, sched, num_sms=num_sms) for d in (d_gate, d_up)]
-    else:
-        d_w_x = [ops.grouped_gemm_bf16_weight_grad_x(d, x, sched, num_sms=num_sms) for d in (d_gate, d_up)]
-    return [*d_w_x, ops.grouped_gemm_bf16_weight_grad(dy_rows, h_rows, sched, num_sms=num_sms)]
+    expert's rows; the operands as the GEMMs see them (already column-wise MXFP8 in mxfp8)."""
+    return [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=num_sms),
+            ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=num_sms),
+            ops.grouped_gemm_bf16_weight_grad(dy_rows, h_rows, sched, num_sms=num_sms)]
 
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
@@ -270,11 +267,9 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
     del dy_rows, gate, up
     h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
-    if p == "bf16":  # the kernel gathers x's rows itself
-        d_w = _weight_grads(None, h_rows, *wgrad_ops, sched, s.num_sms, x=s.x)
-    else:  # x's rows are quantized column-wise (blocks along the rows) from BF16 x: they must exist first
-        d_w = _weight_grads(_mx(gather_x_rows(s.x, sched), -2, p), h_rows, *wgrad_ops, sched, s.num_sms)
-    del h_rows, wgrad_ops
+    x_rows = _mx(gather_x_rows(s.x, sched), -2, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
+    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
+    del h_rows, x_rows, wgrad_ops
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]

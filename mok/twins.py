@@ -14,13 +14,13 @@ import torch
 
 from mok import mxfp8
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
-from mok.schedule import gather_rows, make_schedule, scatter_routes, segment
+from mok.schedule import make_schedule, scatter_routes, segment
 from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
-           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_bf16_weight_grad_x",
-           "combine_rows", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
+           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "combine_rows",
+           "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
            "mxfp8_quantize_dual", "mxfp8_dequantize")
 
 
@@ -93,11 +93,6 @@ def grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms=None):
         if rows.numel():
             d_w[e] = mm(a_rows[rows].T, b_rows[rows].T).to(BF16)  # [m, n]: K = the expert's rows
     return d_w
-
-
-def grouped_gemm_bf16_weight_grad_x(a_rows, x, sched, num_sms=None):
-    """grouped_gemm_bf16_weight_grad on x's rows in the schedule's layout (zeros in padding rows)."""
-    return grouped_gemm_bf16_weight_grad(a_rows, gather_rows(x, sched), sched)
 
 
 def make_schedule_cuda(topk_idx, num_experts, block_m=128):

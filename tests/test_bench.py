@@ -62,7 +62,8 @@ def test_committed_rows_have_provenance():
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
 
 FWD_STEPS = ["schedule", "gemm1", "gemm2", "combine"]
-BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "wgrad_gate", "wgrad_up", "wgrad_down", "combine_dx"]
+BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "gather_x", "wgrad_gate", "wgrad_up", "wgrad_down",
+             "combine_dx"]
 SHARED_FWD_STEPS = ["shared_gemm1", "shared_gemm2"]
 SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_wgrad_gate",
                     "shared_wgrad_up", "shared_wgrad_down"]

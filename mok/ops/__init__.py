@@ -22,7 +22,6 @@ from mok.ops.gemm import (
     grouped_gemm_bf16_nt_contiguous,
     grouped_gemm_bf16_swiglu_gather,
     grouped_gemm_bf16_weight_grad,
-    grouped_gemm_bf16_weight_grad_x,
 )
 from mok.ops.moe import ROUTE_GRADS_MAX_TOPK, SCHEDULE_MAX_EXPERTS, combine_rows, make_schedule_cuda, route_grads_prep
 from mok.ops.quant import (
@@ -38,7 +37,6 @@ __all__ = [
     "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gemm_schedule_tensors", "grouped_gemm_bf16_dgrad_gate_up",
     "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_swiglu_gather",
     "grouped_gemm_bf16_weight_grad",
-    "grouped_gemm_bf16_weight_grad_x",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
 ]

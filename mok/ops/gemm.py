@@ -183,25 +183,3 @@ def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sc
                       device=a_rows.device)  # [E, m, n]
     load_extension().grouped_gemm_bf16_weight_grad(a_rows, b_rows, offsets, d_w, sms)
     return d_w
-
-
-def grouped_gemm_bf16_weight_grad_x(a_rows: torch.Tensor, x: torch.Tensor, sched,
-                                    num_sms: int | None = None) -> torch.Tensor:
-    """grouped_gemm_bf16_weight_grad(a_rows, gather_rows(x, sched), sched) with the x rows gathered inside the
-    kernel (no [num_rows, hidden] copy of x in memory): d_w[e] = bf16(Σ_r a_rows[r]ᵀ·x[row_to_token[r]]) over
-    expert e's rows, padding rows contributing zeros. a_rows [num_rows, m] (d_gate or d_up, zeros in padding
-    rows); x [num_tokens, n] (hidden); m and n multiples of 8. Returns bf16 [num_experts, m, n]."""
-    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, m]")
-    _check_gemm_dim("a_rows", a_rows.shape[1], "m (dim 1)")
-    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
-    _check_gemm_dim("x", x.shape[1], "hidden (dim 1)")
-    if sched.block_m % GEMM_BLOCK_M:
-        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
-    sms = _check_num_sms(num_sms)
-    _check_devices(a_rows.device, a_rows=a_rows, x=x)
-    row_to_token, _ = gemm_schedule_tensors(sched, a_rows.device)  # int32 [num_rows]
-    offsets = sched.expert_offsets.to(device=a_rows.device, dtype=torch.int32)  # [E + 1]
-    d_w = torch.empty(sched.num_experts, a_rows.shape[1], x.shape[1], dtype=torch.bfloat16,
-                      device=a_rows.device)  # [E, m, n]
-    load_extension().grouped_gemm_bf16_weight_grad_x(a_rows, x, row_to_token, offsets, d_w, sms)
-    return d_w

@@ -69,12 +69,6 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
                                           void* d_w, int64_t num_rows, int64_t m, int64_t n, int64_t num_experts,
                                           int num_sms, cudaStream_t stream);
 
-// The same with b_rows[r] = x[row_to_token[r]] (zeros where row_to_token[r] < 0) gathered inside the kernel:
-// x [num_tokens, n]; row_to_token int32 [num_rows]. d_w_gate / d_w_up without x's rows in memory.
-cudaError_t grouped_gemm_bf16_weight_grad_x(const void* a_rows, const void* x, const int32_t* row_to_token,
-                                            const int32_t* expert_offsets, void* d_w, int64_t num_rows, int64_t m,
-                                            int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
-
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):
 // y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk], int64 or int32; topk_weights fp32

@@ -12,8 +12,6 @@
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
 //                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
-//   kWeightGradX  as kWeightGrad with b[r] = x[row_to_token[r]] gathered by cp.async (d_w_gate, d_w_up from x
-//                 itself: no x rows in HBM; a gathered token's 64 columns are one 128-byte row of a B box)
 //
 // Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
@@ -109,10 +107,7 @@ static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its ato
 
 // ---- parameters ----------------------------------------------------------------------------------------
 
-enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad, kWeightGradX };
-
-// The k-grouped kinds: one task = (expert, m tile, n tile), K = the expert's rows.
-MOK_HOST_DEVICE constexpr bool is_k_grouped(Gemm g) { return g == Gemm::kWeightGrad || g == Gemm::kWeightGradX; }
+enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad };
 
 struct Params {
   const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
@@ -122,7 +117,6 @@ struct Params {
   uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h or dx
   uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
   uint16_t* up;                    // kGateUp: up out [num_rows, n]
-  const uint16_t* b_gather;        // kWeightGradX: x [num_tokens, n], B rows gathered through row_to_token
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   int num_rows;                    // rows of the schedule, a multiple of BLOCK_M
   int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
@@ -138,14 +132,13 @@ struct Params {
 template <Gemm kGemm>
 struct Tile {
   static constexpr bool kGather = kGemm == Gemm::kGateUp;  // A gathered by cp.async, else by TMA
-  static constexpr bool kGatherB = kGemm == Gemm::kWeightGradX;  // B gathered by cp.async, else by TMA
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
-      kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || is_k_grouped(kGemm);
-  static constexpr bool kMajorMNA = is_k_grouped(kGemm);  // A transposed: rows of [rows, M] as M × K
+      kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
+  static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
   static constexpr int kTaskN = kGemm == Gemm::kGateUp ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
   static constexpr int kB1Offset = kGemm == Gemm::kGateUp ? 0 : BLOCK_N_B;  // B1's first column vs B0's
-  static constexpr uint32_t kFullArrivals = kGather || kGatherB ? kNumProducerThreads + 1 : 1;
-  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kGatherB ? 0 : 2 * kBTileBytes);
+  static constexpr uint32_t kFullArrivals = kGather ? kNumProducerThreads + 1 : 1;
+  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + 2 * kBTileBytes;
   static constexpr uint32_t kBHalfBytes = kBTileBytes / 2;  // MN-major: one 64-column box
 };
 
@@ -165,7 +158,7 @@ struct Task {
 template <Gemm kGemm>
 MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
   const int n_tile = task % p.num_n_tiles, mt = task / p.num_n_tiles;
-  if constexpr (is_k_grouped(kGemm)) {
+  if constexpr (kGemm == Gemm::kWeightGrad) {
     const int expert = mt / p.num_m_tiles, row0 = p.expert_offsets[expert];
     return {mt % p.num_m_tiles, n_tile, expert, row0, (p.expert_offsets[expert + 1] - row0) / BLOCK_K};
   } else {
@@ -191,7 +184,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
   const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
   const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
-  const int batch = is_k_grouped(kGemm) ? 0 : t.expert;  // the k-grouped kinds' operands are row matrices
+  const int batch = kGemm == Gemm::kWeightGrad ? 0 : t.expert;  // kWeightGrad's operands are row matrices
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = kGemm == Gemm::kGateUp ? tmap_b1 : b_first;
@@ -202,7 +195,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
   }
-  for (int which = 0; which < (T::kGatherB ? 0 : 2); ++which) {
+  for (int which = 0; which < 2; ++which) {
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
@@ -214,37 +207,13 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   }
 }
 
-// kWeightGradX: the stage's B, 64 k-rows (schedule rows r0..r0+63) × 256 columns of x, as the four MN-major
-// boxes TMA would write (box b = columns n0 + 64b, 8 KiB, B1 right after B0): k-row r of a box is the 128
-// bytes x[row_to_token[r0 + r], n0 + 64b ..], swizzled like every tile (sw128_offset). Thread t copies chunk
-// t % 8 of rows t / 8 + 16j of every box: 16 cp.async, zero-filled for padding rows and columns >= n.
-MOK_DEVICE void gather_b_rows(const Params& p, const Task& t, uint8_t* b_tile, int r0, uint32_t chunk,
-                              uint32_t row_in_box) {
-  constexpr int kBoxRows = BLOCK_K, kRowsPerThreadB = kBoxRows / kRowStride;  // 64 k-rows, 4 per thread
-  int32_t token[kRowsPerThreadB];
-#pragma unroll
-  for (int j = 0; j < kRowsPerThreadB; ++j) token[j] = p.row_to_token[r0 + row_in_box + kRowStride * j];
-  const int n0 = t.n_tile * 2 * BLOCK_N_B;
-#pragma unroll
-  for (int box = 0; box < 4; ++box) {
-    const int col = n0 + 64 * box + static_cast<int>(chunk) * 8;
-#pragma unroll
-    for (int j = 0; j < kRowsPerThreadB; ++j) {
-      const bool real = token[j] >= 0 && col < p.n;  // n % 8 == 0: a chunk is all in or all out
-      const uint16_t* src = real ? p.b_gather + static_cast<int64_t>(token[j]) * p.n + col : p.b_gather;
-      ptx::cp_async_16_zfill(b_tile + box * (kBTileBytes / 2) + sw128_offset(row_in_box + kRowStride * j, chunk), src,
-                             real ? 16 : 0);
-    }
-  }
-}
-
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                         const CUtensorMap* tmap_b1, const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
                         int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
-  if (!T::kGather && !T::kGatherB && thread != 0) return;  // TMA only: one thread issues everything
+  if (!T::kGather && thread != 0) return;  // TMA only: one thread issues everything
   const uint32_t chunk = thread % kChunksPerRow;
   const uint32_t row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
@@ -271,13 +240,9 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
       }
-      if constexpr (T::kGatherB) {
-        gather_b_rows(p, t, stage_b(smem, stage, 0), t.k_row0 + kb * BLOCK_K, chunk, row_in_tile);
-        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
-      }
     }
   }
-  if constexpr (T::kGather || T::kGatherB) ptx::cp_async_wait_all();  // NOTE: no copies behind an exited thread
+  if constexpr (T::kGather) ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
 // ---- epilogues: registers -> shared memory -> global --------------------------------------------------
@@ -432,7 +397,7 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kGather || T::kGatherB, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
+    it = mma_k_blocks<T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
                                                             t.num_k_blocks, lane);
     const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
 
@@ -440,7 +405,7 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (kGemm == Gemm::kGateUp) {
       store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
-    } else if constexpr (is_k_grouped(kGemm)) {
+    } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, staging, t.expert, row0, n0, lane);
     } else {
       store_pair(acc0, acc1, p, staging, row0, n0, lane);
@@ -472,7 +437,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
     if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
-    if constexpr (!T::kGatherB) ptx::prefetch_tensor_map(&tmap_b0), ptx::prefetch_tensor_map(&tmap_b1);
+    ptx::prefetch_tensor_map(&tmap_b0);
+    ptx::prefetch_tensor_map(&tmap_b1);
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
@@ -493,20 +459,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // layout: [E, n, k] for K-major kinds (kDown passes one matrix twice), [E, k, n] for the MN-major ones
 // (kDownDgrad: W_down twice; kGateUpDgrad: W_gate, W_up). A rows (p.a, p.a2: [num_rows, k]) get a map each.
 // kWeightGrad: w_b0 = w_b1 = the B rows [num_rows, n], p.a = the A rows [num_rows, m], num_experts = E.
-// kWeightGradX: w_b0, w_b1 unused (p.b_gather = x [num_tokens, n], gathered through p.row_to_token).
 
 template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
                                      int num_sms, cudaStream_t stream) {
   using T = Tile<kGemm>;
-  constexpr bool kWeightGrad = is_k_grouped(kGemm);
+  constexpr bool kWeightGrad = kGemm == Gemm::kWeightGrad;
   p.num_m_tiles = static_cast<int>(ceil_div(kWeightGrad ? p.m : p.num_rows, BLOCK_M));
   p.num_n_tiles = static_cast<int>(ceil_div(p.n, T::kTaskN));
   const int64_t num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
   if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
   p.num_tasks = static_cast<int>(num_tasks);
-  CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0{}, tmap_b1{};
+  CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;
   cudaError_t err = cudaSuccess;
   if (kWeightGrad) {  // A rows [num_rows, m] read MN-major: dims (m, rows, 1), box (64, 64)
     if ((err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.m, 64, BLOCK_K))) return err;
@@ -522,7 +487,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
                        : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
-  if (!T::kGatherB && ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1)))) return err;
+  if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
   const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
   if (num_sms <= 0) {
