@@ -426,8 +426,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes);  // [kNumStages]
-  uint64_t* empty = full + kNumStages;                                             // [kNumStages]
+  // After the stages and the epilogue staging (which starts right after the stages: consume()).
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes + kStagingBytes);  // [kNumStages]
+  uint64_t* empty = full + kNumStages;                                                             // [kNumStages]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
