@@ -17,6 +17,15 @@ void check_arg(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, ": expected a contiguous CUDA tensor");
 }
 
+// A schedule's device counts (int32, entry 0 = the real padded row count, mok.schedule.Schedule.counts) or
+// null: the row-wise kernels then run every row of the buffers.
+const int32_t* real_num_rows_ptr(const std::optional<at::Tensor>& counts) {
+  if (!counts) return nullptr;
+  check_arg(*counts, "counts");
+  TORCH_CHECK(counts->scalar_type() == at::kInt && counts->numel() >= 1, "counts: expected int32 [2]");
+  return counts->data_ptr<int32_t>();
+}
+
 void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales, int64_t variant) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -59,8 +68,9 @@ void dequantize(const at::Tensor& data, const at::Tensor& scales, at::Tensor& ou
 }
 
 void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                        const at::Tensor& row_to_token, const at::Tensor& tile_to_expert, at::Tensor& h,
-                        at::Tensor& gate, at::Tensor& up, double swiglu_limit, bool has_limit, int64_t num_sms) {
+                        const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                        const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
+                        double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
   check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(gate, "gate"), check_arg(up, "up");
@@ -69,30 +79,32 @@ void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at:
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::grouped_gemm_bf16_swiglu_gather(
                  x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 tile_to_expert.data_ptr<int32_t>(), h.data_ptr(), gate.data_ptr(), up.data_ptr(),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate.data_ptr(),
+                 up.data_ptr(),
                  row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0), static_cast<float>(swiglu_limit),
                  has_limit, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_swiglu_gather");
 }
 
 void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
-                        const at::Tensor& tile_to_expert, at::Tensor& out, int64_t num_sms) {
+                        const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
+                        int64_t num_sms) {
   check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(out, "out");
   check_arg(row_to_token, "row_to_token");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
               "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(a_rows.device());
   check_cuda(mok::grouped_gemm_bf16_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                                                  tile_to_expert.data_ptr<int32_t>(), out.data_ptr(), a_rows.size(0),
-                                                  w.size(1), w.size(2), w.size(0), static_cast<int>(num_sms),
-                                                  c10::cuda::getCurrentCUDAStream()),
+                                                  tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                                                  out.data_ptr(), a_rows.size(0), w.size(1), w.size(2), w.size(0),
+                                                  static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_nt_contiguous");
 }
 
 void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
                        const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
-                       at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h, double swiglu_limit, bool has_limit,
-                       int64_t num_sms) {
+                       const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h,
+                       double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
   check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
@@ -101,8 +113,8 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(
                  dy_rows.data_ptr(), w_down.data_ptr(), gate.data_ptr(), up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), d_gate.data_ptr(),
-                 d_up.data_ptr(), h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 d_gate.data_ptr(), d_up.data_ptr(), h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
                  static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_swiglu");
@@ -110,7 +122,7 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
 
 void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const at::Tensor& w_gate,
                         const at::Tensor& w_up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
-                        at::Tensor& dx_rows, int64_t num_sms) {
+                        const std::optional<at::Tensor>& counts, at::Tensor& dx_rows, int64_t num_sms) {
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up");
   check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(dx_rows, "dx_rows");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
@@ -118,7 +130,8 @@ void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const 
   const c10::cuda::CUDAGuard guard(d_gate.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(
                  d_gate.data_ptr(), d_up.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), dx_rows.data_ptr(),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 dx_rows.data_ptr(),
                  d_gate.size(0), w_gate.size(2), w_gate.size(1), w_gate.size(0), static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_gate_up");
@@ -171,11 +184,12 @@ void make_schedule(const at::Tensor& topk_idx, const at::Tensor& tokens_per_expe
                    const at::Tensor& padded_per_expert, const at::Tensor& expert_offsets,
                    const at::Tensor& tile_offsets, const at::Tensor& route_to_row, const at::Tensor& row_to_token,
                    const at::Tensor& row_to_k, const at::Tensor& row_to_route, const at::Tensor& row_to_expert,
-                   const at::Tensor& tile_to_expert, const at::Tensor& tile_num_rows, const at::Tensor& info,
+                   const at::Tensor& tile_to_expert, const at::Tensor& tile_num_rows, const at::Tensor& counts,
                    const at::Tensor& row_to_token_i32, const std::optional<at::Tensor>& gemm_tile_to_expert,
                    int64_t num_experts, int64_t block_m) {
   TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected [num_tokens, num_topk]");
-  check_arg(row_to_token_i32, "row_to_token_i32");
+  check_arg(row_to_token_i32, "row_to_token_i32"), check_arg(counts, "counts");
+  TORCH_CHECK(counts.scalar_type() == at::kInt && counts.numel() == 2, "counts: expected int32 [2]");
   TORCH_CHECK(row_to_token_i32.scalar_type() == at::kInt, "row_to_token_i32: expected int32");
   int32_t* gemm_tiles = nullptr;
   if (gemm_tile_to_expert) {
@@ -189,7 +203,7 @@ void make_schedule(const at::Tensor& topk_idx, const at::Tensor& tokens_per_expe
       int64_ptr(route_to_row, "route_to_row"),           int64_ptr(row_to_token, "row_to_token"),
       int64_ptr(row_to_k, "row_to_k"),                   int64_ptr(row_to_route, "row_to_route"),
       int64_ptr(row_to_expert, "row_to_expert"),         int64_ptr(tile_to_expert, "tile_to_expert"),
-      int64_ptr(tile_num_rows, "tile_num_rows"),         int64_ptr(info, "info"),
+      int64_ptr(tile_num_rows, "tile_num_rows"),         counts.data_ptr<int32_t>(),
       row_to_token_i32.data_ptr<int32_t>(),              gemm_tiles};
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const int64_t num_chunks = (topk_idx.numel() + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
@@ -201,14 +215,15 @@ void make_schedule(const at::Tensor& topk_idx, const at::Tensor& tokens_per_expe
 }
 
 void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const at::Tensor& y_rows,
-                 const at::Tensor& route_to_row, const at::Tensor& tile_num_rows, at::Tensor& dy_rows,
-                 at::Tensor& d_topk_weights, int64_t block_m) {
+                 const at::Tensor& route_to_row, const at::Tensor& tile_num_rows,
+                 const std::optional<at::Tensor>& counts, at::Tensor& dy_rows, at::Tensor& d_topk_weights,
+                 int64_t block_m) {
   check_arg(d_out, "d_out"), check_arg(topk_weights, "topk_weights"), check_arg(y_rows, "y_rows");
   check_arg(dy_rows, "dy_rows"), check_arg(d_topk_weights, "d_topk_weights");
   const c10::cuda::CUDAGuard guard(d_out.device());
   check_cuda(mok::route_grads_prep(d_out.data_ptr(), topk_weights.data_ptr<float>(), y_rows.data_ptr(),
                                    int64_ptr(route_to_row, "route_to_row"), int64_ptr(tile_num_rows, "tile_num_rows"),
-                                   dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(), route_to_row.size(0),
+                                   real_num_rows_ptr(counts), dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(), route_to_row.size(0),
                                    route_to_row.size(1), y_rows.size(0), y_rows.size(1), block_m,
                                    c10::cuda::getCurrentCUDAStream()),
              "route_grads_prep");
@@ -222,18 +237,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
-        "x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up, swiglu_limit, has_limit, num_sms");
-  m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous, "a_rows, w, row_to_token, tile_to_expert, out, num_sms");
+        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
+        "num_sms");
+  m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous,
+        "a_rows, w, row_to_token, tile_to_expert, counts (or None), out, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
-        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate, d_up, h, swiglu_limit, has_limit, num_sms");
+        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, counts (or None), d_gate, d_up, h, swiglu_limit, "
+        "has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
-        "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, dx_rows, num_sms");
+        "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "
-        "row_to_k, row_to_route, row_to_expert, tile_to_expert, tile_num_rows, info, row_to_token_i32, "
+        "row_to_k, row_to_route, row_to_expert, tile_to_expert, tile_num_rows, counts, row_to_token_i32, "
         "gemm_tile_to_expert (or None), num_experts, block_m");
   m.def("route_grads_prep", &route_grads,
-        "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, dy_rows, d_topk_weights, block_m");
+        "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
 }

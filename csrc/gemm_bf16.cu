@@ -7,14 +7,16 @@
 namespace mok {
 
 cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* h,
-                                            void* gate, void* up, int64_t num_rows, int64_t hidden,
-                                            int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                            bool has_limit, int num_sms, cudaStream_t stream) {
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                            const int32_t* real_num_rows, void* h, void* gate, void* up,
+                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                            cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(x);
   p.row_to_token = row_to_token;
   p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
   p.out = static_cast<uint16_t*>(h);
   p.gate = static_cast<uint16_t*>(gate);
   p.up = static_cast<uint16_t*>(up);
@@ -27,12 +29,14 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
 }
 
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
-                                            const int32_t* tile_to_expert, void* out, int64_t num_rows, int64_t n,
-                                            int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream) {
+                                            const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
+                                            int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
+                                            cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(a_rows);
   p.row_to_token = row_to_token;  // row r reads a_rows[r]; padding rows are written as zeros
   p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
   p.out = static_cast<uint16_t*>(out);
   p.num_rows = static_cast<int>(num_rows);
   p.n = static_cast<int>(n);
@@ -41,14 +45,16 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* tile_to_expert, void* d_gate,
-                                           void* d_up, void* h, int64_t num_rows, int64_t hidden,
-                                           int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                           bool has_limit, int num_sms, cudaStream_t stream) {
+                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
+                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                           cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(dy_rows);
   p.row_to_token = row_to_token;
   p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
   p.out = static_cast<uint16_t*>(d_gate);  // d_h, overwritten in place with d_gate by the elementwise pass
   p.num_rows = static_cast<int>(num_rows);
   p.n = static_cast<int>(intermediate);
@@ -56,19 +62,21 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
   cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
                                                                             stream);
   if (err) return err;
-  return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, d_gate, d_up, h, num_rows, intermediate,
-                                          swiglu_limit, has_limit, stream);
+  return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, real_num_rows, d_gate, d_up, h, num_rows,
+                                          intermediate, swiglu_limit, has_limit, stream);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* dx_rows,
-                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                            int64_t num_experts, int num_sms, cudaStream_t stream) {
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                            const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
+                                            int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
+                                            cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(d_gate);
   p.a2 = static_cast<const uint16_t*>(d_up);
   p.row_to_token = row_to_token;
   p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
   p.out = static_cast<uint16_t*>(dx_rows);
   p.num_rows = static_cast<int>(num_rows);
   p.n = static_cast<int>(hidden);

@@ -126,12 +126,13 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     T, H = saved.x.shape  # [T, H]
     R, I = saved.topk_idx.numel(), saved.weights[0].shape[1]  # routes, intermediate
     sched, limit, num_sms = saved.sched, saved.swiglu_limit, saved.num_sms
-    rows = sched.num_rows  # routes and padding
+    rows = int(sched.expert_offsets[-1])  # routes and padding: the real rows (sched.num_rows adds spare rows)
     shared = saved.weights[3] is not None
     routed = (R, rows, I, H, limit, num_sms)
 
     def make_schedule(s):
-        return {"sched": ops.make_schedule_cuda(s["topk_idx"], s["w_gate"].shape[0], block_m=fused.BLOCK_M)}
+        return {"sched": ops.make_schedule_cuda(s["topk_idx"], s["w_gate"].shape[0], block_m=fused.BLOCK_M,
+                                                sync=False)}
 
     def combine(s):
         y_shared = s["shared_y_rows"][:T] if shared else None  # [T, H]: row t = token t

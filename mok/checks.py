@@ -39,10 +39,19 @@ def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.d
         fail(name, "a contiguous tensor", f"strides {t.stride()}")
 
 
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id in [0, num_experts): a min/max read, so a host sync on a GPU (mok.bad_ids for the level that
+    checks on the device instead)."""
+    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= num_experts):
+        fail("topk_idx", f"expert ids in [0, {num_experts})",
+             f"ids in [{int(topk_idx.min())}, {int(topk_idx.max())}]")
+
+
 def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
                      w_shared_gate=None, w_shared_up=None, w_shared_down=None, *,
-                     precision="bf16", swiglu_limit=None) -> None:
-    """DESIGN §3: dtypes, shapes, devices, contiguity, expert-id range, precision and limit."""
+                     precision="bf16", swiglu_limit=None, check_ids=True) -> None:
+    """DESIGN §3: dtypes, shapes, devices, contiguity, expert-id range (check_ids: a host sync on a GPU),
+    precision and limit."""
     if precision not in PRECISIONS:
         fail("precision", f"one of {PRECISIONS}", repr(precision))
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
@@ -65,9 +74,8 @@ def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
     check_tensor("w_down", w_down, torch.bfloat16, (E, H, I), dev)
     if K < 1 or E < 1:
         fail("topk_idx", "num_topk >= 1 and num_experts >= 1", f"num_topk={K}, num_experts={E}")
-    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
-        fail("topk_idx", f"expert ids in [0, {E})",
-              f"ids in [{int(topk_idx.min())}, {int(topk_idx.max())}]")
+    if check_ids:
+        check_expert_ids(topk_idx, E)
 
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     if any(w is not None for w in shared):

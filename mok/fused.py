@@ -5,7 +5,10 @@ mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q+d
 kernel then a dequantize kernel back to bf16, along the GEMM's K; every GEMM itself is the BF16 kernel):
 
 forward:
-    make_schedule_cuda(topk_idx, block_m=128)  kernels: counts, offsets, placement (one host sync: num_rows)
+    make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
+                       sync=False)             have max_num_rows rows, the kernels read the real count on the
+                                               device (sched.counts) and never touch the spare rows; bad ids
+                                               raise later, through mok.bad_ids
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
                                                mx: q+dq x [T, H] row-wise (once, before the gather);
                                                w_gate, w_up along hidden
@@ -42,6 +45,10 @@ dequantized operands is the MXFP8 GEMM. Bits are identical run to run and for an
 set it with `num_sms=` or the environment variable MOK_NUM_SMS (unset or 0: every SM), which tests use to
 run two grid sizes.
 
+No host sync in either pass (tests/test_fused.py runs both under torch.cuda.set_sync_debug_mode("error")). In
+mxfp8 the quantize/dequantize passes over row buffers (`_mx`, `_mx_dual`) cover the spare rows too (whatever
+they hold; their outputs there are never read): they take no row count from the device.
+
 MXFP8 cost of this first, exact step (`_mx`, `_mx_dual`): 12 extra launches in the forward, 21 in the
 backward; a q+dq moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32; dequantize the reverse),
 three times the GEMM's own read of the bf16 operand, and the weights dominate (3 · 6 · E·I·H bytes per pass).
@@ -56,17 +63,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mok import ops
+from mok import bad_ids, ops
 from mok.checks import fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
-__all__ = ["BLOCK_M", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward", "experts_forward", "forward",
-           "gather_x_rows", "num_sms_from_env", "pad_rows", "shared_schedule"]
+__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward",
+           "experts_forward", "forward", "gather_x_rows", "num_sms_from_env", "pad_rows", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
+CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
 
 
 @dataclass(eq=False)
@@ -168,8 +176,11 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         _check_mxfp8_dims(x, w_gate)
     _check_runs_here(x, precision)
     num_sms = num_sms_from_env() if num_sms is None else num_sms
+    bad_ids.raise_landed()  # bad expert ids of earlier calls whose count has reached the host
     T = x.shape[0]
-    sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M)  # bitwise make_schedule
+    # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
+    sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
+    bad_ids.defer(sched)  # the count of ids outside [0, E), checked when it has landed
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
     gate_mx, up_mx = None, None
     if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
@@ -236,7 +247,7 @@ def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding rows (mok.schedule.gather_rows).
     The combine kernel with one route per row and unit weights is a row gather (fp32 sum of one bf16 value:
     exact) at ~3 TB/s; torch's index + where ran at ~0.6 TB/s (bench parts, gather_x). Padding rows read an
-    appended zero row."""
+    appended zero row; so do spare rows (mxfp8 only: its column-wise quantizer then reads zeros there)."""
     T = x.shape[0]
     x_ext = torch.cat([x.to(BF16), x.new_zeros(1, x.shape[1], dtype=BF16)])  # [T + 1, H]
     rows = torch.where(sched.row_to_token >= 0, sched.row_to_token, T)  # [num_rows]
@@ -260,6 +271,7 @@ def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
+    bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]

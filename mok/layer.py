@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mok import routing
-from mok.checks import check_moe_inputs
+from mok.checks import check_expert_ids, check_moe_inputs
 from mok.config import PRECISIONS
 
 # level name -> module implementing forward/backward (DESIGN §6)
@@ -80,12 +80,19 @@ class _MoEFunction(torch.autograd.Function):
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
         w_shared_down=None, *, precision: str = "bf16", swiglu_limit: float | None = None,
-        backend: str = "auto") -> torch.Tensor:
+        backend: str = "auto", check: bool = False) -> torch.Tensor:
     """The MoE layer: out [num_tokens, hidden] bf16. mok does not route: topk_idx/topk_weights come
-    from the caller, weights already normalized. Differentiable in x, topk_weights and all weights."""
+    from the caller, weights already normalized. Differentiable in x, topk_weights and all weights.
+
+    Expert ids outside [0, num_experts) raise ValueError. On a level that checks them on the device (`fused`:
+    no host sync per call) the error comes from a later call, the same step's backward in practice, and the
+    routes are skipped meanwhile (their tokens' outputs NaN: mok.bad_ids); check=True reads the ids' range on
+    the host first (one sync) and raises in this call, on every level."""
     check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-                     w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
+                     w_shared_down, precision=precision, swiglu_limit=swiglu_limit, check_ids=False)
     backend = resolve_backend(backend, x.device, precision)
+    if check or not getattr(get_level(backend), "CHECKS_IDS_ON_DEVICE", False):
+        check_expert_ids(topk_idx, w_gate.shape[0])
     return _MoEFunction.apply(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate,
                               w_shared_up, w_shared_down, precision, swiglu_limit, backend)
 

@@ -14,6 +14,13 @@ Layout of the `num_rows` row buffer, for `block_m = 4`, three experts with 5, 0 
 Every segment is padded up to a multiple of `block_m` (the kernel's M tile, BLOCK_M), so each tile
 of `block_m` rows belongs to one expert and its real rows come first (`tile_num_rows` of them).
 Duplicate experts within a token are allowed: they are simply two routes with two rows.
+
+Spare rows. A schedule built without a host sync (mok.ops.make_schedule_cuda(..., sync=False), what the
+fused level runs) cannot know the padded row count on the host, so its row arrays, and every row buffer
+sized from `num_rows`, have `max_num_rows(...)` rows: the padded rows [0, expert_offsets[-1]) as above,
+then spare rows (token, k, route and expert -1; spare tiles: expert -1, 0 real rows). The real count lives
+on the device (`expert_offsets[-1]`, and `counts[0]` in int32 for the kernels, which never read or write a
+spare row). `trimmed()` cuts such a schedule to make_schedule's (one host read); `extended(n)` pads one.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mok.checks import check_int
+from mok.checks import check_int, fail
 from mok.routing import check_topk_idx
 
-__all__ = ["Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes", "segment"]
+__all__ = ["ROW_FIELDS", "TILE_FIELDS", "Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes",
+           "segment"]
+
+ROW_FIELDS = ("row_to_token", "row_to_k", "row_to_route", "row_to_expert")  # [num_rows] each
+TILE_FIELDS = ("tile_to_expert", "tile_num_rows")  # [num_rows / block_m] each
 
 
 @dataclass(eq=False)
@@ -36,22 +47,54 @@ class Schedule:
     num_topk: int  # K
     num_experts: int  # E
     block_m: int  # rows per tile (BLOCK_M)
-    num_rows: int  # total padded rows = expert_offsets[-1]
+    num_rows: int  # rows of the row arrays and row buffers: expert_offsets[-1], or max_num_rows (spare rows)
     tokens_per_expert: torch.Tensor  # [E], real routes per expert
     padded_per_expert: torch.Tensor  # [E], rounded up to a multiple of block_m (0 stays 0)
     expert_offsets: torch.Tensor  # [E + 1], expert e owns rows [off[e], off[e + 1])
-    row_to_token: torch.Tensor  # [num_rows], token id, -1 for padding
+    row_to_token: torch.Tensor  # [num_rows], token id, -1 for padding (and spare rows)
     row_to_k: torch.Tensor  # [num_rows], k slot, -1 for padding
     row_to_route: torch.Tensor  # [num_rows], route id t * K + k, -1 for padding
-    row_to_expert: torch.Tensor  # [num_rows], padding rows belong to their segment's expert
+    row_to_expert: torch.Tensor  # [num_rows], padding rows belong to their segment's expert (spare rows: -1)
     route_to_row: torch.Tensor  # [T, K], the row of each route
     tile_offsets: torch.Tensor  # [E + 1], expert e owns tiles [tile_off[e], tile_off[e + 1])
-    tile_to_expert: torch.Tensor  # [num_tiles]
-    tile_num_rows: torch.Tensor  # [num_tiles], real rows of each tile (a prefix of the tile)
+    tile_to_expert: torch.Tensor  # [num_tiles] (spare tiles: -1)
+    tile_num_rows: torch.Tensor  # [num_tiles], real rows of each tile (a prefix of the tile; spare tiles: 0)
+    # int32 [2] on the schedule's device: (padded rows = expert_offsets[-1], ids outside [0, E) that were
+    # skipped: 0 unless built by make_schedule_cuda(..., sync=False)); the kernels read the row count here
+    counts: torch.Tensor | None = None
 
     @property
     def num_tiles(self) -> int:
+        """Tiles of the row arrays (spare tiles included)."""
         return self.num_rows // self.block_m
+
+    def trimmed(self) -> Schedule:
+        """This schedule without its spare rows: num_rows = expert_offsets[-1] (one host read when the
+        schedule has spare rows), every row and tile array cut to it: make_schedule's result."""
+        n = int(self.expert_offsets[-1])  # host sync on a GPU schedule
+        if n == self.num_rows:
+            return self
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw.update({name: kw[name][:n] for name in ROW_FIELDS}, num_rows=n)
+        kw.update({name: kw[name][: n // self.block_m] for name in TILE_FIELDS})
+        return Schedule(**kw)
+
+    def extended(self, num_rows: int) -> Schedule:
+        """This schedule with spare rows up to num_rows (a multiple of block_m, >= self.num_rows): the layout
+        of make_schedule_cuda(..., sync=False) with row arrays of num_rows entries (tests and twins)."""
+        check_int("num_rows", num_rows, self.num_rows)
+        if num_rows % self.block_m:
+            fail("num_rows", f"a multiple of block_m={self.block_m}", num_rows)
+        spare, spare_tiles = num_rows - self.num_rows, (num_rows - self.num_rows) // self.block_m
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+
+        def pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((n,), value)])  # [len(t) + n]
+
+        kw.update({name: pad(kw[name], spare, -1) for name in ROW_FIELDS}, num_rows=num_rows)
+        kw.update(tile_to_expert=pad(self.tile_to_expert, spare_tiles, -1),
+                  tile_num_rows=pad(self.tile_num_rows, spare_tiles, 0))
+        return Schedule(**kw)
 
     @property
     def num_routes(self) -> int:
@@ -61,8 +104,8 @@ class Schedule:
         """Bitwise equality of every field (tensors compared on CPU, so devices may differ)."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, torch.Tensor):
-                if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if a is None or b is None or a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
                     return False
             elif a != b:
                 return False
@@ -74,8 +117,14 @@ class Schedule:
 
 
 def max_num_rows(num_tokens: int, num_topk: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of `num_rows` for any routing: size for a row buffer allocated without a sync."""
-    return num_tokens * num_topk + num_experts * (block_m - 1)
+    """The most padded rows any routing of num_tokens x num_topk routes over num_experts experts needs: the
+    size of a row buffer allocated without a sync. Exact: a segment of c > 0 routes takes ceil(c / block_m)
+    <= (c + block_m - 1) / block_m tiles and at most b = min(E, T·K) segments are non-empty, so the tiles
+    number at most floor((T·K + b·(block_m - 1)) / block_m); b - 1 experts with one route each and the rest
+    on one more expert reach it. (The same formula as schedule_max_num_rows in csrc/include/mok/api.h.)"""
+    num_routes = num_tokens * num_topk
+    busy = min(num_experts, num_routes)  # experts that can have a segment
+    return (num_routes + busy * (block_m - 1)) // block_m * block_m
 
 
 def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
@@ -121,6 +170,7 @@ def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) 
     tile_to_expert = row_to_expert[::block_m].contiguous()  # [num_tiles]
     tile_num_rows = real.view(num_tiles, block_m).sum(dim=1)  # [num_tiles]
 
+    counts = torch.cat([expert_offsets[-1:], zero]).to(torch.int32)  # [2]: (num_rows, no bad ids)
     return Schedule(
         num_tokens=num_tokens,
         num_topk=num_topk,
@@ -138,6 +188,7 @@ def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) 
         tile_offsets=tile_offsets,
         tile_to_expert=tile_to_expert,
         tile_num_rows=tile_num_rows,
+        counts=counts,
     )
 
 

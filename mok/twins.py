@@ -5,6 +5,8 @@ Two uses: the GPU tests compare each kernel with its twin (tests/test_ops_gemm.p
 the whole `fused` level with every kernel replaced by its twin (tests/test_fused.py), which must give L0's
 bits exactly: that checks the level's wiring (schedules, saved state, gradient order) where CI has no GPU.
 The twins round where the kernels round (DESIGN §3); only the fp32 summation order differs from the kernels.
+The kernels never write a schedule's spare rows (mok.schedule; make_schedule_cuda(..., sync=False)): the
+twins fill them with NaN, so that a level reading them anywhere shows it in the CPU suite.
 The MXFP8 quantizer twins are the L0 spec itself (mok.mxfp8), which the kernels match bit for bit.
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from mok import mxfp8
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
-from mok.schedule import make_schedule, scatter_routes, segment
+from mok.schedule import make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
@@ -30,8 +32,15 @@ def _rows_of(sched, e: int) -> torch.Tensor:
     return torch.arange(start, start + int(sched.tokens_per_expert[e]), device=sched.row_to_token.device)  # [n]
 
 
+def _poison_spare(rows: torch.Tensor, sched) -> torch.Tensor:
+    """rows [num_rows, *] with its spare rows (from expert_offsets[-1] on) set to NaN, in place."""
+    rows[int(sched.expert_offsets[-1]):] = float("nan")  # what the kernels leave there is unspecified
+    return rows
+
+
 def _zeros(sched, width: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(sched.num_rows, width, dtype=BF16, device=like.device)  # [num_rows, width]
+    """[num_rows, width] bf16: zeros in the schedule's rows (padding included), NaN in its spare rows."""
+    return _poison_spare(torch.zeros(sched.num_rows, width, dtype=BF16, device=like.device), sched)
 
 
 def grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):
@@ -95,15 +104,17 @@ def grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms=None):
     return d_w
 
 
-def make_schedule_cuda(topk_idx, num_experts, block_m=128):
-    """The schedule: make_schedule itself (the kernel is bitwise equal to it)."""
-    return make_schedule(topk_idx, num_experts, block_m=block_m)
+def make_schedule_cuda(topk_idx, num_experts, block_m=128, sync=True):
+    """The schedule: make_schedule itself (the kernel is bitwise equal to it); sync=False: with spare rows up
+    to max_num_rows, as the kernel leaves it (bad ids raise here, at once: make_schedule's check)."""
+    sched = make_schedule(topk_idx, num_experts, block_m=block_m)
+    return sched if sync else sched.extended(max_num_rows(*topk_idx.shape, num_experts, block_m))
 
 
 def route_grads_prep(d_out, topk_weights, y_rows, sched):
     """(dy_rows [num_rows, H] bf16, d_topk_weights [T, K] fp32) as L0 computes them (mok.reference.moe_backward)."""
     d_topk_weights, dy_rows = route_grads(d_out, topk_weights, scatter_routes(y_rows, sched), sched)
-    return dy_rows, d_topk_weights
+    return _poison_spare(dy_rows, sched), d_topk_weights
 
 
 # ---- MXFP8 (mok.ops.quant): the kernels are bit-exact with mok.mxfp8 (tests/test_ops_quant.py) -------------------

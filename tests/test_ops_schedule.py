@@ -16,7 +16,7 @@ import torch
 from mok import ops
 from mok.bench import time_ms
 from mok.routing import check_topk_idx, hot_expert_routing, random_routing
-from mok.schedule import make_schedule
+from mok.schedule import ROW_FIELDS, make_schedule, max_num_rows
 from mok.testing import fresh_seed, poison_allocator
 
 
@@ -125,6 +125,60 @@ def test_make_schedule_cuda_equals_make_schedule(case):
     assert got.equal(expected), f"{case}: fields differ from make_schedule (seed {seed})"
     assert got.equal(ops.make_schedule_cuda(topk_idx, num_experts, block_m)), f"{case}: run to run (seed {seed})"
     _check_layout(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-T{}-E{}-K{}-bm{}".format(*c))
+def test_make_schedule_cuda_without_sync_is_make_schedule_plus_spare_rows(case):
+    """sync=False: no host sync; row arrays of max_num_rows entries, the real ones make_schedule's, the spare
+    ones -1 (tiles: expert -1, 0 rows); the real row count and 0 bad ids in counts, on the device."""
+    kind, num_tokens, num_experts, num_topk, block_m = case
+    seed = fresh_seed()
+    topk_idx = _routing(kind, num_tokens, num_experts, num_topk, seed).cuda()
+    expected = make_schedule(topk_idx, num_experts, block_m)
+    poison_allocator(64 * (topk_idx.numel() + num_experts * block_m), byte=0x55)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        got = ops.make_schedule_cuda(topk_idx, num_experts, block_m, sync=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    what = f"{case} (seed {seed})"
+    n, rows = expected.num_rows, max_num_rows(num_tokens, num_topk, num_experts, block_m)
+    assert got.num_rows == rows >= n, what
+    assert got.trimmed().equal(expected), f"{what}: the real rows differ from make_schedule"
+    assert got.counts.tolist() == [n, 0], what
+    for name in ROW_FIELDS:
+        assert bool((getattr(got, name)[n:] == -1).all()), f"{what}: spare {name}"
+    assert bool((got.tile_to_expert[n // block_m:] == -1).all() and (got.tile_num_rows[n // block_m:] == 0).all())
+    if block_m % ops.GEMM_BLOCK_M == 0:
+        row_to_token, tile_to_expert = got.gemm_tensors
+        assert row_to_token.numel() == rows and bool((row_to_token[n:] == -1).all()), what
+        assert tile_to_expert.numel() == rows // 128 and bool((tile_to_expert[n // 128:] == -1).all()), what
+        want = ops.gemm_schedule_tensors(expected, expected.route_to_row.device)
+        assert torch.equal(row_to_token[:n], want[0]) and torch.equal(tile_to_expert[:n // 128], want[1]), what
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("bad_id", [-1, 16, 2**40], ids=["minus-one", "E", "huge"])
+def test_make_schedule_cuda_without_sync_skips_and_counts_bad_ids(bad_id):
+    """sync=False does not raise: the bad routes get no row (route_to_row -1), counts[1] says how many, and
+    every other route is placed as usual (its row maps back to it)."""
+    topk_idx = _routing("uniform", 3000, 16, 8, fresh_seed()).cuda()
+    bad = [2999 * 8 + 7, 5 * 8 + 0, 6 * 8 + 0]  # the last route, and two in the first chunk
+    topk_idx.view(-1)[bad] = bad_id
+    got = ops.make_schedule_cuda(topk_idx, 16, sync=False)
+    assert got.counts[1].item() == len(bad)
+    route_to_row = got.route_to_row.reshape(-1).cpu()  # [T * K]
+    assert bool((route_to_row[bad] == -1).all())
+    good = torch.ones(route_to_row.numel(), dtype=torch.bool)
+    good[bad] = False
+    rows = route_to_row[good]
+    assert bool((rows >= 0).all() and (rows < got.counts[0].item()).all())
+    assert torch.equal(got.row_to_route.cpu()[rows], torch.arange(route_to_row.numel())[good])
+    assert got.counts[0].item() == int(got.expert_offsets[-1]) <= max_num_rows(3000, 8, 16, 128)
 
 
 @pytest.mark.gpu

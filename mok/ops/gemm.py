@@ -1,9 +1,11 @@
 """Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/l2_fused.md).
 
 Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
-multiple of the kernels' 128-row tile). Outputs stay in that row layout. Bitwise deterministic: every
-output is one fp32 sum over the full K in a fixed order, whatever `num_sms` (the persistent grid size;
-None = the device's SM count).
+multiple of the kernels' 128-row tile). Outputs stay in that row layout, `sched.num_rows` rows; the kernels
+run the schedule's real tiles only (their count read on the device from `sched.counts`), so the spare rows of
+a schedule built without a sync are left as allocated (torch.empty): never read, never written. Bitwise
+deterministic: every output is one fp32 sum over the full K in a fixed order, whatever `num_sms` (the
+persistent grid size; None = the device's SM count).
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
     tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
     tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
     return row_to_token, tile_to_expert.contiguous()
+
+
+def real_num_rows(sched, device) -> torch.Tensor | None:
+    """The schedule's device counts (int32 [2], entry 0 = its real padded rows) for the kernels that run over
+    its rows: they run the real tiles only, so spare rows (mok.schedule) are never read or written. None
+    (every row of the buffers) for a schedule without counts."""
+    counts = getattr(sched, "counts", None)
+    if counts is None:
+        return None
+    if counts.device != torch.device(device) or counts.dtype != torch.int32:
+        fail("sched.counts", f"int32 on {device} (the operands' device)", f"{counts.dtype} on {counts.device}")
+    return counts
 
 
 def _check_shape(name: str, t, expected: tuple, what: str) -> None:
@@ -89,8 +103,9 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert, h, gate, up,
-                                                     limit, swiglu_limit is not None, sms)
+    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert,
+                                                     real_num_rows(sched, x.device), h, gate, up, limit,
+                                                     swiglu_limit is not None, sms)
     return h, gate, up
 
 
@@ -108,7 +123,8 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     _check_devices(a_rows.device, a_rows=a_rows, w=w)
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
-    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert, out_rows, sms)
+    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert,
+                                                     real_num_rows(sched, a_rows.device), out_rows, sms)
     return out_rows
 
 
@@ -136,8 +152,9 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, dy_rows.device)  # [num_rows], [num_rows / 128]
     d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert, d_gate,
-                                                    d_up, h, limit, swiglu_limit is not None, sms)
+    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert,
+                                                    real_num_rows(sched, dy_rows.device), d_gate, d_up, h, limit,
+                                                    swiglu_limit is not None, sms)
     return d_gate, d_up, h
 
 
@@ -159,7 +176,7 @@ def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 128]
     dx_rows = torch.empty(sched.num_rows, w_gate.shape[2], dtype=torch.bfloat16, device=d_gate.device)
     load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
-                                                     dx_rows, sms)
+                                                     real_num_rows(sched, d_gate.device), dx_rows, sms)
     return dx_rows
 
 

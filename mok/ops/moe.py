@@ -7,7 +7,7 @@ import torch
 
 from mok.checks import check_int, fail
 from mok.ops.core import load_extension
-from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, real_num_rows
 from mok.routing import check_topk_idx
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
@@ -79,9 +79,11 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
 
 # ---- route schedule on the device (csrc/include/mok/moe/schedule.cuh) -----------------------------------
 # make_schedule_cuda = mok.schedule.make_schedule in three integer-only launches (counts per chunk of 1024
-# routes, a scan per expert, placement + row fill) and ONE host sync: the row arrays are allocated for
-# max_num_rows (no routing needs more), the kernels write the first num_rows entries, and a single read of
-# [num_rows, bad ids] at the end sizes the returned views. Every field is bitwise make_schedule's.
+# routes, a scan per expert, placement + row fill). The row arrays are allocated for max_num_rows (no routing
+# needs more) and the real padded row count and the bad-id count land in device memory (`counts`). With
+# sync=True one host read of them cuts the row arrays to make_schedule's, bit for bit, and raises on bad
+# ids; with sync=False nothing is read: the Schedule keeps max_num_rows rows (spare rows past the real ones,
+# which the kernels never touch) and the bad-id check is the caller's (mok.fused defers it).
 
 SCHEDULE_MAX_EXPERTS = 4096  # kScheduleMaxExperts (mok/api.h): per-warp expert cursors in shared memory
 _ALIGN = 256  # bytes: every carved array starts on its own allocation-like boundary
@@ -105,16 +107,20 @@ def _check_topk_idx_layout(topk_idx, num_experts: int) -> None:
     check_topk_idx(topk_idx[:0] if ok_shape else topk_idx, num_experts)
 
 
-def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
-    """mok.schedule.make_schedule on the GPU: the same Schedule, bit for bit (Schedule.equal), same errors.
+def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128, sync: bool = True) -> Schedule:
+    """mok.schedule.make_schedule on the GPU, from the same topk_idx the same bits (Schedule.equal).
 
     topk_idx: int64 CUDA `[num_tokens, num_topk]`, ids in [0, num_experts); duplicates allowed.
-    One host sync (reading num_rows and the number of bad ids together). The row arrays are views of
-    buffers sized for `max_num_rows` (a few MB at most; no copy). With block_m a multiple of 128 the result
-    also carries `gemm_tensors`, what `gemm_schedule_tensors(sched, device)` returns (int32 row_to_token
-    [num_rows], tile_to_expert per 128-row tile), written by the same launches; it is not a dataclass
-    field, so equality and `Schedule.to` ignore it. Beyond the kernels' limits (num_experts >
-    SCHEDULE_MAX_EXPERTS, or max_num_rows >= 2^31) it returns make_schedule's result.
+    sync=True: one host sync (reading num_rows and the number of bad ids together); make_schedule's Schedule
+    and errors. sync=False: no host sync at all; the Schedule has num_rows = max_num_rows(...) rows, the
+    spare ones past expert_offsets[-1] = counts[0] marked -1 (`Schedule.trimmed()` gives make_schedule's),
+    and ids outside [0, num_experts) are not raised here: those routes get no row (route_to_row -1: their
+    token's combine_rows output is NaN) and counts[1] counts them, for the caller to check.
+    The row arrays are views of buffers sized for `max_num_rows` (a few MB at most; no copy). With block_m a
+    multiple of 128 the result also carries `gemm_tensors`, what `gemm_schedule_tensors(sched, device)`
+    returns (int32 row_to_token [num_rows], tile_to_expert per 128-row tile), written by the same launches;
+    it is not a dataclass field, so equality and `Schedule.to` ignore it. Beyond the kernels' limits
+    (num_experts > SCHEDULE_MAX_EXPERTS, or max_num_rows >= 2^31) it returns make_schedule's result (syncs).
     """
     _check_topk_idx_layout(topk_idx, num_experts)
     check_int("block_m", block_m, 1)
@@ -129,17 +135,19 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
     v = _carve(torch.int64, {"tokens_per_expert": E, "padded_per_expert": E, "expert_offsets": E + 1,
                              "tile_offsets": E + 1, "route_to_row": num_tokens * num_topk, "row_to_token": rows,
                              "row_to_k": rows, "row_to_route": rows, "row_to_expert": rows,
-                             "tile_to_expert": rows // block_m, "tile_num_rows": rows // block_m, "info": 2}, device)
-    v32 = _carve(torch.int32, {"row_to_token": rows, "tile_to_expert": gemm_tiles}, device)
+                             "tile_to_expert": rows // block_m, "tile_num_rows": rows // block_m}, device)
+    v32 = _carve(torch.int32, {"row_to_token": rows, "tile_to_expert": gemm_tiles, "counts": 2}, device)
     load_extension().make_schedule(
         topk_idx.contiguous(), v["tokens_per_expert"], v["padded_per_expert"], v["expert_offsets"],
         v["tile_offsets"], v["route_to_row"], v["row_to_token"], v["row_to_k"], v["row_to_route"],
-        v["row_to_expert"], v["tile_to_expert"], v["tile_num_rows"], v["info"], v32["row_to_token"],
+        v["row_to_expert"], v["tile_to_expert"], v["tile_num_rows"], v32["counts"], v32["row_to_token"],
         v32["tile_to_expert"] if gemm_tiles else None, num_experts, block_m)
-    num_rows, num_bad = v["info"].tolist()  # the one host sync
-    if num_bad:
-        check_topk_idx(topk_idx, num_experts)  # raises its error, with the ids' min and max
-        raise AssertionError(f"make_schedule_cuda: {num_bad} ids outside [0, {num_experts}) not seen by the check")
+    num_rows = rows  # row arrays of max_num_rows entries, spare rows included
+    if sync:
+        num_rows, num_bad = v32["counts"].tolist()  # the one host sync
+        if num_bad:
+            check_topk_idx(topk_idx, num_experts)  # raises its error, with the ids' min and max
+            raise AssertionError(f"make_schedule_cuda: {num_bad} ids outside [0, {num_experts}) not seen by the check")
     num_tiles = num_rows // block_m
     sched = Schedule(
         num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
@@ -148,7 +156,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
         row_to_k=v["row_to_k"][:num_rows], row_to_route=v["row_to_route"][:num_rows],
         row_to_expert=v["row_to_expert"][:num_rows], route_to_row=v["route_to_row"].view(num_tokens, num_topk),
         tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"][:num_tiles],
-        tile_num_rows=v["tile_num_rows"][:num_tiles])
+        tile_num_rows=v["tile_num_rows"][:num_tiles], counts=v32["counts"])
     if gemm_tiles:
         sched.gemm_tensors = (v32["row_to_token"][:num_rows], v32["tile_to_expert"][:num_rows // GEMM_BLOCK_M])
     return sched
@@ -167,7 +175,8 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     Σ_h fp32(d_out[t, h]) · fp32(y_rows[route_to_row[t, k], h]) in a fixed order (not torch's: agrees with
     L0 to a few fp32 roundings, identical bits run to run). d_out bf16 [num_tokens, hidden] (hidden % 8 == 0);
     topk_weights fp32 [num_tokens, num_topk]; y_rows bf16 [num_rows, hidden]; sched from make_schedule(_cuda)
-    on their device (its route_to_row is trusted: no host sync; a row id out of range gives NaN)."""
+    on their device (its route_to_row is trusted: no host sync; a row id out of range gives NaN). Tiles past
+    the schedule's real rows (sched.counts[0]: spare rows) are neither read nor written."""
     if not isinstance(sched, Schedule):
         fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
     num_tokens, num_topk = sched.num_tokens, sched.num_topk
@@ -186,6 +195,6 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
         _check_on_device(name, t, y_rows.device, vector_rows)
     dy_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_rows, hidden]
     d_topk_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y_rows.device)  # [T, K]
-    load_extension().route_grads_prep(d_out, topk_weights, y_rows, sched.route_to_row, sched.tile_num_rows, dy_rows,
-                                      d_topk_weights, sched.block_m)
+    load_extension().route_grads_prep(d_out, topk_weights, y_rows, sched.route_to_row, sched.tile_num_rows,
+                                      real_num_rows(sched, y_rows.device), dy_rows, d_topk_weights, sched.block_m)
     return dy_rows, d_topk_weights

@@ -29,38 +29,44 @@ cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void*
 // Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
 // [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
 // k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
-// results are bitwise the same for any value).
+// results are bitwise the same for any value). num_rows is the row buffers' size; real_num_rows (int32 [1],
+// a multiple of 128, written on the device by the schedule; null: num_rows) is the schedule's real padded
+// row count: the row-wise kernels run its tiles only, so rows past it are never read or written.
 
 // GEMM1 with fused dispatch and SwiGLU: x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate,
 // hidden]; h, gate, up [num_rows, intermediate] (zeros in padding rows).
 cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* h,
-                                            void* gate, void* up, int64_t num_rows, int64_t hidden,
-                                            int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                            bool has_limit, int num_sms, cudaStream_t stream);
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                            const int32_t* real_num_rows, void* h, void* gate, void* up,
+                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                            cudaStream_t stream);
 
 // GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
 // out [num_rows, n]; padding rows (row_to_token = -1) of out are zeros.
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
-                                            const int32_t* tile_to_expert, void* out, int64_t num_rows, int64_t n,
-                                            int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream);
+                                            const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
+                                            int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
+                                            cudaStream_t stream);
 
 // Backward, dgrad of the down projection with the SwiGLU backward in the epilogue: d_h = bf16(dy_rows[r] ·
 // w_down[e]) (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows,
 // intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and
 // h = bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* tile_to_expert, void* d_gate,
-                                           void* d_up, void* h, int64_t num_rows, int64_t hidden,
-                                           int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                           bool has_limit, int num_sms, cudaStream_t stream);
+                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
+                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                           cudaStream_t stream);
 
 // Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]),
 // one fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert, void* dx_rows,
-                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                            int64_t num_experts, int num_sms, cudaStream_t stream);
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                            const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
+                                            int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
+                                            cudaStream_t stream);
 
 // Weight gradients, a k-grouped GEMM: d_w[e] [m, n] = bf16(Σ_r a_rows[r]ᵀ · b_rows[r]) over the rows r of
 // expert e's segment [expert_offsets[e], expert_offsets[e + 1]) (int32, multiples of 128; padding rows zero);
@@ -82,12 +88,23 @@ cudaError_t combine_rows(const void* y_rows, const void* route_to_row, bool rout
 
 // ---- route schedule on the device (csrc/schedule.cu) ----------------------------------------------------
 // mok/schedule.py's make_schedule as three launches (csrc/include/mok/moe/schedule.cuh), no host sync: the
-// row arrays are sized for max_num_rows = T·K + E·(block_m − 1) and the first num_rows entries written;
-// info[0] = num_rows, info[1] = number of topk_idx entries outside [0, num_experts) (routes that were
-// skipped: the caller raises). Every field int64 as in mok.schedule.Schedule, plus int32 copies for the GEMMs.
+// row arrays are sized for max_num_rows (a multiple of block_m, at least schedule_max_num_rows); the first
+// num_rows entries hold the schedule, the rest are spare rows (-1 everywhere, tile_num_rows 0).
+// counts[0] = num_rows, counts[1] = number of topk_idx entries outside [0, num_experts): those routes are
+// skipped, their route_to_row is -1 (combine_rows then gives their token NaN), and the caller raises.
+// Every field int64 as in mok.schedule.Schedule, plus int32 copies for the GEMMs.
 
 constexpr int64_t kScheduleChunkRoutes = 1024;  // routes per chunk (scratch: [ceil(T·K / 1024), E + 1] int32)
 constexpr int64_t kScheduleMaxExperts = 4096;   // E counters per warp in shared memory (mok.ops falls back above)
+
+// The most rows any routing of num_routes routes over num_experts experts needs (mok.schedule.max_num_rows):
+// a segment of c > 0 routes takes ceil(c / block_m) <= (c + block_m − 1) / block_m tiles and at most
+// min(E, routes) segments are non-empty, so the tiles number at most floor((routes + min(E, routes)·(block_m − 1))
+// / block_m); attained by min(E, routes) − 1 experts with one route each and the rest on one more expert.
+constexpr int64_t schedule_max_num_rows(int64_t num_routes, int64_t num_experts, int64_t block_m) {
+  const int64_t busy = num_experts < num_routes ? num_experts : num_routes;
+  return (num_routes + busy * (block_m - 1)) / block_m * block_m;
+}
 
 struct ScheduleOutputs {
   int64_t* tokens_per_expert;    // [E]
@@ -95,13 +112,13 @@ struct ScheduleOutputs {
   int64_t* expert_offsets;       // [E + 1]
   int64_t* tile_offsets;         // [E + 1]
   int64_t* route_to_row;         // [T · K]
-  int64_t* row_to_token;         // [max_num_rows], -1 in padding rows
-  int64_t* row_to_k;             // [max_num_rows], -1 in padding rows
-  int64_t* row_to_route;         // [max_num_rows], -1 in padding rows
-  int64_t* row_to_expert;        // [max_num_rows]
-  int64_t* tile_to_expert;       // [max_num_rows / block_m]
-  int64_t* tile_num_rows;        // [max_num_rows / block_m]
-  int64_t* info;                 // [2]: num_rows, bad ids
+  int64_t* row_to_token;         // [max_num_rows], -1 in padding and spare rows
+  int64_t* row_to_k;             // [max_num_rows], -1 in padding and spare rows
+  int64_t* row_to_route;         // [max_num_rows], -1 in padding and spare rows
+  int64_t* row_to_expert;        // [max_num_rows], -1 in spare rows
+  int64_t* tile_to_expert;       // [max_num_rows / block_m], -1 for spare tiles
+  int64_t* tile_num_rows;        // [max_num_rows / block_m], 0 for spare tiles
+  int32_t* counts;               // [2]: num_rows (the real padded row count), ids outside [0, E)
   int32_t* row_to_token_i32;     // [max_num_rows], the GEMMs' row_to_token
   int32_t* gemm_tile_to_expert;  // [max_num_rows / 128], the GEMMs' per-128-row tiles; null: not written
 };
@@ -116,13 +133,15 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
 // dy_rows (tile i: rows from tile_num_rows[i] on) are zeros. d_out bf16 [num_tokens, hidden]; topk_weights,
 // d_topk_weights fp32 [num_tokens, num_topk]; route_to_row, tile_num_rows int64 (a Schedule's); y_rows,
 // dy_rows bf16 [num_rows, hidden]. hidden % 8 == 0, 16-byte aligned rows; num_topk <= kRouteGradsMaxTopk.
-// A row id outside [0, num_rows) is not touched; its d_topk_weights entry is NaN.
+// A row id outside [0, num_rows) is not touched; its d_topk_weights entry is NaN. real_num_rows: as for the
+// GEMMs (int32 [1] or null): tiles from real_num_rows / block_m on are not touched.
 
 constexpr int64_t kRouteGradsMaxTopk = 1024;
 
 cudaError_t route_grads_prep(const void* d_out, const float* topk_weights, const void* y_rows,
-                             const int64_t* route_to_row, const int64_t* tile_num_rows, void* dy_rows,
-                             float* d_topk_weights, int64_t num_tokens, int64_t num_topk, int64_t num_rows,
-                             int64_t hidden, int64_t block_m, cudaStream_t stream);
+                             const int64_t* route_to_row, const int64_t* tile_num_rows,
+                             const int32_t* real_num_rows, void* dy_rows, float* d_topk_weights, int64_t num_tokens,
+                             int64_t num_topk, int64_t num_rows, int64_t hidden, int64_t block_m,
+                             cudaStream_t stream);
 
 }  // namespace mok

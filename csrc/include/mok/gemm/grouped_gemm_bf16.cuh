@@ -118,13 +118,15 @@ struct Params {
   uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
   uint16_t* up;                    // kGateUp: up out [num_rows, n]
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
-  int num_rows;                    // rows of the schedule, a multiple of BLOCK_M
+  const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of BLOCK_M),
+                                   // written on the device; null = num_rows. Tiles past it are never run.
+  int num_rows;                    // rows of the row buffers, a multiple of BLOCK_M
   int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
   int n;                           // output columns (intermediate for GEMM1, hidden for GEMM2), % 8 == 0
   int k;                           // reduction length, % 8 == 0 (kGateUpDgrad: of each half, = intermediate;
                                    // kWeightGrad: unused, K is each expert's rows)
   int num_m_tiles, num_n_tiles;    // tiles per output matrix: ceil(rows / BLOCK_M), ceil(n / kTaskN)
-  int num_tasks;
+  int num_tasks;                   // the most tasks (row-wise kinds: num_rows' tiles); see num_tasks_of
   float swiglu_limit;              // used when has_limit
   int has_limit;
 };
@@ -164,6 +166,17 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
   } else {
     return {mt, n_tile, p.tile_to_expert[mt], 0, num_k_blocks};
   }
+}
+
+// The tasks this launch runs. Row-wise kinds: the m tiles of the schedule's real rows, read once at kernel
+// start from device memory (the host sized the row buffers and the grid by a static bound without a sync;
+// tasks are m-major, so the first real_tiles · num_n_tiles tasks are exactly the real tiles'). k-grouped
+// kinds: static, experts × m tiles × n tiles (each task's K comes from expert_offsets).
+template <Gemm kGemm>
+MOK_DEVICE int num_tasks_of(const Params& p) {
+  if (is_k_grouped(kGemm) || p.real_num_rows == nullptr) return p.num_tasks;
+  const int real_tasks = (*p.real_num_rows / BLOCK_M) * p.num_n_tiles;
+  return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
@@ -443,7 +456,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
-  const int num_tasks = p.num_tasks;
+  const int num_tasks = num_tasks_of<kGemm>(p);  // every thread reads the same 4 bytes: one load per warp
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<kProducerRegs>();

@@ -58,16 +58,19 @@ MOK_DEVICE float warp_sum_butterfly(float v) {
 
 // ---- kernel --------------------------------------------------------------------------------------------------
 // CTAs [0, num_tokens): one token each. CTAs [num_tokens, num_tokens + num_tiles): tile i zeros its padding
-// rows, [i·block_m + tile_num_rows[i], (i + 1)·block_m), one contiguous range.
+// rows, [i·block_m + tile_num_rows[i], (i + 1)·block_m), one contiguous range; tiles from *real_num_rows on
+// (the schedule's spare rows, when the row buffers are sized by a bound) exit untouched.
 
 __global__ void __launch_bounds__(kRouteGradsThreads)
     route_grads_kernel(const uint4* __restrict__ d_out, const float* __restrict__ topk_weights,
                        const uint4* __restrict__ y_rows, const int64_t* __restrict__ route_to_row,
-                       const int64_t* __restrict__ tile_num_rows, uint4* __restrict__ dy_rows,
+                       const int64_t* __restrict__ tile_num_rows, const int32_t* __restrict__ real_num_rows,
+                       uint4* __restrict__ dy_rows,
                        float* __restrict__ d_topk_weights, int64_t num_tokens, int num_topk, int64_t num_rows,
                        int64_t vecs_per_row, int64_t block_m) {
   if (blockIdx.x >= num_tokens) {  // ---- padding rows of one tile ----
     const int64_t tile = blockIdx.x - num_tokens;
+    if (real_num_rows != nullptr && tile * block_m >= *real_num_rows) return;
     const int64_t first = (tile * block_m + tile_num_rows[tile]) * vecs_per_row;
     const int64_t last = (tile + 1) * block_m * vecs_per_row;
     for (int64_t v = first + threadIdx.x; v < last; v += kRouteGradsThreads) st_v4(dy_rows + v, make_uint4(0, 0, 0, 0));
@@ -123,7 +126,8 @@ __global__ void __launch_bounds__(kRouteGradsThreads)
 // Shapes and alignment as in mok/api.h (checked in mok/ops/); num_tiles = num_rows / block_m.
 
 inline cudaError_t launch_route_grads(const void* d_out, const float* topk_weights, const void* y_rows,
-                                      const int64_t* route_to_row, const int64_t* tile_num_rows, void* dy_rows,
+                                      const int64_t* route_to_row, const int64_t* tile_num_rows,
+                                      const int32_t* real_num_rows, void* dy_rows,
                                       float* d_topk_weights, int64_t num_tokens, int64_t num_topk, int64_t num_rows,
                                       int64_t hidden, int64_t block_m, cudaStream_t stream) {
   if (hidden % kRouteGradsVecElems != 0 || num_topk < 1 || num_topk > kRouteGradsMaxTopk || block_m < 1 ||
@@ -135,7 +139,7 @@ inline cudaError_t launch_route_grads(const void* d_out, const float* topk_weigh
   const size_t smem = kRouteGradsWarps * num_topk * sizeof(float);
   route_grads_kernel<<<static_cast<unsigned>(num_blocks), kRouteGradsThreads, smem, stream>>>(
       static_cast<const uint4*>(d_out), topk_weights, static_cast<const uint4*>(y_rows), route_to_row, tile_num_rows,
-      static_cast<uint4*>(dy_rows), d_topk_weights, num_tokens, static_cast<int>(num_topk), num_rows,
+      real_num_rows, static_cast<uint4*>(dy_rows), d_topk_weights, num_tokens, static_cast<int>(num_topk), num_rows,
       hidden / kRouteGradsVecElems, block_m);
   return cudaGetLastError();
 }

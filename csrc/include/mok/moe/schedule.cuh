@@ -10,7 +10,10 @@
 //             (exclusive prefix over c, in place); tokens_per_expert / padded_per_expert; CTA E the bad ids.
 //   3. place  every CTA scans the E padded counts (segment starts, num_rows) in shared memory, then either
 //             places one chunk (row = segment start + chunk base + rank among the chunk's earlier routes of
-//             the same expert) or fills a range of rows (row_to_expert, -1 in padding rows, tile fields).
+//             the same expert) or fills a range of rows (row_to_expert, -1 in padding rows, tile fields),
+//             spare rows past num_rows included (up to max_num_rows: -1 everywhere, tile_num_rows 0).
+// num_rows and the bad-id count land in counts (int32, device memory): nothing here needs a host read, and
+// the kernels that run over schedule rows read num_rows from there (the row buffers have max_num_rows rows).
 // Bytes: topk_idx read twice (8·T·K each), route_to_row + 4 row arrays written once (8 bytes per entry),
 // a [num_chunks, E + 1] int32 scratch; a few microseconds at the standard shapes (docs/l2_fused.md).
 #pragma once
@@ -30,6 +33,7 @@ constexpr int kScanItems = 4;                                         // values 
 constexpr int kFillRowsPerThread = 4;
 constexpr int kFillRows = kFillRowsPerThread * kScheduleThreads;      // rows per fill CTA
 constexpr int kGemmTileRows = 128;                                    // the GEMMs' kernel tile (ops.GEMM_BLOCK_M)
+constexpr int kBadRoute = -2;  // place: a route whose expert id is outside [0, E) (-1: past the last route)
 static_assert(kScheduleThreads % kWarpSize == 0, "whole warps: a warp places 128 consecutive routes");
 static_assert(kRoutesPerWarp * kScheduleWarps == kScheduleChunkRoutes,
               "a placement CTA's warps cover exactly one chunk of the count kernel");
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
     out.tokens_per_expert[e] = total;
     out.padded_per_expert[e] = ceil_div(total, block_m) * block_m;  // 0 stays 0
   } else {
-    out.info[1] = total;
+    out.counts[1] = total;
   }
 }
 
@@ -129,7 +133,7 @@ MOK_DEVICE void place_chunk(const int64_t* __restrict__ topk_idx, const int32_t*
   for (int i = threadIdx.x; i < kScheduleWarps * num_experts; i += kScheduleThreads) s_cursor[i] = 0;
   __syncthreads();
 
-  // ---- this warp's histogram (ids outside [0, E) were counted as bad and are skipped: -1) ----
+  // ---- this warp's histogram (ids outside [0, E) were counted as bad and are skipped: kBadRoute) ----
   int32_t* cursor = s_cursor + warp * num_experts;  // [E]
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kScheduleChunkRoutes + warp * kRoutesPerWarp;
   int expert[kRoutesPerLane];
@@ -137,7 +141,7 @@ MOK_DEVICE void place_chunk(const int64_t* __restrict__ topk_idx, const int32_t*
   for (int j = 0; j < kRoutesPerLane; ++j) {
     const int64_t route = first + j * kWarpSize + lane;
     const int64_t id = route < num_routes ? topk_idx[route] : -1;
-    expert[j] = id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+    expert[j] = id >= 0 && id < num_experts ? static_cast<int>(id) : (route < num_routes ? kBadRoute : -1);
     if (expert[j] >= 0) atomicAdd(&cursor[expert[j]], 1);
   }
   __syncthreads();
@@ -165,9 +169,12 @@ MOK_DEVICE void place_chunk(const int64_t* __restrict__ topk_idx, const int32_t*
     __syncwarp();
     if (e >= 0 && rank == 0) cursor[e] += __popc(peers);  // the group's lowest lane advances the cursor
     __syncwarp();
-    if (e < 0) continue;
     // 32-bit division: route < T·K < 2^31 (the launcher checks), and no 64-bit division subroutine
     const uint32_t route = static_cast<uint32_t>(first + j * kWarpSize + lane);
+    if (e < 0) {  // a bad id has no row: -1, so that combine_rows makes its token NaN (never another row)
+      if (e == kBadRoute) out.route_to_row[route] = -1;
+      continue;
+    }
     const uint32_t token = route / static_cast<uint32_t>(num_topk);
     out.route_to_row[route] = row;
     out.row_to_route[row] = route;
@@ -177,16 +184,34 @@ MOK_DEVICE void place_chunk(const int64_t* __restrict__ topk_idx, const int32_t*
   }
 }
 
-// Rows [fill·kFillRows, +kFillRows) ∩ [0, num_rows): the expert of each row (its segment: the last e with
-// start ≤ row), -1 in padding rows, and the tile fields at each tile's first row.
+// Spare row (num_rows <= row < max_num_rows): no route and no expert; its tile, if it starts one, runs no rows.
+MOK_DEVICE void fill_spare_row(int row, int block_m, ScheduleOutputs out) {
+  out.row_to_token[row] = -1;
+  out.row_to_k[row] = -1;
+  out.row_to_route[row] = -1;
+  out.row_to_expert[row] = -1;
+  out.row_to_token_i32[row] = -1;
+  if (row % block_m == 0) {
+    out.tile_to_expert[row / block_m] = -1;
+    out.tile_num_rows[row / block_m] = 0;
+  }
+  if (out.gemm_tile_to_expert != nullptr && row % kGemmTileRows == 0) out.gemm_tile_to_expert[row / kGemmTileRows] = -1;
+}
+
+// Rows [fill·kFillRows, +kFillRows) ∩ [0, max_num_rows): the expert of each row (its segment: the last e with
+// start ≤ row), -1 in padding rows, and the tile fields at each tile's first row; spare rows past num_rows.
 // Rows and block_m are below 2^31 (the launcher checks): 32-bit divisions.
-MOK_DEVICE void fill_rows(int fill, int num_experts, int block_m, const int32_t* s_offsets,
+MOK_DEVICE void fill_rows(int fill, int num_experts, int block_m, int max_num_rows, const int32_t* s_offsets,
                           const int32_t* s_tokens, ScheduleOutputs out) {
   const int num_rows = s_offsets[num_experts];
 #pragma unroll
   for (int j = 0; j < kFillRowsPerThread; ++j) {
     const int row = fill * kFillRows + j * kScheduleThreads + static_cast<int>(threadIdx.x);
-    if (row >= num_rows) break;
+    if (row >= max_num_rows) break;
+    if (row >= num_rows) {
+      fill_spare_row(row, block_m, out);
+      continue;
+    }
     int lo = 0, hi = num_experts - 1;  // binary search; invariant: s_offsets[lo] <= row
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -215,7 +240,7 @@ MOK_DEVICE void fill_rows(int fill, int num_experts, int block_m, const int32_t*
 __global__ void __launch_bounds__(kScheduleThreads)
     schedule_place_kernel(const int64_t* __restrict__ topk_idx, const int32_t* __restrict__ chunk_bases,
                           int64_t num_routes, int num_topk, int num_experts, int64_t block_m, int64_t num_chunks,
-                          ScheduleOutputs out) {
+                          int max_num_rows, ScheduleOutputs out) {
   extern __shared__ int32_t smem[];
   int32_t* s_offsets = smem;                       // [E + 1] segment starts, then num_rows
   int32_t* s_tokens = s_offsets + num_experts + 1;  // [E] real routes per expert
@@ -235,26 +260,28 @@ __global__ void __launch_bounds__(kScheduleThreads)
       out.expert_offsets[e] = s_offsets[e];
       out.tile_offsets[e] = s_offsets[e] / static_cast<int>(block_m);
     }
-    if (threadIdx.x == 0) out.info[0] = num_rows;
+    if (threadIdx.x == 0) out.counts[0] = num_rows;
   }
   if (blockIdx.x < num_chunks) {
     place_chunk(topk_idx, chunk_bases, num_routes, num_topk, num_experts, s_offsets, s_cursor, out);
   } else {
-    fill_rows(static_cast<int>(blockIdx.x - num_chunks), num_experts, static_cast<int>(block_m), s_offsets,
-              s_tokens, out);
+    fill_rows(static_cast<int>(blockIdx.x - num_chunks), num_experts, static_cast<int>(block_m), max_num_rows,
+              s_offsets, s_tokens, out);
   }
 }
 
 // ---- host launcher ------------------------------------------------------------------------------------------------
 // topk_idx int64 [num_tokens, num_topk]; chunk_counts int32 scratch [ceil(T·K / kScheduleChunkRoutes), E + 1];
-// the outputs as mok/api.h's ScheduleOutputs describes them, row arrays sized for max_num_rows.
+// the outputs as mok/api.h's ScheduleOutputs describes them, row arrays sized for max_num_rows (a multiple of
+// block_m, at least schedule_max_num_rows: no routing overflows it).
 
 inline cudaError_t launch_make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                                         int64_t num_experts, int64_t block_m, int64_t max_num_rows,
                                         const ScheduleOutputs& out, int32_t* chunk_counts, cudaStream_t stream) {
   const int64_t num_routes = num_tokens * num_topk;
   if (num_topk < 1 || num_experts < 1 || num_experts > kScheduleMaxExperts || block_m < 1 || num_tokens < 0 ||
-      max_num_rows >= (int64_t{1} << 31) || num_routes + num_experts * (block_m - 1) > max_num_rows)
+      max_num_rows >= (int64_t{1} << 31) || max_num_rows % block_m != 0 ||
+      max_num_rows < schedule_max_num_rows(num_routes, num_experts, block_m))
     return cudaErrorInvalidValue;
   const int num_e = static_cast<int>(num_experts);
   const int64_t num_chunks = ceil_div(num_routes, kScheduleChunkRoutes);
@@ -274,7 +301,8 @@ inline cudaError_t launch_make_schedule(const int64_t* topk_idx, int64_t num_tok
     if (status != cudaSuccess) return status;
   }
   schedule_place_kernel<<<static_cast<unsigned>(num_chunks + fill_blocks), kScheduleThreads, smem, stream>>>(
-      topk_idx, chunk_counts, num_routes, static_cast<int>(num_topk), num_e, block_m, num_chunks, out);
+      topk_idx, chunk_counts, num_routes, static_cast<int>(num_topk), num_e, block_m, num_chunks,
+      static_cast<int>(max_num_rows), out);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,8 @@
 // The SwiGLU backward over the schedule's rows, after the down-projection dgrad GEMM (kDownDgrad):
 //   (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h[r])), h[r] = bf16(swiglu(gate[r], up[r]))
 // with padding rows (row_to_token[r] < 0) written as zeros whatever the inputs hold. d_h may be d_gate's own
-// buffer (in place: each thread reads its 8 elements before it writes them).
+// buffer (in place: each thread reads its 8 elements before it writes them). Rows from *real_num_rows on (the
+// schedule's spare rows; null: none) are neither read nor written.
 //
 // NOTE: this ran inside the GEMM's epilogue until 2ed96d2, where it made the GEMM 2-4x slower than the same
 // GEMM without it (0.26-0.47 of a dense GEMM, `python -m mok.bench parts`, not understood: docs/l2_fused.md).
@@ -18,8 +19,10 @@ constexpr int kSwiGLUThreads = 256;
 // One 16-byte vector (8 columns) per thread per step, grid-stride over rows x (n / 8) vectors.
 __global__ void __launch_bounds__(kSwiGLUThreads)
     swiglu_backward_rows_kernel(const uint16_t* d_h, const uint16_t* gate, const uint16_t* up,
-                                const int32_t* row_to_token, uint16_t* d_gate, uint16_t* d_up, uint16_t* h,
-                                int64_t num_rows, int64_t n, float limit, bool has_limit) {
+                                const int32_t* row_to_token, const int32_t* real_num_rows, uint16_t* d_gate,
+                                uint16_t* d_up, uint16_t* h, int64_t num_rows, int64_t n, float limit,
+                                bool has_limit) {
+  if (real_num_rows != nullptr && *real_num_rows < num_rows) num_rows = *real_num_rows < 0 ? 0 : *real_num_rows;
   const int64_t vecs_per_row = n / 8, num_vecs = num_rows * vecs_per_row;
   for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vecs;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -49,11 +52,12 @@ __global__ void __launch_bounds__(kSwiGLUThreads)
   }
 }
 
-// rows = the schedule's num_rows; n = intermediate (% 8 == 0); every pointer 16-byte aligned.
+// rows = the row buffers' rows (the grid is sized for them); real_num_rows: int32 [1] on the device or null;
+// n = intermediate (% 8 == 0); every pointer 16-byte aligned.
 inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate, const void* up,
-                                               const int32_t* row_to_token, void* d_gate, void* d_up, void* h,
-                                               int64_t num_rows, int64_t n, float limit, bool has_limit,
-                                               cudaStream_t stream) {
+                                               const int32_t* row_to_token, const int32_t* real_num_rows,
+                                               void* d_gate, void* d_up, void* h, int64_t num_rows, int64_t n,
+                                               float limit, bool has_limit, cudaStream_t stream) {
   if (n % 8 != 0) return cudaErrorInvalidValue;
   const int64_t num_vecs = num_rows * (n / 8);
   if (num_vecs == 0) return cudaSuccess;
@@ -65,8 +69,8 @@ inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate
   const int grid = static_cast<int>(blocks_needed < resident ? blocks_needed : resident);
   swiglu_backward_rows_kernel<<<grid, kSwiGLUThreads, 0, stream>>>(
       static_cast<const uint16_t*>(d_h), static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
-      row_to_token, static_cast<uint16_t*>(d_gate), static_cast<uint16_t*>(d_up), static_cast<uint16_t*>(h),
-      num_rows, n, limit, has_limit);
+      row_to_token, real_num_rows, static_cast<uint16_t*>(d_gate), static_cast<uint16_t*>(d_up),
+      static_cast<uint16_t*>(h), num_rows, n, limit, has_limit);
   return cudaGetLastError();
 }
 

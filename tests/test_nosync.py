@@ -1,0 +1,329 @@
+"""No host sync in the L2 `fused` passes: the static row bound, spare rows, and the deferred bad-id check.
+
+CPU: `max_num_rows` is the most padded rows any routing needs (against a brute force over every routing of
+small problems); a schedule with spare rows (`Schedule.extended`) trims back to make_schedule's and works
+with the L0 helpers; the level's wiring on the L0 twins, whose spare rows are NaN (what the kernels leave
+there is unspecified), gives L0's bits on irregular routings (empty experts, one hot expert), so nothing reads
+a spare row; mok.bad_ids raises only once a count has landed; mok.moe reads the ids on the host only with
+check=True or on a level that does not check them on the device.
+GPU (Hopper): the fused forward and backward give the same bits with the no-sync schedule as with a synced
+one (the level before this change) on irregular shapes, in both precisions; neither pass syncs
+(torch.cuda.set_sync_debug_mode("error")); the row-wise kernels leave spare rows untouched; a bad expert id on
+the default path (mok.moe, backend auto) makes its tokens NaN and raises ValueError from the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+
+import pytest
+import torch
+
+import mok
+from mok import bad_ids, fused, ops, testing, twins
+from mok import reference as L0
+from mok.config import STANDARD_SHAPES, TINY_SHAPES
+from mok.routing import hot_expert_routing, random_routing
+from mok.schedule import ROW_FIELDS, TILE_FIELDS, gather_rows, make_schedule, max_num_rows, scatter_routes
+from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_args, run_level
+
+# ---- the static bound --------------------------------------------------------------------------------------
+
+
+def _most_rows(num_routes: int, num_experts: int, block_m: int) -> int:
+    """The most padded rows over every way to spread num_routes routes over num_experts experts (brute force)."""
+    best = 0
+    for counts in itertools.product(range(num_routes + 1), repeat=num_experts):
+        if sum(counts) == num_routes:
+            best = max(best, sum(math.ceil(c / block_m) * block_m for c in counts))
+    return best
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 3, 4, 128])
+@pytest.mark.parametrize("num_experts", [1, 2, 3, 4])
+def test_max_num_rows_is_the_most_any_routing_needs(num_experts, block_m):
+    """Exact (not just a bound) for every routes count up to 9, including fewer routes than experts."""
+    for num_routes in range(10):
+        got = max_num_rows(num_routes, 1, num_experts, block_m)
+        assert got == _most_rows(num_routes, num_experts, block_m), (num_routes, num_experts, block_m)
+        assert got % block_m == 0
+        assert got <= num_routes + num_experts * (block_m - 1)  # never above the simple bound
+
+
+def test_max_num_rows_at_the_standard_shapes():
+    """qwen3-30b: 65,536 routes + 128 experts × 127 rows of padding at most; dsv4pro's (48 experts) likewise."""
+    assert max_num_rows(8192, 8, 128, 128) == 65536 + 128 * 127
+    assert max_num_rows(2048, 6, 48, 128) == (12288 + 48 * 127) // 128 * 128
+    assert max_num_rows(3, 1, 100, 128) == 3 * 128  # 3 routes fill at most 3 tiles, however many experts
+
+
+# ---- spare rows --------------------------------------------------------------------------------------------
+
+
+def _irregular_routing(kind: str):
+    """routing_fn(T, E, K, g) for mok.testing.make_inputs: one hot expert, or most experts empty."""
+    if kind == "hot":
+        return lambda T, E, K, g: hot_expert_routing(T, E, K, hot_expert=E - 1, hot_fraction=0.97, generator=g)
+    return lambda T, E, K, g: random_routing(T, min(E, K + 1), K, generator=g)  # experts K + 1.. stay empty
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 128])
+def test_extended_schedule_trims_back_and_marks_spare_rows(block_m):
+    g = torch.Generator().manual_seed(fresh_seed())
+    topk_idx, _ = random_routing(37, 9, 3, skew=1.0, generator=g)  # [37, 3]
+    sched = make_schedule(topk_idx, 9, block_m)
+    assert sched.counts.dtype == torch.int32 and sched.counts.tolist() == [sched.num_rows, 0]
+    rows = max_num_rows(37, 3, 9, block_m)
+    ext = sched.extended(rows)
+    assert ext.num_rows == rows and ext.num_tiles == rows // block_m
+    assert not ext.equal(sched) or rows == sched.num_rows
+    assert ext.trimmed().equal(sched)
+    n = sched.num_rows
+    for name in ROW_FIELDS:
+        assert getattr(ext, name).shape == (rows,) and bool((getattr(ext, name)[n:] == -1).all()), name
+    assert bool((ext.tile_to_expert[n // block_m:] == -1).all() and (ext.tile_num_rows[n // block_m:] == 0).all())
+    assert all(getattr(ext, name).shape == (rows // block_m,) for name in TILE_FIELDS)
+    x = torch.randn(37, 8).to(torch.bfloat16)  # [T, H]
+    x_rows = gather_rows(x, ext)  # [rows, H]
+    assert torch.equal(x_rows[:n], gather_rows(x, sched)) and bool((x_rows[n:] == 0).all())
+    assert torch.equal(scatter_routes(x_rows, ext), scatter_routes(x_rows[:n], sched))
+    if block_m > 1:
+        with pytest.raises(ValueError, match="num_rows: expected a multiple of block_m"):
+            sched.extended(rows + 1)
+    with pytest.raises(ValueError, match="num_rows: expected an int in"):
+        sched.extended(n - 1)
+
+
+def test_twin_schedule_without_sync_has_spare_rows():
+    topk_idx, _ = random_routing(50, 16, 4, generator=torch.Generator().manual_seed(fresh_seed()))
+    sched = twins.make_schedule_cuda(topk_idx, 16, sync=False)
+    assert sched.num_rows == max_num_rows(50, 4, 16, 128)
+    assert sched.trimmed().equal(twins.make_schedule_cuda(topk_idx, 16))
+
+
+def _use_twins(monkeypatch) -> None:
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, getattr(twins, name))
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("kind", ["hot", "empty-experts"])
+def test_fused_wiring_never_reads_spare_rows_with_twins(monkeypatch, kind, precision):
+    """The twins leave NaN in every spare row of what they return (the kernels leave anything there): L0's
+    bits on routings with many spare rows (one hot expert: E - 1 empty segments; most experts empty) show that
+    no step of the level reads them into a result."""
+    _use_twins(monkeypatch)
+    seed = fresh_seed()
+    cfg = TINY_SHAPES["tiny"].scaled(num_tokens=100, num_experts=64)  # either routing leaves most experts empty
+    inputs = make_inputs(cfg, seed=seed, routing_fn=_irregular_routing(kind))
+    out0, grads0 = run_level(L0, inputs, precision=precision)
+    out, saved = fused.forward(*moe_args(inputs), precision=precision)
+    assert saved.sched.num_rows == max_num_rows(cfg.num_tokens, cfg.num_topk, cfg.num_experts, fused.BLOCK_M)
+    assert saved.sched.num_rows > int(saved.sched.expert_offsets[-1]), "no spare rows to check"
+    grads = fused.backward(saved, inputs["d_out"])
+    assert bitwise_equal(out, out0), f"{kind} {precision}: out (seed {seed})"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{kind} {precision}: {name} (seed {seed})"
+
+
+# ---- bad expert ids ----------------------------------------------------------------------------------------
+
+
+class _FakeEvent:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@pytest.fixture
+def no_pending(monkeypatch):
+    monkeypatch.setattr(bad_ids, "_PENDING", [])
+    return bad_ids._PENDING
+
+
+def _pending(count: int, done: bool) -> bad_ids.PendingIdCheck:
+    return bad_ids.PendingIdCheck(torch.tensor([count], dtype=torch.int32), _FakeEvent(done), 8, 96)
+
+
+def test_bad_ids_raise_only_once_landed(no_pending):
+    no_pending += [_pending(0, True), _pending(3, False)]
+    bad_ids.raise_landed()  # the landed one was clean; the other has not landed: no error, no wait
+    assert [c.count.item() for c in bad_ids.pending()] == [3]
+    no_pending[0].event.done = True
+    with pytest.raises(ValueError, match=r"topk_idx: expected expert ids in \[0, 8\), got 3 of 96 ids outside it"):
+        bad_ids.raise_landed()
+    assert not bad_ids.pending()  # raised once, then gone
+    bad_ids.raise_landed()
+    no_pending.append(_pending(1, False))
+    with pytest.raises(ValueError, match="got 1 of 96"):
+        bad_ids.raise_landed(wait=True)
+
+
+def test_bad_ids_of_a_cpu_schedule_raise_at_once(no_pending):
+    sched = make_schedule(torch.zeros(4, 2, dtype=torch.int64), 3)
+    bad_ids.defer(sched)  # clean: nothing queued
+    sched.counts[1] = 2
+    with pytest.raises(ValueError, match=r"got 2 of 8 ids outside it"):
+        bad_ids.defer(sched)
+    assert not no_pending
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("level", ["torch", "fused"])
+def test_moe_reads_ids_on_the_host_unless_the_level_checks_them(monkeypatch, level, check):
+    """mok.moe skips its min/max read (a host sync) on a level that checks ids on the device (fused), unless
+    check=True; every other level keeps it."""
+    _use_twins(monkeypatch)
+    calls = []
+    monkeypatch.setattr(mok.layer, "check_expert_ids", lambda idx, e: calls.append(e))
+    inputs = make_inputs(TINY_SHAPES["tiny"], seed=fresh_seed())
+    mok.moe(*moe_args(inputs), backend=level, check=check)
+    assert len(calls) == (1 if check or level != "fused" else 0)
+
+
+def test_moe_check_true_raises_in_the_call(monkeypatch):
+    _use_twins(monkeypatch)
+    inputs = make_inputs(TINY_SHAPES["tiny"], seed=fresh_seed())
+    inputs["topk_idx"][3, 1] = TINY_SHAPES["tiny"].num_experts
+    with pytest.raises(ValueError, match=r"topk_idx: expected expert ids in \[0, \d+\), got ids in"):
+        mok.moe(*moe_args(inputs), backend="fused", check=True)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _no_host_sync():
+    """Any host-device sync torch can see (.item(), a blocking copy, synchronize) raises inside."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _synced_level(monkeypatch) -> None:
+    """The level as it was: make_schedule_cuda with its host sync, row buffers of exactly the real rows."""
+    make = ops.make_schedule_cuda
+    monkeypatch.setattr(ops, "make_schedule_cuda", lambda idx, e, block_m=128, sync=True: make(idx, e, block_m))
+
+
+IRREGULAR = [(STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300), "empty-experts"),  # 123 empty experts
+             (STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300), "hot"),
+             (STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=257), "hot"),  # with the shared expert
+             (TINY_SHAPES["tiny-top8"], "empty-experts")]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("cfg,kind", IRREGULAR, ids=lambda v: getattr(v, "name", v))
+def test_fused_without_sync_gives_the_synced_bits(monkeypatch, cfg, kind, precision):
+    seed = fresh_seed()
+    inputs = make_inputs(cfg, device="cuda", seed=seed, draw_on="cuda", routing_fn=_irregular_routing(kind))
+    testing.poison_allocator(256 << 20)
+    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    _synced_level(monkeypatch)
+    testing.poison_allocator(256 << 20)
+    out_s, grads_s = run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    what = f"{cfg.name} {kind} {precision} (seed {seed})"
+    assert torch.isfinite(out).all() and bitwise_equal(out, out_s), f"{what}: out"
+    for name, g, g_s in zip(GRAD_NAMES, grads, grads_s):
+        assert (g is None and g_s is None) or (torch.isfinite(g).all() and bitwise_equal(g, g_s)), f"{what}: {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "noshared"])
+def test_fused_passes_make_no_host_sync(precision, with_shared):
+    inputs = make_inputs(STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=300), device="cuda", seed=fresh_seed(),
+                         draw_on="cuda", routing_fn=_irregular_routing("hot"))
+    if not with_shared:
+        inputs.update(w_shared_gate=None, w_shared_up=None, w_shared_down=None)
+    run_level(fused, inputs, precision=precision)  # warm: the JIT build, the cached shared-expert schedule
+    torch.cuda.synchronize()
+    with _no_host_sync():
+        out, saved = fused.forward(*moe_args(inputs), precision=precision)
+        fused.backward(saved, inputs["d_out"])
+    with _no_host_sync():  # the functional op too (its input checks included), forward and backward
+        args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in moe_args(inputs)]
+        mok.moe(*args, precision=precision).backward(inputs["d_out"])
+
+
+def _raw_row_kernels(sched, x, w_gate, w_up, w_down, d_out, weights, sentinel):
+    """Each row-wise kernel through its raw binding, outputs [num_rows, *] filled with `sentinel` first."""
+    ext, rows = ops.load_extension(), sched.num_rows
+    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
+
+    def buf(width):
+        return torch.full((rows, width), sentinel, dtype=torch.bfloat16, device=x.device)  # [rows, width]
+
+    H, I = x.shape[1], w_gate.shape[1]
+    h, gate, up, y = buf(I), buf(I), buf(I), buf(H)
+    ext.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert, sched.counts, h, gate, up,
+                                        0.0, False, 0)
+    ext.grouped_gemm_bf16_nt_contiguous(h, w_down, row_to_token, tile_to_expert, sched.counts, y, 0)
+    y_real = torch.where(torch.isnan(y), 0.0, y)  # route_grads_prep reads y's real rows only; keep them finite
+    dy = buf(H)
+    d_tw = torch.empty(sched.num_tokens, sched.num_topk, device=x.device)  # [T, K]
+    ext.route_grads_prep(d_out, weights, y_real, sched.route_to_row, sched.tile_num_rows, sched.counts, dy, d_tw,
+                         sched.block_m)
+    d_gate, d_up, h2, dx = buf(I), buf(I), buf(I), buf(H)
+    ext.grouped_gemm_bf16_dgrad_swiglu(torch.where(torch.isnan(dy), 0.0, dy), w_down, gate, up, row_to_token,
+                                       tile_to_expert, sched.counts, d_gate, d_up, h2, 0.0, False, 0)
+    ext.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, sched.counts, dx, 0)
+    return {"h": h, "gate": gate, "up": up, "y": y, "dy": dy, "d_gate": d_gate, "d_up": d_up, "h_bwd": h2, "dx": dx}
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("kind", ["hot", "empty-experts"])
+def test_row_kernels_never_write_spare_rows(kind):
+    """GEMM1, GEMM2, route_grads_prep, the down dgrad (with swiglu_backward_rows) and the gate/up dgrad on a
+    no-sync schedule: every spare row keeps the sentinel its buffer was filled with (NaN), every real row
+    (padding included) is written and finite."""
+    cfg = STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300)
+    inputs = make_inputs(cfg, device="cuda", seed=fresh_seed(), draw_on="cuda", routing_fn=_irregular_routing(kind))
+    sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts, sync=False)
+    n = int(sched.expert_offsets[-1])
+    assert sched.num_rows > n, "no spare rows to check"
+    outs = _raw_row_kernels(sched, inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"], inputs["d_out"],
+                            inputs["topk_weights"], float("nan"))
+    for name, t in outs.items():
+        assert torch.isfinite(t[:n]).all(), f"{kind}: {name} has unwritten real rows"
+        assert torch.isnan(t[n:]).all(), f"{kind}: {name} wrote spare rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_bad_id_on_the_default_path_is_nan_then_a_clear_error():
+    """mok.moe (backend auto -> fused) with an id outside [0, E): no host read in the call; the bad routes'
+    tokens come out NaN (nothing silently wrong), and the backward raises ValueError naming topk_idx."""
+    cfg = TINY_SHAPES["tiny"]
+    inputs = make_inputs(cfg, device="cuda", seed=fresh_seed())
+    inputs["topk_idx"][5, 0] = cfg.num_experts
+    inputs["topk_idx"][9, 1] = -1
+    args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in moe_args(inputs)]
+    try:
+        out = mok.moe(*args)
+        torch.cuda.synchronize()  # the count has landed: the next fused call must raise
+        bad = torch.zeros(cfg.num_tokens, dtype=torch.bool, device="cuda")
+        bad[[5, 9]] = True
+        assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
+        with pytest.raises(ValueError, match=rf"topk_idx: expected expert ids in \[0, {cfg.num_experts}\), got 2 of"):
+            out.backward(inputs["d_out"])
+        with pytest.raises(ValueError, match=r"topk_idx: expected expert ids in .*got ids in \[-1, "):
+            mok.moe(*moe_args(inputs), check=True)  # today's behaviour, opt-in: the error in the call
+    finally:
+        with contextlib.suppress(ValueError):
+            bad_ids.raise_landed(wait=True)  # leave no queued check behind for the next test
