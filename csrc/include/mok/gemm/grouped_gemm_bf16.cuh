@@ -461,8 +461,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes);  // [kNumStages]
-  uint64_t* empty = full + kNumStages;                                             // [kNumStages]
+  // Layout: [stages][staging of the 8 consumer warps][full, empty barriers]. NOTE: the barriers sat at the
+  // staging's first bytes before, where consumer warp 0's stmatrix wrote row 0 of every tile.
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes + kStagingBytes);  // [kNumStages]
+  uint64_t* empty = full + kNumStages;                                                            // [kNumStages]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
