@@ -322,12 +322,14 @@ struct Staging {
 };
 
 // One output matrix of an epilogue: rows [0, num_rows) × columns [0, n) of `ptr` (row stride n) for st.global;
-// the same matrix as entry `batch` of tensor map `tmap` (dims (n, rows, batch)) for TMA stores.
+// the same matrix as entry `batch` of tensor map `tmap` (dims (n, rows, batch)) for TMA stores. kAllRows: the
+// schedule's outputs, whose tiles cover their rows exactly (no bound to check).
 struct Output {
   uint16_t* ptr;
   const CUtensorMap* tmap;
   int batch, n, num_rows;
 };
+constexpr int kAllRows = INT32_MAX;
 
 // st.global path: a warp's fragment of one 128-column accumulator (16 rows × 128 columns, thread (lane l)
 // holding rows l/4 and l/4 + 8, columns 8i + 2(l%4) + {0, 1}, i in [0, 16)) goes to its staging area with
@@ -419,14 +421,14 @@ struct Outputs {
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
                              const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile(st, {p.gate, o.gate, 0, p.n, p.num_rows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
-  store_tile(st, {p.up, o.up, 0, p.n, p.num_rows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
   const bool has_limit = p.has_limit != 0;
-  store_tile(st, {p.out, o.out, 0, p.n, p.num_rows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     const int a = 4 * i + 2 * h;
     const float h0 = swiglu(round_bf16(acc_gate[a]), round_bf16(acc_up[a]), p.swiglu_limit, has_limit);
     const float h1 = swiglu(round_bf16(acc_gate[a + 1]), round_bf16(acc_up[a + 1]), p.swiglu_limit, has_limit);
@@ -438,7 +440,7 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
                            const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  const Output out{p.out, o.out, 0, p.n, p.num_rows};
+  const Output out{p.out, o.out, 0, p.n, kAllRows};
   store_tile(st, out, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
   });
