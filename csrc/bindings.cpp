@@ -150,6 +150,16 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
              "grouped_gemm_bf16_weight_grad");
 }
 
+// What this build's GEMMs were compiled with (a variant loaded beside the default build must report its own).
+pybind11::dict gemm_build_switches() {
+  int tma_store = 0, num_stages = 0;
+  mok::grouped_gemm_bf16_build_switches(&tma_store, &num_stages);
+  pybind11::dict switches;
+  switches["MOK_GEMM_TMA_STORE"] = tma_store;
+  switches["MOK_GEMM_NUM_STAGES"] = num_stages;
+  return switches;
+}
+
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
              const std::optional<at::Tensor>& shared, at::Tensor& out) {
   check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
@@ -247,6 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
+  m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "

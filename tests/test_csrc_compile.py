@@ -62,17 +62,49 @@ def test_headers_compile_standalone(tmp_path):
     assert not failures, "headers that do not compile on their own:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("unit", UNITS, ids=[u.name for u in UNITS])
-def test_unit_compiles_without_spills(unit, tmp_path):
-    result = _nvcc(unit, tmp_path / "unit.o", ["-Xptxas", "-v", "-Xcompiler", "-Wall"])
-    assert result.returncode == 0, f"nvcc failed on {unit.name}:\n{result.stderr}"
+def _check_compiles_without_spills(unit: Path, tmp_path: Path, extra: list[str] = ()) -> None:
+    result = _nvcc(unit, tmp_path / "unit.o", ["-Xptxas", "-v", "-Xcompiler", "-Wall", *extra])
+    assert result.returncode == 0, f"nvcc failed on {unit.name} {extra}:\n{result.stderr}"
     report = result.stderr  # ptxas -v writes its resource report to stderr
     assert "Compiling entry function" in report, f"no kernels compiled for sm_90a in {unit.name}:\n{report}"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-    assert not any(spills), f"register spills in {unit.name}:\n{report}"
+    assert not any(spills), f"register spills in {unit.name} {extra}:\n{report}"
     warnings = [line for line in report.splitlines() if "warning" in line.lower()]
-    assert not warnings, f"compiler warnings in {unit.name}:\n" + "\n".join(warnings)
+    assert not warnings, f"compiler warnings in {unit.name} {extra}:\n" + "\n".join(warnings)
     # ptxas reports serialized wgmma (C7510 / C7515 ...) as "info", not a warning: each one silently
     # turns the tensor-core pipeline into one MMA at a time.
     serialized = [line for line in report.splitlines() if "wgmma" in line.lower() and "serializ" in line.lower()]
-    assert not serialized, f"wgmma serialized by ptxas in {unit.name}:\n" + "\n".join(serialized)
+    assert not serialized, f"wgmma serialized by ptxas in {unit.name} {extra}:\n" + "\n".join(serialized)
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=[u.name for u in UNITS])
+def test_unit_compiles_without_spills(unit, tmp_path):
+    _check_compiles_without_spills(unit, tmp_path)
+
+
+# The GEMMs' build switches other than the defaults (mok.ops.core.BUILD_SWITCHES): every path the lead can
+# A/B on the GPU compiles, without spills.
+GEMM_UNIT = CSRC / "gemm_bf16.cu"
+GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
+                 ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"]]
+
+
+@pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
+def test_gemm_build_switches_compile_without_spills(defines, tmp_path):
+    _check_compiles_without_spills(GEMM_UNIT, tmp_path, defines)
+
+
+@pytest.mark.parametrize("tma_store", [1, 0])
+def test_gemm_epilogues_store_by_tma_only_when_switched_on(tma_store, tmp_path):
+    """Every GEMM kernel's PTX has bulk tensor stores with MOK_GEMM_TMA_STORE=1, none with 0 (the switch
+    really selects the path; ptxas turns them into UTMASTG)."""
+    out = tmp_path / "gemm.ptx"
+    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", f"-DMOK_GEMM_TMA_STORE={tma_store}",
+           "-ptx", str(GEMM_UNIT), "-o", str(out)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"nvcc -ptx failed:\n{result.stderr}"
+    kernels = re.split(r"\.entry ", out.read_text())[1:]
+    gemms = [k for k in kernels if k.startswith("_ZN3mok4gemm24grouped_gemm_bf16_kernel")]
+    assert len(gemms) == 6, f"expected the six GEMM kinds, found {len(gemms)} kernels"
+    stores = [k.count("cp.async.bulk.tensor.3d.global.shared::cta") for k in gemms]
+    assert all(stores) if tma_store else not any(stores), f"TMA stores per GEMM kernel: {stores}"

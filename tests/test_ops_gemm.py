@@ -16,6 +16,8 @@ import torch
 
 from mok import ops, routing, twins
 from mok.config import TINY_SHAPES, MoEConfig
+from mok.ops import core
+from mok.ops import gemm as gemm_ops
 from mok.reference import BF16, moe_forward
 from mok.schedule import make_schedule, scatter_routes
 from mok.testing import TOLERANCES, bitwise_equal, fresh_seed, make_inputs, poison_allocator, rel_err
@@ -118,6 +120,26 @@ def test_gemm_bad_inputs_name_the_argument():
             call()
 
 
+def test_build_switches_from_env_and_arguments(monkeypatch):
+    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES): checked, and part of the
+    extension's name, so each variant is its own build."""
+    for name in core.BUILD_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert core.build_switches() == ()
+    assert core.extension_name(()) == f"mok_ext_{core.csrc_hash()}"
+    monkeypatch.setenv("MOK_GEMM_TMA_STORE", "0")
+    monkeypatch.setenv("MOK_GEMM_NUM_STAGES", " 3")
+    switches = core.build_switches()
+    assert switches == (("MOK_GEMM_NUM_STAGES", 3), ("MOK_GEMM_TMA_STORE", 0))
+    assert core.extension_name(switches).endswith("_gemm_num_stages3_gemm_tma_store0")
+    assert core.build_switches({"MOK_GEMM_TMA_STORE": 1}) == (("MOK_GEMM_TMA_STORE", 1),)  # the env is not read
+    monkeypatch.setenv("MOK_GEMM_TMA_STORE", "off")
+    with pytest.raises(ValueError, match=r"MOK_GEMM_TMA_STORE: expected one of \(0, 1\)"):
+        core.build_switches()
+    with pytest.raises(ValueError, match="switches: expected names from"):
+        core.build_switches({"MOK_TMA_STORE": 0})
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------
 
 
@@ -215,24 +237,57 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
     seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     sched = sched.to("cuda")
-    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
-    runs = []
-    for num_sms in (None, None, 1, 3, 7):
-        poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
-        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
-        y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
-        d_gate, d_up, h_again = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5,
-                                                                   num_sms=num_sms)
-        # the backward's h is the forward's, bit for bit (one device function): d_w_down sees what GEMM2 saw
-        assert bitwise_equal(h_again, h), f"{case}: h recomputed in the dgrad epilogue differs (seed {seed})"
-        dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
-        d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
-        outs = (h, gate, up, y_rows, d_gate, d_up, dx_rows, d_w_down)
-        runs.append((num_sms, [t.cpu().view(torch.int16) for t in outs]))
-    names = ("h", "gate", "up", "y_rows", "d_gate", "d_up", "dx_rows", "d_w_down")
+    runs = [(num_sms, _every_kind(inputs, sched, num_sms, f"{case} (seed {seed})"))
+            for num_sms in (None, None, 1, 3, 7)]
     for num_sms, outs in runs[1:]:
-        for name, a, b in zip(names, runs[0][1], outs):
-            assert torch.equal(a, b), f"{case} {name}: bits differ with num_sms={num_sms} (seed {seed})"
+        for name, a in runs[0][1].items():
+            assert torch.equal(a, outs[name]), f"{case} {name}: bits differ with num_sms={num_sms} (seed {seed})"
+
+
+def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tensor]:
+    """Every GEMM kind once, chained as the level chains them, on poisoned outputs: name -> bits (int16, CPU)."""
+    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
+    poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched, num_sms=num_sms)
+    d_gate, d_up, h_again = ops.grouped_gemm_bf16_dgrad_swiglu(y_rows, wd, gate, up, sched, 1.5, num_sms=num_sms)
+    # the backward's h is the forward's, bit for bit (one device function): d_w_down sees what GEMM2 saw
+    assert bitwise_equal(h_again, h), f"{what}: h recomputed after the dgrad differs"
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
+    d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
+    outs = {"h": h, "gate": gate, "up": up, "y_rows": y_rows, "d_gate": d_gate, "d_up": d_up, "dx_rows": dx_rows,
+            "d_w_down": d_w_down}
+    return {name: t.cpu().view(torch.int16) for name, t in outs.items()}
+
+
+# The build switches' other values against the default build (TMA stores, 4 stages), each variant its own
+# extension (built here on first use, about a minute each): the st.global epilogue, and 3 stages (5 staging
+# boxes per warp instead of 2), must store the same bits in the same places.
+SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("switches", SWITCH_VARIANTS, ids=[str(v) for v in SWITCH_VARIANTS])
+@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert"])
+def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
+    """Epilogue edges of the TMA path: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
+    kWeightGrad's m = 520, 200, 32, 192 (rows past m clipped, whole warps skipped); num_sms = 3: several tasks
+    per CTA, so staging boxes are rewritten while the previous task's stores may still read them."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    sched = sched.to("cuda")
+    default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
+    # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
+    assert default.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4}
+    assert variant.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4,
+                                                          **switches}
+    monkeypatch.setattr(gemm_ops, "load_extension", lambda: default)
+    expected = _every_kind(inputs, sched, 3, f"{case} default build (seed {seed})")
+    monkeypatch.setattr(gemm_ops, "load_extension", lambda: variant)
+    got = _every_kind(inputs, sched, 3, f"{case} {switches} (seed {seed})")
+    for name, a in expected.items():
+        assert torch.equal(a, got[name]), f"{case} {name}: {switches} changes bits (seed {seed})"
 
 
 @pytest.mark.gpu

@@ -4,6 +4,11 @@
 `-gencode=arch=compute_90a,code=sm_90a`, into the git-ignored `.cache/torch_extensions/` inside the
 repository. The extension's name carries a hash of every file under csrc/, so an edited kernel is
 rebuilt and a stale build is never loaded. `MOK_VERBOSE_BUILD=1` shows the compiler's output.
+
+Compile-time switches of the kernels (BUILD_SWITCHES) come from the environment (read once per process) or
+from `load_extension(switches)`: each one set becomes a `-D` define of the build and part of the extension's
+name, so two values build side by side; an A/B is two processes, e.g.
+`MOK_GEMM_TMA_STORE=0 python -m mok.bench parts --out parts_st_global.csv`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ REPO = Path(__file__).resolve().parent.parent.parent
 CSRC = REPO / "csrc"
 CACHE = REPO / ".cache" / "torch_extensions"
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+# name -> the values it may take; unset = the header's default (csrc/include/mok/gemm/grouped_gemm_bf16.cuh).
+BUILD_SWITCHES = {
+    "MOK_GEMM_TMA_STORE": (0, 1),  # 1 (default): GEMM epilogues store by TMA; 0: by 16-byte st.global
+    "MOK_GEMM_NUM_STAGES": (3, 4),  # GEMM shared-memory stages (default 4; 3 gives the TMA staging 5 boxes a warp)
+}
 
 
 def csrc_hash() -> str:
@@ -30,6 +40,28 @@ def csrc_hash() -> str:
         digest.update(str(path.relative_to(CSRC)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def build_switches(switches: dict | None = None) -> tuple[tuple[str, int], ...]:
+    """The checked switches of a build: `switches` (name -> value), or None = the BUILD_SWITCHES variables set
+    in the environment. A value outside BUILD_SWITCHES raises (a typo must not silently build the default)."""
+    if switches is None:
+        switches = {name: os.environ[name] for name in BUILD_SWITCHES if os.environ.get(name, "").strip()}
+    checked = []
+    for name, value in switches.items():
+        allowed = BUILD_SWITCHES.get(name)
+        if allowed is None:
+            fail("switches", f"names from {sorted(BUILD_SWITCHES)}", repr(name))
+        if str(value).strip() not in {str(v) for v in allowed}:
+            fail(name, f"one of {allowed} (a build switch; environment variable or unset)", repr(value))
+        checked.append((name, int(str(value).strip())))
+    return tuple(sorted(checked))
+
+
+def extension_name(switches: tuple[tuple[str, int], ...]) -> str:
+    """mok_ext_<csrc hash>, plus the switches' values: builds with different switches live side by side."""
+    suffix = "".join(f"_{name.removeprefix('MOK_').lower()}{value}" for name, value in switches)
+    return f"mok_ext_{csrc_hash()}{suffix}"
 
 
 def require_hopper() -> None:
@@ -45,23 +77,34 @@ def require_hopper() -> None:
                            f"got {name} with compute capability {capability[0]}.{capability[1]}")
 
 
+def load_extension(switches: dict | None = None):
+    """The compiled extension module, built on first use (or loaded from .cache/). `switches`: build switches
+    (BUILD_SWITCHES name -> value), None = those set in the environment (read once per process)."""
+    return _load(_env_switches() if switches is None else build_switches(switches))
+
+
 @functools.cache
-def load_extension():
-    """Build (or load from .cache/) and return the compiled extension module."""
+def _env_switches() -> tuple[tuple[str, int], ...]:
+    return build_switches()
+
+
+@functools.cache
+def _load(switches: tuple[tuple[str, int], ...]):
     require_hopper()
     from torch.utils.cpp_extension import load
 
-    name = f"mok_ext_{csrc_hash()}"
+    name = extension_name(switches)
     build_dir = CACHE / name
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [CSRC / "bindings.cpp", *sorted(CSRC.glob("*.cu"))]
+    defines = [f"-D{switch}={value}" for switch, value in switches]
     return load(
         name=name,
         sources=[str(s) for s in sources],
         extra_include_paths=[str(CSRC / "include")],
         extra_cflags=["-O3"],
         # ARCH_FLAGS given explicitly: torch then adds no arch flags of its own (no plain sm_90 pass).
-        extra_cuda_cflags=["-O3", "-lineinfo", "--ftz=false", "--prec-div=true", *ARCH_FLAGS],
+        extra_cuda_cflags=["-O3", "-lineinfo", "--ftz=false", "--prec-div=true", *ARCH_FLAGS, *defines],
         build_directory=str(build_dir),
         verbose=os.environ.get("MOK_VERBOSE_BUILD", "0") == "1",
     )

@@ -43,6 +43,18 @@
 
 namespace mok::gemm {
 
+// ---- build switches (-D, from the environment at JIT-build time: mok/ops/core.py) -------------------------
+// MOK_GEMM_TMA_STORE=1: the epilogues write global memory with TMA bulk tensor stores, issued by one lane per
+// consumer warp and awaited only before the staging is written again (so they drain during the next task's
+// mainloop); 0: every lane re-reads the staging and writes 16-byte st.global (the path before TMA stores).
+// MOK_GEMM_NUM_STAGES: the shared-memory ring depth; with TMA stores, the staging takes what the stages leave.
+#ifndef MOK_GEMM_TMA_STORE
+#define MOK_GEMM_TMA_STORE 1
+#endif
+#ifndef MOK_GEMM_NUM_STAGES
+#define MOK_GEMM_NUM_STAGES 4
+#endif
+
 // ---- tiling -------------------------------------------------------------------------------------------
 
 constexpr int kNumConsumerGroups = 2;              // consumer warpgroups
@@ -50,7 +62,7 @@ constexpr int WG_M = 64;                           // rows per consumer warpgrou
 constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
-constexpr int kNumStages = 4;                      // shared-memory ring depth
+constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
@@ -60,11 +72,22 @@ constexpr int kRowBytes = BLOCK_K * 2;
 constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
 constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
 constexpr uint32_t kStageBytes = kATileBytes + 2 * kBTileBytes;
-// Epilogue staging: each consumer warp owns 16 rows × 128 bf16 columns (4 KiB), 16-byte chunks swizzled.
-constexpr uint32_t kStagingBytesPerWarp = 16 * BLOCK_N_B * 2;
+constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory an sm_90 block may use
+constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
+// Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
+// 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
+// writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later stores were issued.
+constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
+constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
+constexpr uint32_t kStoreBoxesRoom =
+    (kSmemLimit - kNumStages * kStageBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
+    (kNumConsumerWarps * kStoreBoxBytes);
+constexpr int kStoreBoxesPerWarp = !kTmaStore ? 2 : kStoreBoxesRoom < 6 ? static_cast<int>(kStoreBoxesRoom) : 6;
+constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
-constexpr uint32_t kSmemBytes =
-    kNumStages * kStageBytes + kStagingBytes + 2 * kNumStages * 8 + ptx::kSw128AtomBytes;
+constexpr uint32_t kSmemBytes = kNumStages * kStageBytes + kStagingBytes + kBarrierBytes + ptx::kSw128AtomBytes;
 
 // The producer warpgroup gathers an A tile as 128 rows × 8 chunks of 16 bytes: thread t copies chunk t % 8
 // of rows t / 8 + 16j, j in [0, 8) (8 threads read one row's 128 contiguous bytes).
@@ -81,8 +104,16 @@ static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerR
 static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <= 65536 &&
                   kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
               "the register budgets fit the register file (setmaxnreg takes multiples of 8)");
-static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KiB of shared memory an sm_90 block may use");
+static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
+static_assert(kNumStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
+static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
+              "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
+static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
+                  BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
+                  (kNumStages * kStageBytes) % ptx::kSw128AtomBytes == 0,
+              "a store box is one 128-byte swizzle row wide, one warp's rows high, and 1024-byte aligned (TMA "
+              "applies the 128B swizzle on the address bits, as sw128_offset does)");
 
 // ---- the 128-byte swizzle ------------------------------------------------------------------------------
 // Shared-memory byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte rows:
@@ -170,11 +201,11 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
 
 // The tasks this launch runs. Row-wise kinds: the m tiles of the schedule's real rows, read once at kernel
 // start from device memory (the host sized the row buffers and the grid by a static bound without a sync;
-// tasks are m-major, so the first real_tiles · num_n_tiles tasks are exactly the real tiles'). k-grouped
-// kinds: static, experts × m tiles × n tiles (each task's K comes from expert_offsets).
+// tasks are m-major, so the first real_tiles · num_n_tiles tasks are exactly the real tiles'). kWeightGrad:
+// static, experts × m tiles × n tiles (each task's K comes from expert_offsets).
 template <Gemm kGemm>
 MOK_DEVICE int num_tasks_of(const Params& p) {
-  if (is_k_grouped(kGemm) || p.real_num_rows == nullptr) return p.num_tasks;
+  if (kGemm == Gemm::kWeightGrad || p.real_num_rows == nullptr) return p.num_tasks;
   const int real_tasks = (*p.real_num_rows / BLOCK_M) * p.num_n_tiles;
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
@@ -262,19 +293,35 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
 
 constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per accumulator
 
-// Epilogue through shared memory: a warp's fragment of one 128-column accumulator (16 rows × 128 columns,
-// thread (lane l) holding rows l/4 and l/4 + 8, columns 8i + 2(l%4) + {0, 1}, i in [0, 16)) goes to its
-// staging area with stmatrix, then back out as 16-byte chunks, 16 lanes per 256-byte row: full-line global
-// stores instead of 4-byte ones scattered over 8 rows. Chunk c of staging row r sits at slot c ^ (r % 8)
-// (bank-conflict free both ways).
+// A consumer warp's staging area (kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
+struct Staging {
+  uint8_t* smem;
+  int box;
+};
+
+// One output matrix of an epilogue: rows [0, num_rows) × columns [0, n) of `ptr` (row stride n) for st.global;
+// the same matrix as entry `batch` of tensor map `tmap` (dims (n, rows, batch)) for TMA stores. kAllRows: the
+// schedule's outputs, whose tiles cover their rows exactly (no bound to check).
+struct Output {
+  uint16_t* ptr;
+  const CUtensorMap* tmap;
+  int batch, n, num_rows;
+};
+constexpr int kAllRows = INT32_MAX;
+
+// st.global path: a warp's fragment of one 128-column accumulator (16 rows × 128 columns, thread (lane l)
+// holding rows l/4 and l/4 + 8, columns 8i + 2(l%4) + {0, 1}, i in [0, 16)) goes to its staging area with
+// stmatrix, then back out as 16-byte chunks, 16 lanes per 256-byte row: full-line global stores instead of
+// 4-byte ones scattered over 8 rows. Chunk c of staging row r sits at slot c ^ (r % 8) (bank-conflict free
+// both ways).
 MOK_DEVICE uint32_t staging_offset(uint32_t row, uint32_t chunk) { return row * 256 + ((chunk ^ (row % 8)) << 4); }
 
 // values(i, h) -> the bf16x2 word of column pair i, row half h (h = 0: row l/4, h = 1: row l/4 + 8).
 // Writes columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out` (row stride n); columns >= n and rows
 // >= num_rows skipped.
 template <typename Values>
-MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, int n, uint32_t lane, Values values,
-                           int num_rows = INT32_MAX) {
+MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col0, int n, uint32_t lane,
+                              Values values, int num_rows) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
   for (int i = 0; i < BLOCK_N_B / 8; i += 2) {  // matrices (h, i) = (0, i), (1, i), (0, i + 1), (1, i + 1)
@@ -294,19 +341,72 @@ MOK_DEVICE void store_tile(uint8_t* staging, uint16_t* out, int row0, int col0, 
   __syncwarp();  // the staging area is reused by the next call
 }
 
+// TMA path: the same 16 × 128 tile as two boxes of 64 columns. Per box: lane 0 waits until the box's staging
+// was read by the store issued kStoreBoxesPerWarp boxes ago (its bulk groups complete in order), stmatrix
+// writes the 8 column groups with the 128-byte swizzle the tensor map reads (the box is 1024-aligned, so
+// sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy, and lane 0
+// issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
+// rest: a partial box writes only columns < n and rows < num_rows).
+template <typename Values>
+MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
+  const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
+#pragma unroll
+  for (int b = 0; b < BLOCK_N_B / kStoreBoxCols; ++b) {
+    const int col = col0 + b * kStoreBoxCols;
+    if (col >= out.n || row0 >= out.num_rows) break;  // warp-uniform
+    uint8_t* box = st.smem + st.box * kStoreBoxBytes;
+    if (lane == 0) ptx::bulk_wait_group_read<kStoreBoxesPerWarp - 1>();
+    __syncwarp();  // no lane writes the box before its last store has read it
+#pragma unroll
+    for (int c = 0; c < kStoreBoxCols / 8; c += 2) {  // chunk c of a box row: the tile's 8 columns i = 8b + c
+      const int i = b * (kStoreBoxCols / 8) + c;
+      ptx::stmatrix_x4(box + sw128_offset(matrix_row, c + (matrix >> 1)), values(i, 0), values(i, 1),
+                       values(i + 1, 0), values(i + 1, 1));
+    }
+    ptx::fence_proxy_async_shared();  // this lane's stmatrix writes, before the TMA engine reads them
+    __syncwarp();
+    if (lane == 0) {
+      ptx::tma_store_3d(out.tmap, box, col, row0, out.batch);
+      ptx::bulk_commit_group();
+    }
+    st.box = st.box + 1 == kStoreBoxesPerWarp ? 0 : st.box + 1;
+  }
+}
+
+// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
+template <typename Values>
+MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
+  if constexpr (kTmaStore) {
+    store_tile_tma(st, out, row0, col0, lane, values);
+  } else {
+    store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
+  }
+}
+
+// Before the consumer exits: its last stores have finished (the global writes, not only the staging reads).
+MOK_DEVICE void drain_stores(uint32_t lane) {
+  if (kTmaStore && lane == 0) ptx::bulk_wait_group<0>();
+}
+
+// The output tensor maps of the TMA path (kernel parameters; unused by the st.global path), boxes of
+// kStoreBoxCols × kStoreBoxRows: dims (n, num_rows, 1), kWeightGrad's out (n, m, num_experts).
+struct Outputs {
+  const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
+};
+
 // kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
 // (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
-                             uint8_t* staging, int row0, int n0, uint32_t lane) {
+                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile(staging, p.gate, row0, n0, p.n, lane, [&](int i, int h) {
+  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
-  store_tile(staging, p.up, row0, n0, p.n, lane, [&](int i, int h) {
+  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
   const bool has_limit = p.has_limit != 0;
-  store_tile(staging, p.out, row0, n0, p.n, lane, [&](int i, int h) {
+  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     const int a = 4 * i + 2 * h;
     const float h0 = swiglu(round_bf16(acc_gate[a]), round_bf16(acc_up[a]), p.swiglu_limit, has_limit);
     const float h1 = swiglu(round_bf16(acc_gate[a + 1]), round_bf16(acc_up[a + 1]), p.swiglu_limit, has_limit);
@@ -316,26 +416,27 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
 
 // kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                           uint8_t* staging, int row0, int n0, uint32_t lane) {
+                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile(staging, p.out, row0, n0, p.n, lane, [&](int i, int h) {
+  const Output out{p.out, o.out, 0, p.n, kAllRows};
+  store_tile(st, out, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
   });
   if (n0 + BLOCK_N_B < p.n)
-    store_tile(staging, p.out, row0, n0 + BLOCK_N_B, p.n, lane, [&](int i, int h) {
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
       return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
     });
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
 MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                                  uint8_t* staging, int expert, int row0, int n0, uint32_t lane) {
-  uint16_t* out = p.out + static_cast<int64_t>(expert) * p.m * p.n;
-  store_tile(staging, out, row0, n0, p.n, lane,
-             [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); }, p.m);
+                                  const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane) {
+  const Output out{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m};
+  store_tile(st, out, row0, n0, lane,
+             [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); });
   if (n0 + BLOCK_N_B < p.n)
-    store_tile(staging, out, row0, n0 + BLOCK_N_B, p.n, lane,
-               [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); }, p.m);
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane,
+               [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); });
 }
 
 // ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
@@ -392,15 +493,16 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 }
 
 template <Gemm kGemm>
-MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks,
-                        int num_k_blocks) {
+MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                        int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
   const uint32_t a_offset = group * WG_M * kRowBytes;  // this warpgroup's rows of the A tile
-  uint8_t* staging = smem + kNumStages * kStageBytes + (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) *
-                                                          kStagingBytesPerWarp;
+  Staging staging{smem + kNumStages * kStageBytes +
+                      (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
+                  0};
   uint32_t it = 0;
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const Task t = decode_task<kGemm>(p, task, num_k_blocks);
@@ -417,13 +519,14 @@ MOK_DEVICE void consume(const Params& p, uint8_t* smem, uint64_t* full, uint64_t
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (kGemm == Gemm::kGateUp) {
-      store_swiglu(acc0, acc1, p, staging, row0, n0, lane);
+      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
-      store_weight_grad(acc0, acc1, p, staging, t.expert, row0, n0, lane);
+      store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
     } else {
-      store_pair(acc0, acc1, p, staging, row0, n0, lane);
+      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane);
     }
   }
+  drain_stores(lane);
 }
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -432,6 +535,9 @@ template <Gemm kGemm>
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_a2,
                              const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+                             const __grid_constant__ CUtensorMap tmap_out,
+                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
@@ -439,9 +545,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  // After the stages and the epilogue staging (which starts right after the stages: consume()).
+  // Layout: [stages][staging of the 8 consumer warps][full, empty barriers]. NOTE: the barriers sat at the
+  // staging's first bytes before, where consumer warp 0's stmatrix wrote row 0 of every tile.
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes + kStagingBytes);  // [kNumStages]
-  uint64_t* empty = full + kNumStages;                                                             // [kNumStages]
+  uint64_t* empty = full + kNumStages;                                                            // [kNumStages]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
@@ -453,6 +560,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
+    if constexpr (kTmaStore) ptx::prefetch_tensor_map(&tmap_out);
+    if constexpr (kTmaStore && kGemm == Gemm::kGateUp)
+      ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
@@ -463,7 +573,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<kConsumerRegs>();
-    consume<kGemm>(p, smem, full, empty, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
 }
 
@@ -502,6 +612,18 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
                        : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
   if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
+  // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
+  // past m (dims (n, m, E): never into the next expert's dW).
+  CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
+  if constexpr (kTmaStore) {
+    const auto encode_out = [&](CUtensorMap* map, const void* out) {
+      return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)
+                         : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
+    };
+    if ((err = encode_out(&tmap_out, p.out))) return err;
+    if (kGemm == Gemm::kGateUp && ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
+      return err;
+  }
   const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
   if (num_sms <= 0) {
@@ -510,7 +632,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
       return err;
   }
   const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, p);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_out, tmap_gate, tmap_up, p);
   return cudaGetLastError();
 }
 

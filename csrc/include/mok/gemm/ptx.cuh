@@ -1,6 +1,6 @@
 // PTX wrappers of the Hopper (sm_90a) GEMM machinery: wgmma (warpgroup MMA, accumulators in registers),
-// shared-memory matrix descriptors, the tensor copy engine (TMA) for tiles, 16-byte cp.async with
-// zero-fill for gathered rows, and the mbarrier/proxy plumbing between them. Torch-free.
+// shared-memory matrix descriptors, the tensor copy engine (TMA) for tiles (loads and stores), 16-byte
+// cp.async with zero-fill for gathered rows, and the mbarrier/proxy plumbing between them. Torch-free.
 //
 // The mbarrier basics (init, arrive.expect_tx, try_wait.parity, 1D bulk copy) live in mok/common.cuh;
 // this header adds what the GEMMs need on top, in the same namespace.
@@ -53,6 +53,33 @@ MOK_DEVICE void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int32_t c0,
       "[%5];" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
+}
+
+// ---- TMA: one 3D tile of shared memory out to a tensor map (bulk tensor store) ---------------------------
+// Elements outside the map's dims are not written (the box is clipped). The shared-memory source is read
+// asynchronously: the issuing thread's stores join its current bulk async-group, `bulk_commit_group` closes
+// the group, `bulk_wait_group_read<N>` returns once at most N of this thread's groups still read shared
+// memory (the source may be overwritten), `bulk_wait_group<N>` once at most N are unfinished (the global
+// writes done too). Shared memory written by ordinary stores (stmatrix) needs fence_proxy_async_shared by
+// the writing threads before the store is issued.
+
+MOK_DEVICE void tma_store_3d(const CUtensorMap* tmap, const void* smem_src, int32_t c0, int32_t c1, int32_t c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
+MOK_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+template <int kPending>
+MOK_DEVICE void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+template <int kPending>
+MOK_DEVICE void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
