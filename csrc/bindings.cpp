@@ -67,6 +67,15 @@ void dequantize(const at::Tensor& data, const at::Tensor& scales, at::Tensor& ou
              "mxfp8_dequantize");
 }
 
+void copy_bytes(const at::Tensor& src, at::Tensor& dst) {
+  check_arg(src, "src"), check_arg(dst, "dst");
+  TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected ", src.nbytes(), " bytes, got ", dst.nbytes());
+  const c10::cuda::CUDAGuard guard(src.device());
+  check_cuda(mok::copy_bytes(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
+                             c10::cuda::getCurrentCUDAStream()),
+             "copy_bytes");
+}
+
 void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                         const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                         const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
@@ -246,6 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales, variant");
   m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
+  m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0): the benchmark's copy kernel");
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
         "num_sms");

@@ -1,5 +1,6 @@
 // Instantiates the MXFP8 kernels behind the host API of mok/api.h. Torch-free.
 #include "mok/api.h"
+#include "mok/quant/copy_bytes.cuh"
 #include "mok/quant/mxfp8_dequantize.cuh"
 #include "mok/quant/mxfp8_quantize.cuh"
 #include "mok/quant/mxfp8_quantize_split.cuh"
@@ -37,6 +38,10 @@ cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void*
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
                                      int64_t cols, cudaStream_t stream) {
   return mxfp8::launch_dequantize_colwise(data, scales, out, rows, cols, stream);
+}
+
+cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream) {
+  return launch_copy_bytes(src, dst, nbytes, stream);
 }
 
 }  // namespace mok

@@ -25,6 +25,10 @@ cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void*
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
                                      int64_t cols, cudaStream_t stream);
 
+// The quantizers' bandwidth ceiling for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
+// plain kernel (a graph-capturable copy that is not a memcpy node; mok/quant/copy_bytes.cuh).
+cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream);
+
 // ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
 // Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
 // [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
