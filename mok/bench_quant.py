@@ -12,7 +12,7 @@ Two ceilings, both measured in the same run:
   call, launch, ramp-up and drain are a large part of any kernel; this column says how much of the gap
   to the 4 GiB copy a copy of that size shares.
 Kernel times are CUDA-event medians over CUDA-graph replays (no Python overhead inside the timed
-region). L2 (50 MB on the H200): no flush; instead inputs smaller than L2_ROTATE_BYTES rotate among
+region). L2 (60 MB, DESIGN §2): no flush; instead inputs smaller than L2_ROTATE_BYTES rotate among
 several copies (each with its own outputs), so that a call's input was last touched >= 240 MB of reads
 ago and comes from HBM; the same-size copy rotates its sources by the same rule. Outputs are written
 into L2 and written back by the hardware, for both alike.
