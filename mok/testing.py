@@ -64,6 +64,21 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
     )
 
 
+def routing_of(kind: str):
+    """A `make_inputs` routing_fn by name, for the kernels' irregular test cases: "random" (None: make_inputs'
+    own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty)."""
+    if kind == "random":
+        return None
+    if kind == "hot":
+        return lambda T, E, K, g: routing.hot_expert_routing(T, E, K, hot_expert=3, hot_fraction=0.95, generator=g)
+    if kind == "two":
+        def two(T, E, K, g):
+            idx = torch.where(torch.rand(T, K, generator=g) < 0.5, 1, 6)  # [T, K]
+            return idx.long(), torch.ones(T, K)
+        return two
+    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', got {kind!r}")
+
+
 def fresh_seed() -> int:
     """A new seed per call (tests print it on failure, so a failing draw can be replayed)."""
     return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF

@@ -20,7 +20,7 @@ from mok.ops import core
 from mok.ops import gemm as gemm_ops
 from mok.reference import BF16, moe_forward
 from mok.schedule import make_schedule, scatter_routes
-from mok.testing import TOLERANCES, bitwise_equal, fresh_seed, make_inputs, poison_allocator, rel_err
+from mok.testing import TOLERANCES, bitwise_equal, fresh_seed, make_inputs, poison_allocator, rel_err, routing_of
 
 # Irregular on purpose: K-tails (hidden not a multiple of 64), N-tails, more k-blocks than stages, empty
 # experts, one hot expert, num_topk 1 and 8, token counts that are no tile multiple.
@@ -35,15 +35,7 @@ NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum 
 
 def _problem(case: str, seed: int, block_m: int = 128) -> tuple[dict, object]:
     cfg, kind = CASES[case]
-    routing_fn = None
-    if kind == "hot":
-        routing_fn = lambda T, E, K, g: routing.hot_expert_routing(T, E, K, hot_expert=3, hot_fraction=0.95,
-                                                                   generator=g)
-    elif kind == "two":
-        def routing_fn(T, E, K, g):  # only experts 1 and 6 get tokens
-            idx = torch.where(torch.rand(T, K, generator=g) < 0.5, 1, 6)  # [T, K]
-            return idx.long(), torch.ones(T, K)
-    inputs = make_inputs(cfg, seed=seed, routing_fn=routing_fn)  # CPU tensors
+    inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(kind))  # CPU tensors
     return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts, block_m=block_m)
 
 
