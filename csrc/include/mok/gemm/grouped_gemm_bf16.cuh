@@ -67,7 +67,11 @@ constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
 constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg budgets: 128·56 + 256·224 <= 64 Ki
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg budgets: 128·56 + 256·224 = 384·168
+// A CTA holds kNumThreads × (its launch registers) and setmaxnreg.inc only takes from that pool (it spins until
+// it can): with __launch_bounds__(384, 1) ptxas launches at 168 (65536 / 384 rounded down to 8), so the budgets
+// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch on branch mxland).
+constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 constexpr int kRowBytes = BLOCK_K * 2;
 constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
 constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
@@ -101,9 +105,10 @@ static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw12
               "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
 static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
               "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
-static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <= 65536 &&
+static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
+                  kNumThreads * kLaunchRegs &&
                   kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
-              "the register budgets fit the register file (setmaxnreg takes multiples of 8)");
+              "the register budgets fit the CTA's launch registers (setmaxnreg takes multiples of 8)");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
 static_assert(kNumStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
