@@ -53,7 +53,7 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
                                             int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
                                             cudaStream_t stream);
 
-// Backward, dgrad of the down projection with the SwiGLU backward in the epilogue: d_h = bf16(dy_rows[r] ·
+// Backward, dgrad of the down projection, then the SwiGLU backward kernel: d_h = bf16(dy_rows[r] ·
 // w_down[e]) (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows,
 // intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and
 // h = bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
