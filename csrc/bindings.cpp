@@ -110,6 +110,42 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
              "grouped_gemm_bf16_nt_contiguous");
 }
 
+void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_gate_scales,
+                           const at::Tensor& w_up, const at::Tensor& w_up_scales, const at::Tensor& row_to_token,
+                           const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& h,
+                           at::Tensor& gate, at::Tensor& up, double swiglu_limit, bool has_limit, int64_t num_sms) {
+  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
+  check_arg(w_gate_scales, "w_gate_scales"), check_arg(w_up_scales, "w_up_scales");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  check_arg(gate, "gate"), check_arg(up, "up");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda(mok::grouped_gemm_mxfp8_swiglu_gather(
+                 x.data_ptr(), w_gate.data_ptr(), w_gate_scales.data_ptr(), w_up.data_ptr(), w_up_scales.data_ptr(),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 h.data_ptr(), gate.data_ptr(), up.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1),
+                 w_gate.size(0), static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
+                 c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_mxfp8_swiglu_gather");
+}
+
+void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& w_scales,
+                           const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                           const std::optional<at::Tensor>& counts, at::Tensor& out, int64_t num_sms) {
+  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(w_scales, "w_scales"), check_arg(out, "out");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  const c10::cuda::CUDAGuard guard(a_rows.device());
+  check_cuda(mok::grouped_gemm_mxfp8_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), w_scales.data_ptr(),
+                                                   row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(),
+                                                   real_num_rows_ptr(counts), out.data_ptr(), a_rows.size(0), w.size(1),
+                                                   w.size(2), w.size(0), static_cast<int>(num_sms),
+                                                   c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_mxfp8_nt_contiguous");
+}
+
 void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
                        const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                        const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h,
@@ -261,6 +297,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous,
         "a_rows, w, row_to_token, tile_to_expert, counts (or None), out, num_sms");
+  m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
+        "x, w_gate, w_gate_scales, w_up, w_up_scales, row_to_token, tile_to_expert, counts (or None), h, gate, up, "
+        "swiglu_limit, has_limit, num_sms");
+  m.def("grouped_gemm_mxfp8_nt_contiguous", &gemm_mx_nt_contiguous,
+        "a_rows, w, w_scales, row_to_token, tile_to_expert, counts (or None), out, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
         "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, counts (or None), d_gate, d_up, h, swiglu_limit, "
         "has_limit, num_sms");

@@ -1,8 +1,9 @@
 """L2 `fused`: the MoE layer on mok's Hopper kernels (sm_90a), a few launches per pass.
 
 Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(saved, d_out)`, see
-mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q+dq` = an MXFP8 quantize
-kernel then a dequantize kernel back to bf16, along the GEMM's K; every GEMM itself is the BF16 kernel):
+mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q` = an MXFP8 quantize kernel
+along the GEMM's K, `q+dq` = a quantize kernel then a dequantize kernel back to bf16; the forward GEMMs take
+MXFP8 weights and dequantize them in the mainloop (mok.ops.gemm_mx), every other GEMM is the BF16 kernel):
 
 forward:
     make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
@@ -10,10 +11,11 @@ forward:
                                                device (sched.counts) and never touch the spare rows; bad ids
                                                raise later, through mok.bad_ids
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
-                                               mx: q+dq x [T, H] row-wise (once, before the gather);
-                                               w_gate, w_up along hidden
+                                               mx: grouped_gemm_mxfp8_swiglu_gather; q+dq x [T, H] row-wise
+                                               (once, before the gather); q w_gate, w_up along hidden
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
-                                               mx: q+dq h along intermediate, w_down along intermediate
+                                               mx: grouped_gemm_mxfp8_nt_contiguous; q+dq h along
+                                               intermediate; q w_down along intermediate
     saved gate/up                              mx: quantized row-wise, kept as MXFP8 (data + scales)
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
                                                token order (row t = token t), weights viewed as [1, ...];
@@ -50,10 +52,11 @@ No host sync in either pass (tests/test_fused.py runs both under torch.cuda.set_
 mxfp8 the quantize/dequantize passes over row buffers (`_mx`, `_mx_dual`) cover the spare rows too (whatever
 they hold; their outputs there are never read): they take no row count from the device.
 
-MXFP8 cost of this first, exact step (`_mx`, `_mx_dual`): 12 extra launches in the forward, 21 in the
-backward; a q+dq moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32; dequantize the reverse),
-three times the GEMM's own read of the bf16 operand, and the weights dominate (3 · 6 · E·I·H bytes per pass).
-The next step dequantizes inside the GEMM mainloops and replaces those two functions.
+MXFP8 cost: a q+dq (`_mx`, `_mx_dual`) moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32;
+dequantize the reverse), three times the GEMM's own read of the bf16 operand, and the weights dominate. The
+forward quantizes its weights only (3 bytes per element, 3·E·I·H elements) and its GEMMs read 1 + 1/32 bytes
+per weight element; the backward still runs q+dq on every operand (its MN-major weight reads and the
+weight-gradient GEMMs have no MXFP8 mainloop yet).
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 
 # ---- MXFP8 operands: quantize -> dequantize -> the BF16 kernels (DESIGN §4) --------------------------------
 # An E4M3 value times 2^e is exact in bf16, so a BF16 GEMM of dequantized operands is L0's MXFP8 GEMM
-# (mok.reference.quant), bit for bit in its operands. These two functions are the level's whole MXFP8
-# operand path: the next step dequantizes inside the GEMM mainloops and replaces them.
+# (mok.reference.quant), bit for bit in its operands. The forward's weights skip this (their GEMMs dequantize
+# in the mainloop, to the same bf16); the activations and the whole backward go through these two functions.
 #
 # Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
 # once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
@@ -152,12 +155,18 @@ def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
 
 def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
     """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I]), gate/up in
-    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands)."""
-    p = precision
+    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands):
+    the activations as their round trip in bf16, the weights quantized and dequantized in the GEMM mainloops."""
+    if precision == "bf16":
+        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=swiglu_limit,
+                                                          num_sms=num_sms)  # [R, I] each
+        return ops.grouped_gemm_bf16_nt_contiguous(h, w_down, sched, num_sms=num_sms), gate, up  # [R, H]
     # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
-    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx(w_gate, -1, p), _mx(w_up, -1, p), sched,
-                                                      swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
+    h, gate, up = ops.grouped_gemm_mxfp8_swiglu_gather(_mx(x, -1, precision), ops.mxfp8_quantize_rowwise(w_gate),
+                                                       ops.mxfp8_quantize_rowwise(w_up), sched,
+                                                       swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
+    y_rows = ops.grouped_gemm_mxfp8_nt_contiguous(_mx(h, -1, precision), ops.mxfp8_quantize_rowwise(w_down), sched,
+                                                  num_sms=num_sms)  # [R, H]
     return y_rows, gate, up
 
 

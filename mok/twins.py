@@ -21,7 +21,8 @@ from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
-           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "combine_rows",
+           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
+           "grouped_gemm_mxfp8_nt_contiguous", "combine_rows",
            "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
            "mxfp8_quantize_dual", "mxfp8_dequantize")
 
@@ -62,6 +63,16 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
         rows = _rows_of(sched, e)  # [n_e]
         out[rows] = mm(a_rows[rows], w[e]).to(BF16)  # [n_e, n]
     return out
+
+
+def grouped_gemm_mxfp8_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):
+    """grouped_gemm_bf16_swiglu_gather on the dequantized MXFP8 weights ((data, scales) along hidden)."""
+    return grouped_gemm_bf16_swiglu_gather(x, mxfp8_dequantize(*w_gate), mxfp8_dequantize(*w_up), sched, swiglu_limit)
+
+
+def grouped_gemm_mxfp8_nt_contiguous(a_rows, w, sched, num_sms=None):
+    """grouped_gemm_bf16_nt_contiguous on the dequantized MXFP8 weight ((data, scales) along k)."""
+    return grouped_gemm_bf16_nt_contiguous(a_rows, mxfp8_dequantize(*w), sched)
 
 
 def grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=None, num_sms=None):

@@ -26,7 +26,8 @@ t0=$(date +%s)
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
 # st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the default
-# build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run.
+# build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run;
+# `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change.
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -41,11 +42,13 @@ step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/
   tar czf "$out/logs.tgz" -C "$logs" .  # after every step: a run cut short keeps what it logged
 }
 
-step gemm 120 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py -k "not build_switches"
+step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py \
+  tests/test_ops_gemm_mxfp8.py -k "not build_switches"
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
+step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"

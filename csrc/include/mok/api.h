@@ -53,6 +53,22 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
                                             int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
                                             cudaStream_t stream);
 
+// GEMM1 and GEMM2 with MXFP8 weights, dequantized in the mainloop (csrc/gemm_mxfp8.cu): as the two above,
+// with each bf16 weight replaced by its E4M3 data [num_experts, n, k] (uint8) and E8M0 scales in the
+// k-block layout [num_experts, ceil(k / 64), n, 2] (uint8). Same bits as the BF16 kernels on the dequantized
+// weights. k % 32 == 0, n % 8 == 0.
+cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, const void* w_gate_scales,
+                                             const void* w_up, const void* w_up_scales, const int32_t* row_to_token,
+                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* h,
+                                             void* gate, void* up, int64_t num_rows, int64_t hidden,
+                                             int64_t intermediate, int64_t num_experts, float swiglu_limit,
+                                             bool has_limit, int num_sms, cudaStream_t stream);
+
+cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, const void* w_scales,
+                                             const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                             const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
+                                             int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream);
+
 // Backward, dgrad of the down projection, then the SwiGLU backward kernel: d_h = bf16(dy_rows[r] ·
 // w_down[e]) (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows,
 // intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and

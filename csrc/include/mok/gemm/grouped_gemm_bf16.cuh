@@ -12,6 +12,10 @@
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
 //                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
+//   kGateUpMx, kDownMx   kGateUp and kDown with MXFP8 weights (E4M3 data [E, n, k] and E8M0 scales along k):
+//                 the producer dequantizes each weight tile in shared memory to exactly the bf16 that
+//                 mxfp8_dequantize writes (mok/quant/mxfp8.cuh), so the outputs are the BF16 kinds' bits on
+//                 dequantized weights, with a weight read of 1 + 1/32 bytes per element instead of 2.
 //
 // Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
@@ -28,6 +32,12 @@
 //   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed.
 // The consumers keep one wgmma group in flight: k-block kb's MMAs run while kb - 1's stage is released.
 //
+// MXFP8 weights (kGateUpMx, kDownMx) take one more hop: thread 0 loads the E4M3 tiles of B0 and B1 (128 rows
+// × 64 bytes each, 64-byte swizzle) and their scales by TMA into a ring of kNumLanding landing slots, up to
+// kNumLanding - 1 k-blocks ahead; producer thread r then dequantizes row r of both into the stage's bf16 B
+// tiles (the layout TMA writes for the BF16 kinds), fences, and arrives on full[s]. These kinds run
+// kNumStages - 1 bf16 stages: the landing ring takes the fourth one's shared memory.
+//
 // Stage layout (bytes; every tile 1024-aligned): [A 128 rows × 128 B][B0 16 KiB][B1 16 KiB], 48 KiB.
 //   kGateUp: B0 = Wg[e] rows n0..n0+127, B1 = Wu[e] rows n0..n0+127 (gate and up of the same columns, so the
 //            epilogue holds both in registers); the others: B0/B1 = columns n0..n0+127 / n0+128..n0+255.
@@ -39,6 +49,7 @@
 
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/tensor_map.cuh"
+#include "mok/quant/mxfp8.cuh"
 #include "mok/swiglu.cuh"
 
 namespace mok::gemm {
@@ -67,17 +78,30 @@ constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
 constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // setmaxnreg budgets: 128·56 + 256·224 = 384·168
 // A CTA holds kNumThreads × (its launch registers) and setmaxnreg.inc only takes from that pool (it spins until
 // it can): with __launch_bounds__(384, 1) ptxas launches at 168 (65536 / 384 rounded down to 8), so the budgets
-// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch on branch mxland).
+// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch, in a first version of
+// the MXFP8 kinds).
 constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 constexpr int kRowBytes = BLOCK_K * 2;
 constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
 constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
 constexpr uint32_t kStageBytes = kATileBytes + 2 * kBTileBytes;
 constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory an sm_90 block may use
-constexpr uint32_t kBarrierBytes = 2 * kNumStages * 8;
+// MXFP8 weights: the bf16 ring has one stage less, and a landing slot holds a k-block of B0 and B1 as E4M3
+// (128 rows × 64 bytes each) plus their scales (2 bytes per row: the two 32-element blocks of the k-block).
+constexpr int kMxStages = kNumStages - 1;
+constexpr int kNumLanding = 3;
+constexpr uint32_t kLandTileBytes = BLOCK_N_B * BLOCK_K;  // 8 KiB of E4M3
+constexpr uint32_t kLandScaleBytes = BLOCK_N_B * 2;       // 256 bytes of E8M0
+constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
+// Shared memory: [the ring][epilogue staging][landing scales][barriers], the ring being the BF16 kinds'
+// kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
+constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
+constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
+constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
+constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
@@ -86,12 +110,12 @@ constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
 constexpr uint32_t kStoreBoxesRoom =
-    (kSmemLimit - kNumStages * kStageBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
+    (kSmemLimit - kMainBytes - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
     (kNumConsumerWarps * kStoreBoxBytes);
 constexpr int kStoreBoxesPerWarp = !kTmaStore ? 2 : kStoreBoxesRoom < 6 ? static_cast<int>(kStoreBoxesRoom) : 6;
 constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
-constexpr uint32_t kSmemBytes = kNumStages * kStageBytes + kStagingBytes + kBarrierBytes + ptx::kSw128AtomBytes;
+constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
 
 // The producer warpgroup gathers an A tile as 128 rows × 8 chunks of 16 bytes: thread t copies chunk t % 8
 // of rows t / 8 + 16j, j in [0, 8) (8 threads read one row's 128 contiguous bytes).
@@ -105,18 +129,18 @@ static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw12
               "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
 static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
               "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
-static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
-                  kNumThreads * kLaunchRegs &&
-                  kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
-              "the register budgets fit the CTA's launch registers (setmaxnreg takes multiples of 8)");
+static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
-static_assert(kNumStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
+static_assert(kMxStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
+static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomBytes == 0 &&
+                  kLandTileBytes % ptx::kSw128AtomBytes == 0,
+              "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
 static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
               "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
                   BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
-                  (kNumStages * kStageBytes) % ptx::kSw128AtomBytes == 0,
+                  kMainBytes % ptx::kSw128AtomBytes == 0,
               "a store box is one 128-byte swizzle row wide, one warp's rows high, and 1024-byte aligned (TMA "
               "applies the 128B swizzle on the address bits, as sw128_offset does)");
 
@@ -141,9 +165,27 @@ constexpr bool sw128_is_the_address_xor() {
 static_assert(sw128_is_the_address_xor(), "sw128_offset is the 128B swizzle: bits [4:6] ^= bits [7:9]");
 static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its atom: chunk 3 lands in slot 2");
 
+// The 64-byte swizzle of the E4M3 landing tiles (rows of 64 bytes: 4 chunks of 16): TMA XORs bits [4:5] of
+// the byte offset with bits [7:8], so chunk `chunk` of row `row` sits in slot chunk ^ ((row / 2) % 4). A
+// producer warp reading one chunk of 8 consecutive rows touches 8 distinct 16-byte slots of a 128-byte
+// line: no bank conflict (unswizzled, rows 2 apart would share banks).
+MOK_HOST_DEVICE constexpr uint32_t sw64_offset(uint32_t row, uint32_t chunk) {
+  return row * 64 + ((chunk ^ ((row / 2) % 4)) << 4);
+}
+
+constexpr bool sw64_is_the_address_xor() {
+  for (uint32_t row = 0; row < BLOCK_N_B; ++row)
+    for (uint32_t chunk = 0; chunk < 4; ++chunk) {
+      const uint32_t o = row * 64 + chunk * 16;
+      if (sw64_offset(row, chunk) != (o ^ (((o >> 7) & 3) << 4))) return false;
+    }
+  return true;
+}
+static_assert(sw64_is_the_address_xor(), "sw64_offset is the 64B swizzle: bits [4:5] ^= bits [7:8]");
+
 // ---- parameters ----------------------------------------------------------------------------------------
 
-enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad };
+enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad, kGateUpMx, kDownMx };
 
 struct Params {
   const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
@@ -169,14 +211,29 @@ struct Params {
 
 template <Gemm kGemm>
 struct Tile {
-  static constexpr bool kGather = kGemm == Gemm::kGateUp;  // A gathered by cp.async, else by TMA
+  static constexpr bool kMx = kGemm == Gemm::kGateUpMx || kGemm == Gemm::kDownMx;  // MXFP8 weights
+  static constexpr bool kSwiGLU = kGemm == Gemm::kGateUp || kGemm == Gemm::kGateUpMx;  // B0 = Wg, B1 = Wu
+  static constexpr bool kGather = kSwiGLU;  // A gathered by cp.async, else by TMA
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
       kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
   static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
-  static constexpr int kTaskN = kGemm == Gemm::kGateUp ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
-  static constexpr int kB1Offset = kGemm == Gemm::kGateUp ? 0 : BLOCK_N_B;  // B1's first column vs B0's
-  static constexpr uint32_t kFullArrivals = kGather ? kNumProducerThreads + 1 : 1;
-  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + 2 * kBTileBytes;
+  static constexpr int kTaskN = kSwiGLU ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
+  static constexpr int kB1Offset = kSwiGLU ? 0 : BLOCK_N_B;  // B1's first column vs B0's
+  static constexpr int kStages = kMx ? kMxStages : kNumStages;
+  // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
+  // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
+  static constexpr bool kTmaIntoStage = !kGather || !kMx;
+  static constexpr uint32_t kFullArrivals =
+      (kGather ? kNumProducerThreads : 0) + (kMx ? kNumProducerThreads : 0) + (kTmaIntoStage ? 1 : 0);
+  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kMx ? 0 : 2 * kBTileBytes);
+  // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
+  // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
+  // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere.
+  static constexpr int kProducerRegs = kMx ? 120 : 56, kConsumerRegs = kMx ? 192 : 224;
+  static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
+                    kNumThreads * kLaunchRegs &&
+                    kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
+                "the register budgets fit the CTA's launch registers (setmaxnreg takes multiples of 8)");
   static constexpr uint32_t kBHalfBytes = kBTileBytes / 2;  // MN-major: one 64-column box
 };
 
@@ -219,6 +276,13 @@ MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
+// MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
+MOK_DEVICE uint8_t* land_tile(uint8_t* smem, uint32_t slot, int which) {
+  return smem + kMxStages * kStageBytes + (2 * slot + which) * kLandTileBytes;
+}
+MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // after the staging: 128-aligned
+  return smem + kMainBytes + kStagingBytes + (2 * slot + which) * kLandScaleBytes;
+}
 
 // ---- producer: warpgroup 0 -----------------------------------------------------------------------------
 
@@ -236,7 +300,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int batch = kGemm == Gemm::kWeightGrad ? 0 : t.expert;  // kWeightGrad's operands are row matrices
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
-  const CUtensorMap* b_second = kGemm == Gemm::kGateUp ? tmap_b1 : b_first;
+  const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
   ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
   if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
@@ -244,7 +308,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
   }
-  for (int which = 0; which < 2; ++which) {
+  for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
@@ -256,15 +320,72 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   }
 }
 
+// The landing barriers of the MXFP8 kinds: land_full[slot] (thread 0's arrive.expect_tx + the bytes),
+// land_empty[slot] (one arrival per producer thread, once it has read the slot).
+struct Landing {
+  const CUtensorMap *b0, *b1, *s0, *s1;  // E4M3 data maps (k, n, E) and scale maps (2n, k-blocks, E)
+  uint64_t *full, *empty;
+};
+
+// Thread 0: the CTA's k-block j of the MXFP8 kinds into landing slot j % kNumLanding (every task of these
+// kinds runs all of K: k-block j is task blockIdx.x + (j / num_k_blocks)·gridDim.x, k-block j % num_k_blocks),
+// once all producer threads have read the slot's previous k-block.
+template <Gemm kGemm>
+MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* smem, int j, int num_k_blocks) {
+  using T = Tile<kGemm>;
+  const uint32_t slot = j % kNumLanding;
+  if (j >= kNumLanding) ptx::mbarrier_wait_parity(&land.empty[slot], (j / kNumLanding - 1) & 1);
+  const int kb = j % num_k_blocks;
+  const Task t = decode_task<kGemm>(p, static_cast<int>(blockIdx.x) + (j / num_k_blocks) * gridDim.x, num_k_blocks);
+  const int n0 = t.n_tile * T::kTaskN, n1 = n0 + T::kB1Offset;
+  ptx::mbarrier_arrive_expect_tx(&land.full[slot], kLandTxBytes);
+  ptx::tma_load_3d(land_tile(smem, slot, 0), land.b0, kb * BLOCK_K, n0, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_tile(smem, slot, 1), land.b1, kb * BLOCK_K, n1, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 0), land.s0, 2 * n0, kb, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 1), land.s1, 2 * n1, kb, t.expert, &land.full[slot]);
+}
+
+// Producer thread `row`: row `row` of B0 and B1 from landing slot `slot` (64 E4M3 bytes each, two scales)
+// to the stage's bf16 tiles, exactly as mxfp8_dequantize computes each element (mxfp8::dequantize8). A
+// tile's 4 shared loads go out before its first conversion (all 8 at once spilled in kDownMx).
+MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, uint32_t row) {
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    uint4 q[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      q[c] = *reinterpret_cast<const uint4*>(land_tile(smem, slot, which) + sw64_offset(row, c));
+    const uint32_t scale_bytes = *reinterpret_cast<const uint16_t*>(land_scales(smem, slot, which) + 2 * row);
+    uint8_t* b_tile = stage_b(smem, stage, which);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
+      const float s = mxfp8::scale_byte_to_f32((scale_bytes >> (8 * (c / 2))) & 0xFFu);
+      const float scale[8] = {s, s, s, s, s, s, s, s};
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) =
+          mxfp8::dequantize8(make_uint2(q[c].x, q[c].y), scale);
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c + 1)) =
+          mxfp8::dequantize8(make_uint2(q[c].z, q[c].w), scale);
+    }
+  }
+}
+
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                        const CUtensorMap* tmap_b1, const Params& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        int num_tasks, int num_k_blocks) {
+                        const CUtensorMap* tmap_b1, const Landing& land, const Params& p, uint8_t* smem,
+                        uint64_t* full, uint64_t* empty, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
-  if (!T::kGather && thread != 0) return;  // TMA only: one thread issues everything
+  if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
   const uint32_t chunk = thread % kChunksPerRow;
   const uint32_t row_in_tile = thread / kChunksPerRow;
+  // MXFP8: thread 0 keeps the landing ring kNumLanding - 1 k-blocks ahead of the stage it fills.
+  int num_landings = 0;  // this CTA's k-blocks
+  if constexpr (T::kMx) {
+    if (static_cast<int>(blockIdx.x) < num_tasks)
+      num_landings = ((num_tasks - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1) * num_k_blocks;
+    if (thread == 0)
+      for (int j = 0; j < kNumLanding - 1 && j < num_landings; ++j) issue_landing<kGemm>(land, p, smem, j, num_k_blocks);
+  }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const Task t = decode_task<kGemm>(p, task, num_k_blocks);
@@ -275,9 +396,16 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
-      const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
+      const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
-      if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
+      if (thread == 0) {
+        if constexpr (T::kMx) {
+          const int ahead = static_cast<int>(it) + kNumLanding - 1;
+          if (ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks);
+        }
+        if constexpr (T::kTmaIntoStage)
+          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
+      }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
@@ -288,6 +416,14 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
           ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+      }
+      if constexpr (T::kMx) {
+        const uint32_t slot = it % kNumLanding;
+        ptx::mbarrier_wait_parity(&land.full[slot], (it / kNumLanding) & 1);
+        dequantize_b_row(smem, slot, stage, thread);
+        ptx::fence_proxy_async_shared();  // the bf16 rows, before the consumers' wgmma reads them
+        ptx::mbarrier_arrive(&land.empty[slot]);
+        ptx::mbarrier_arrive(&full[stage]);
       }
     }
   }
@@ -453,13 +589,13 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-template <bool kGather, bool kMajorMNA, bool kMajorMN>
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane) {
   uint32_t prev_stage = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
-    const uint32_t stage = it % kNumStages, phase = (it / kNumStages) & 1;
+    const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
     if constexpr (kGather) ptx::fence_proxy_async_shared();
@@ -505,7 +641,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
   const uint32_t a_offset = group * WG_M * kRowBytes;  // this warpgroup's rows of the A tile
-  Staging staging{smem + kNumStages * kStageBytes +
+  Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
   uint32_t it = 0;
@@ -517,13 +653,13 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
-                                                            t.num_k_blocks, lane);
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
+                                                                         t.num_k_blocks, lane);
     const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
 
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
-    if constexpr (kGemm == Gemm::kGateUp) {
+    if constexpr (T::kSwiGLU) {
       store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
@@ -540,6 +676,8 @@ template <Gemm kGemm>
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_a2,
                              const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+                             const __grid_constant__ CUtensorMap tmap_s0,  // MXFP8 kinds: B0's scales
+                             const __grid_constant__ CUtensorMap tmap_s1,  // MXFP8 kinds: B1's scales
                              const __grid_constant__ CUtensorMap tmap_out,
                              const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
                              const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
@@ -550,23 +688,32 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  // Layout: [stages][staging of the 8 consumer warps][full, empty barriers]. NOTE: the barriers sat at the
+  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers sat at the
   // staging's first bytes before, where consumer warp 0's stmatrix wrote row 0 of every tile.
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kNumStages * kStageBytes + kStagingBytes);  // [kNumStages]
-  uint64_t* empty = full + kNumStages;                                                            // [kNumStages]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
+  uint64_t* empty = full + kNumStages;                                              // [T::kStages]
+  const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
+                     empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
+    for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(&full[s], T::kFullArrivals);
       ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
+    }
+    if constexpr (T::kMx) {
+      for (int s = 0; s < kNumLanding; ++s) {
+        ptx::mbarrier_init(&land.full[s], 1);
+        ptx::mbarrier_init(&land.empty[s], kNumProducerThreads);
+      }
     }
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
     if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
+    if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
     if constexpr (kTmaStore) ptx::prefetch_tensor_map(&tmap_out);
-    if constexpr (kTmaStore && kGemm == Gemm::kGateUp)
+    if constexpr (kTmaStore && T::kSwiGLU)
       ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
@@ -574,10 +721,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_tasks = num_tasks_of<kGemm>(p);  // every thread reads the same 4 bytes: one load per warp
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, p, smem, full, empty, num_tasks, num_k_blocks);
+    ptx::setmaxnreg_dec<T::kProducerRegs>();
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
-    ptx::setmaxnreg_inc<kConsumerRegs>();
+    ptx::setmaxnreg_inc<T::kConsumerRegs>();
     consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
 }
@@ -588,10 +735,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // layout: [E, n, k] for K-major kinds (kDown passes one matrix twice), [E, k, n] for the MN-major ones
 // (kDownDgrad: W_down twice; kGateUpDgrad: W_gate, W_up). A rows (p.a, p.a2: [num_rows, k]) get a map each.
 // kWeightGrad: w_b0 = w_b1 = the B rows [num_rows, n], p.a = the A rows [num_rows, m], num_experts = E.
+// MXFP8 kinds: w_b0/w_b1 are the E4M3 data [E, n, k] and `mx` their scales in the k-block layout
+// [E, ceil(k / 64), n, 2] (mok.ops.gemm.mx_scales_by_k_block: one TMA box of 256 bytes per tile and k-block).
+
+struct MxScales {
+  const void *s0, *s1;  // of w_b0, w_b1
+};
 
 template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
-                                     int num_sms, cudaStream_t stream) {
+                                     int num_sms, cudaStream_t stream, MxScales mx = {nullptr, nullptr}) {
   using T = Tile<kGemm>;
   constexpr bool kWeightGrad = kGemm == Gemm::kWeightGrad;
   p.num_m_tiles = static_cast<int>(ceil_div(kWeightGrad ? p.m : p.num_rows, BLOCK_M));
@@ -612,11 +765,22 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {
+    if (T::kMx)  // E4M3 rows of 64 bytes per box: dims (k, n, E), box (64, 128, 1), 64-byte swizzle
+      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B,
+                        CU_TENSOR_MAP_SWIZZLE_64B);
     if (kWeightGrad) return encode_rows_map(map, w, 1, p.num_rows, p.n, 64, BLOCK_K);
     return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
                        : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
   if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
+  CUtensorMap tmap_s0{}, tmap_s1{};
+  if constexpr (T::kMx) {  // scales: dims (2n, k-blocks, E), box (256, 1, 1): a tile's 128 rows × 2 bytes
+    const auto encode_s = [&](CUtensorMap* map, const void* scales) {
+      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scales, num_experts, ceil_div(p.k, BLOCK_K),
+                        2 * p.n, 2 * BLOCK_N_B, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+    };
+    if ((err = encode_s(&tmap_s0, mx.s0)) || (err = encode_s(&tmap_s1, mx.s1))) return err;
+  }
   // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
   // past m (dims (n, m, E): never into the next expert's dW).
   CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
@@ -626,7 +790,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
                          : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
     };
     if ((err = encode_out(&tmap_out, p.out))) return err;
-    if (kGemm == Gemm::kGateUp && ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
+    if (T::kSwiGLU && ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
       return err;
   }
   const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
@@ -637,7 +801,8 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
       return err;
   }
   const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_out, tmap_gate, tmap_up, p);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
+                                                    tmap_gate, tmap_up, p);
   return cudaGetLastError();
 }
 

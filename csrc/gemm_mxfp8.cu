@@ -1,0 +1,48 @@
+// Instantiates the forward GEMMs with MXFP8 weights (kGateUpMx, kDownMx of mok/gemm/grouped_gemm_bf16.cuh)
+// behind the host API of mok/api.h. Torch-free.
+#include "mok/api.h"
+#include "mok/gemm/grouped_gemm_bf16.cuh"
+
+namespace mok {
+
+cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, const void* w_gate_scales,
+                                             const void* w_up, const void* w_up_scales, const int32_t* row_to_token,
+                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* h,
+                                             void* gate, void* up, int64_t num_rows, int64_t hidden,
+                                             int64_t intermediate, int64_t num_experts, float swiglu_limit,
+                                             bool has_limit, int num_sms, cudaStream_t stream) {
+  gemm::Params p{};
+  p.a = static_cast<const uint16_t*>(x);
+  p.row_to_token = row_to_token;
+  p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
+  p.out = static_cast<uint16_t*>(h);
+  p.gate = static_cast<uint16_t*>(gate);
+  p.up = static_cast<uint16_t*>(up);
+  p.num_rows = static_cast<int>(num_rows);
+  p.n = static_cast<int>(intermediate);
+  p.k = static_cast<int>(hidden);
+  p.swiglu_limit = swiglu_limit;
+  p.has_limit = has_limit ? 1 : 0;
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMx>(w_gate, w_up, num_experts, p, num_sms, stream,
+                                                               {w_gate_scales, w_up_scales});
+}
+
+cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, const void* w_scales,
+                                             const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                             const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
+                                             int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream) {
+  gemm::Params p{};
+  p.a = static_cast<const uint16_t*>(a_rows);
+  p.row_to_token = row_to_token;  // row r reads a_rows[r]; padding rows are written as zeros
+  p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
+  p.out = static_cast<uint16_t*>(out);
+  p.num_rows = static_cast<int>(num_rows);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownMx>(w, w, num_experts, p, num_sms, stream,
+                                                             {w_scales, w_scales});
+}
+
+}  // namespace mok
