@@ -133,3 +133,29 @@ def test_gemm2_mx_weights_equal_bf16_kernel_on_dequantized(case, num_sms):
     poison_allocator(2 * sched.num_rows * wd.shape[1] * 2)
     got = ops.grouped_gemm_mxfp8_nt_contiguous(a_rows, q, sched, num_sms=num_sms)
     assert bitwise_equal(got, expected), f"{case} num_sms={num_sms}: bits differ (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_gemm1_mx_dequantizes_every_byte_and_scale_exactly():
+    """One-hot tokens make gate[t, n] = bf16(1 · w[n, t]): the dequantized weight itself. Every E4M3 byte but
+    the NaNs meets scale bytes 0..240 (both sides of the producer's fast path, [10, 142]; none overflows).
+    Compared with mxfp8_dequantize where that is a normal number or zero (the tensor cores' handling of
+    subnormal inputs is not this test's business); a zero's sign is not compared (1 · -0 + 0 · ... = +0)."""
+    hidden, intermediate = 64, 256
+    n, k = torch.meshgrid(torch.arange(intermediate), torch.arange(hidden), indexing="ij")  # [256, 64] each
+    data = ((7 * n + 13 * k) % 256).to(torch.uint8)  # [I, H]
+    data[(data & 0x7F) == 0x7F] = 0x7E  # E4M3 NaN bytes: the NaN-block test above has them
+    scales = ((3 * torch.arange(intermediate)[:, None] + 101 * torch.arange(2)) % 241).to(torch.uint8)  # [I, 2]
+    w = (data.view(torch.float8_e4m3fn)[None].cuda(), scales[None].cuda())  # [1, I, H], [1, I, H / 32]
+    x = torch.eye(hidden, dtype=BF16, device="cuda")  # [T = 64, H]: token t is e_t
+    sched = make_schedule(torch.zeros(hidden, 1, dtype=torch.int64, device="cuda"), 1)  # row t = token t
+    expected = ops.mxfp8_dequantize(*w, -1)[0].T.contiguous()  # [T, I]: gate[t, n] = w[n, t]
+    poison_allocator(3 * sched.num_rows * intermediate * 2)
+    gate = ops.grouped_gemm_mxfp8_swiglu_gather(x, w, w, sched)[1][:hidden]  # [T, I]
+    zero = expected == 0
+    checked = zero | (expected.float().abs() >= 2.0**-126)
+    assert checked.float().mean() > 0.9, "most values must be normal, or the test checks little"
+    same = (gate.view(torch.int16) == expected.view(torch.int16)) | (zero & (gate == 0))
+    bad = checked & ~same
+    assert not bad.any(), f"{int(bad.sum())} elements differ, first at {bad.nonzero()[:4].tolist()}"

@@ -346,7 +346,7 @@ MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* sme
 }
 
 // Producer thread `row`: row `row` of B0 and B1 from landing slot `slot` (64 E4M3 bytes each, two scales)
-// to the stage's bf16 tiles, exactly as mxfp8_dequantize computes each element (mxfp8::dequantize8). A
+// to the stage's bf16 tiles, with the bits mxfp8_dequantize writes for each element (mxfp8::dequantize16). A
 // tile's 4 shared loads go out before its first conversion (all 8 at once spilled in kDownMx).
 MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, uint32_t row) {
 #pragma unroll
@@ -359,12 +359,10 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
     uint8_t* b_tile = stage_b(smem, stage, which);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
-      const float s = mxfp8::scale_byte_to_f32((scale_bytes >> (8 * (c / 2))) & 0xFFu);
-      const float scale[8] = {s, s, s, s, s, s, s, s};
-      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) =
-          mxfp8::dequantize8(make_uint2(q[c].x, q[c].y), scale);
-      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c + 1)) =
-          mxfp8::dequantize8(make_uint2(q[c].z, q[c].w), scale);
+      uint4 lo, hi;
+      mxfp8::dequantize16(q[c], (scale_bytes >> (8 * (c / 2))) & 0xFFu, lo, hi);
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c + 1)) = hi;
     }
   }
 }
