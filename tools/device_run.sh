@@ -49,6 +49,7 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
   tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
+step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
