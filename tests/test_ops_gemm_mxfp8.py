@@ -139,7 +139,7 @@ def test_gemm2_mx_weights_equal_bf16_kernel_on_dequantized(case, num_sms):
 @pytest.mark.sm90
 def test_gemm1_mx_dequantizes_every_byte_and_scale_exactly():
     """One-hot tokens make gate[t, n] = bf16(1 · w[n, t]): the dequantized weight itself. Every E4M3 byte but
-    the NaNs meets scale bytes 0..240 (both sides of the producer's fast path, [10, 142]; none overflows).
+    the NaNs meets scale bytes 0..240 (none overflows).
     Compared with mxfp8_dequantize where that is a normal number or zero (the tensor cores' handling of
     subnormal inputs is not this test's business); a zero's sign is not compared (1 · -0 + 0 · ... = +0)."""
     hidden, intermediate = 64, 256

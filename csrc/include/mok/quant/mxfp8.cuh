@@ -154,49 +154,4 @@ MOK_DEVICE uint4 dequantize8(uint2 q, const float (&scale)[8]) {
   return out;
 }
 
-// ---- the same dequantization, cheaper, where it is exact (the GEMM producers' path) --------------------
-// For a block with scale byte in [kPow2MinByte, kPow2MaxByte] and no E4M3 NaN byte: cvt to f16x2 (exact, E4M3
-// subnormals become normal f16), then the f16 bits moved into bf16's fields (exponent field E16 in [6, 23]
-// for a nonzero E4M3: (h >> 3) & 0x0FFF keeps exponent and the 3 live mantissa bits, the sign stays) read
-// |q|·2^-112 as a normal bf16 (±0 stays ±0), and one bf16 multiply by 2^(112 + e) = the bf16 with exponent
-// field byte + 112 gives q·2^e: exact, the result being a normal bf16 (|q·2^e| in [2^-9·2^e, 448·2^e] and
-// byte in [10, 142]), so the same bits as dequantize8's fp32 product rounded to bf16. One conversion
-// instruction per two elements instead of four.
-constexpr uint32_t kPow2MinByte = 10, kPow2MaxByte = 142;
-
-// Nonzero iff one of the 16 bytes is an E4M3 NaN (0x7F or 0xFF).
-MOK_DEVICE uint32_t e4m3_nan_bytes(uint4 q) {
-  uint32_t any = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t w = (&q.x)[k];
-    any |= ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;  // bit 7 of a byte set iff its low 7 bits are 0x7F
-  }
-  return any;
-}
-
-MOK_DEVICE uint32_t e4m3x2_to_bf16x2_pow2(uint32_t two_bytes, uint32_t scale_bf16x2) {
-  uint32_t h, out;
-  asm("{\n\t.reg .b16 in;\n\tcvt.u16.u32 in, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, in;\n\t}" : "=r"(h) : "r"(two_bytes));
-  const uint32_t scaled_down = ((h >> 3) & 0x0FFF0FFFu) | (h & 0x80008000u);  // |q|·2^-112 per half, signed
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(scaled_down), "r"(scale_bf16x2));
-  return out;
-}
-
-// 16 E4M3 bytes of one block (scale byte `byte`) to 16 bf16: dequantize8's bits, by the path above where it
-// is exact and by dequantize8 elsewhere (NaN data or scale, extreme scales: never in practice).
-MOK_DEVICE void dequantize16(uint4 q, uint32_t byte, uint4& lo, uint4& hi) {
-  if (byte >= kPow2MinByte && byte <= kPow2MaxByte && e4m3_nan_bytes(q) == 0u) {
-    const uint32_t scale = (byte + 112u) << 7 | (byte + 112u) << 23;  // 2^(112 + e) in both bf16 halves
-    uint32_t* out[2] = {&lo.x, &hi.x};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) out[k / 4][k % 4] = e4m3x2_to_bf16x2_pow2((&q.x)[k / 2] >> (16 * (k & 1)), scale);
-  } else {
-    const float s = scale_byte_to_f32(byte);
-    const float scale[8] = {s, s, s, s, s, s, s, s};
-    lo = dequantize8(make_uint2(q.x, q.y), scale);
-    hi = dequantize8(make_uint2(q.z, q.w), scale);
-  }
-}
-
 }  // namespace mok::mxfp8
