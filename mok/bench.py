@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from mok import fused
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
 from mok.layer import get_level
 from mok.testing import make_inputs, moe_args, saved_nbytes
@@ -206,6 +207,8 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                     saved[level, precision] = saved_gb(level, inputs, precision)
                 row(level, "mok", precision, pass_, time_ms(fn, n(pass_)), ceiling_ms, peak_mem_gb(fn),
                     saved[level, precision])
+                if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
+                    rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
                 del fn
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)

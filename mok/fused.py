@@ -2,8 +2,8 @@
 
 Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(saved, d_out)`, see
 mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q` = an MXFP8 quantize kernel
-along the GEMM's K, `q+dq` = a quantize kernel then a dequantize kernel back to bf16; the forward GEMMs take
-MXFP8 weights and dequantize them in the mainloop (mok.ops.gemm_mx), every other GEMM is the BF16 kernel):
+along the GEMM's K, `q+dq` = a quantize kernel then a dequantize kernel back to bf16; every GEMM is the BF16
+kernel, except the forward's with MOK_MX_WEIGHTS=mainloop: MXFP8 weights dequantized in the mainloop):
 
 forward:
     make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
@@ -11,11 +11,12 @@ forward:
                                                device (sched.counts) and never touch the spare rows; bad ids
                                                raise later, through mok.bad_ids
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
-                                               mx: grouped_gemm_mxfp8_swiglu_gather; q+dq x [T, H] row-wise
-                                               (once, before the gather); q w_gate, w_up along hidden
+                                               mx: q+dq x [T, H] row-wise (once, before the gather); q+dq
+                                               w_gate, w_up along hidden (MOK_MX_WEIGHTS=mainloop: q only,
+                                               grouped_gemm_mxfp8_swiglu_gather dequantizes in the mainloop)
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
-                                               mx: grouped_gemm_mxfp8_nt_contiguous; q+dq h along
-                                               intermediate; q w_down along intermediate
+                                               mx: q+dq h along intermediate; q+dq w_down along
+                                               intermediate (mainloop: q, grouped_gemm_mxfp8_nt_contiguous)
     saved gate/up                              mx: quantized row-wise, kept as MXFP8 (data + scales)
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
                                                token order (row t = token t), weights viewed as [1, ...];
@@ -53,10 +54,11 @@ mxfp8 the quantize/dequantize passes over row buffers (`_mx`, `_mx_dual`) cover 
 they hold; their outputs there are never read): they take no row count from the device.
 
 MXFP8 cost: a q+dq (`_mx`, `_mx_dual`) moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32;
-dequantize the reverse), three times the GEMM's own read of the bf16 operand, and the weights dominate. The
-forward quantizes its weights only (3 bytes per element, 3·E·I·H elements) and its GEMMs read 1 + 1/32 bytes
-per weight element; the backward still runs q+dq on every operand (its MN-major weight reads and the
-weight-gradient GEMMs have no MXFP8 mainloop yet).
+dequantize the reverse), three times the GEMM's own read of the bf16 operand, and the weights dominate. With
+MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element) and its GEMMs read
+1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs 1.45-1.9x their BF16
+time on the H200, more than the q+dq it saves except on dsv4pro-rank (docs/l2_fused.md); the backward runs
+q+dq on every operand either way.
 """
 
 from __future__ import annotations
@@ -72,11 +74,19 @@ from mok.checks import fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
-__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "NUM_SMS_ENV", "PRECISIONS", "FusedSaved", "backward",
-           "experts_forward", "forward", "gather_x_rows", "num_sms_from_env", "pad_rows", "shared_schedule"]
+__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "PRECISIONS",
+           "FusedSaved", "backward", "experts_forward", "forward", "gather_x_rows", "mx_weights_from_env",
+           "num_sms_from_env", "pad_rows", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
+# How the mxfp8 forward feeds its weights to GEMM1/GEMM2 (the same bits either way):
+#   "dequantize": quantize, dequantize to bf16 in HBM, the BF16 kernels (the default: faster on 3 of the 4
+#                 standard shapes on the H200, docs/l2_fused.md "MXFP8 weights in the mainloop")
+#   "mainloop":   quantize only; the kernels read E4M3 and dequantize in shared memory (no bf16 weight copy:
+#                 about half the forward's peak memory on dsv4pro-rank)
+MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
+MX_WEIGHTS = ("dequantize", "mainloop")
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
 
@@ -103,6 +113,14 @@ def num_sms_from_env() -> int | None:
     return int(raw)
 
 
+def mx_weights_from_env() -> str:
+    """The mxfp8 forward's weight path MOK_MX_WEIGHTS asks for: "dequantize" (unset or empty) or "mainloop"."""
+    raw = os.environ.get(MX_WEIGHTS_ENV, "").strip() or MX_WEIGHTS[0]
+    if raw not in MX_WEIGHTS:
+        fail(MX_WEIGHTS_ENV, f"unset or one of {MX_WEIGHTS}", repr(raw))
+    return raw
+
+
 def _check_runs_here(x: torch.Tensor, precision: str) -> None:
     if precision not in PRECISIONS:
         fail("precision", f"one of {PRECISIONS} for backend 'fused'", repr(precision))
@@ -124,8 +142,8 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 
 # ---- MXFP8 operands: quantize -> dequantize -> the BF16 kernels (DESIGN §4) --------------------------------
 # An E4M3 value times 2^e is exact in bf16, so a BF16 GEMM of dequantized operands is L0's MXFP8 GEMM
-# (mok.reference.quant), bit for bit in its operands. The forward's weights skip this (their GEMMs dequantize
-# in the mainloop, to the same bf16); the activations and the whole backward go through these two functions.
+# (mok.reference.quant), bit for bit in its operands. These two functions are the level's MXFP8 operand path,
+# but for the forward's weights with MOK_MX_WEIGHTS=mainloop (their GEMMs dequantize to the same bf16).
 #
 # Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
 # once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
@@ -155,18 +173,24 @@ def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
 
 def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
     """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I]), gate/up in
-    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands):
-    the activations as their round trip in bf16, the weights quantized and dequantized in the GEMM mainloops."""
-    if precision == "bf16":
-        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=swiglu_limit,
-                                                          num_sms=num_sms)  # [R, I] each
-        return ops.grouped_gemm_bf16_nt_contiguous(h, w_down, sched, num_sms=num_sms), gate, up  # [R, H]
+    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands),
+    the weights by the path MOK_MX_WEIGHTS picks (MX_WEIGHTS)."""
+    p = precision
+    if p == "mxfp8" and mx_weights_from_env() == "mainloop":
+        return _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)
     # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
-    h, gate, up = ops.grouped_gemm_mxfp8_swiglu_gather(_mx(x, -1, precision), ops.mxfp8_quantize_rowwise(w_gate),
-                                                       ops.mxfp8_quantize_rowwise(w_up), sched,
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx(w_gate, -1, p), _mx(w_up, -1, p), sched,
+                                                      swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
+    return y_rows, gate, up
+
+
+def _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
+    """experts_forward in mxfp8 with the weights quantized only, dequantized in the GEMM mainloops."""
+    q = ops.mxfp8_quantize_rowwise
+    h, gate, up = ops.grouped_gemm_mxfp8_swiglu_gather(_mx(x, -1, "mxfp8"), q(w_gate), q(w_up), sched,
                                                        swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_mxfp8_nt_contiguous(_mx(h, -1, precision), ops.mxfp8_quantize_rowwise(w_down), sched,
-                                                  num_sms=num_sms)  # [R, H]
+    y_rows = ops.grouped_gemm_mxfp8_nt_contiguous(_mx(h, -1, "mxfp8"), q(w_down), sched, num_sms=num_sms)  # [R, H]
     return y_rows, gate, up
 
 

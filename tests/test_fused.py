@@ -120,6 +120,25 @@ def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512), TINY_SHAPES["tiny"]],
+                         ids=lambda c: c.name)
+def test_fused_mxfp8_weight_paths_give_the_same_bits(cfg, monkeypatch):
+    """MOK_MX_WEIGHTS: dequantizing the weights in the GEMM mainloops changes no bit of the layer."""
+    seed = fresh_seed()
+    inputs = _inputs(cfg, True, seed)
+    runs = {}
+    for path in fused.MX_WEIGHTS:
+        monkeypatch.setenv(fused.MX_WEIGHTS_ENV, path)
+        testing.poison_allocator(256 << 20)
+        runs[path] = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
+    (out_a, grads_a), (out_b, grads_b) = runs.values()
+    assert bitwise_equal(out_a, out_b), f"out: bits differ between weight paths (seed {seed})"
+    for name, a, b in zip(GRAD_NAMES, grads_a, grads_b):
+        assert bitwise_equal(a, b), f"{name}: bits differ between weight paths (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512), TINY_SHAPES["tiny-top8"]],
                          ids=lambda c: c.name)
@@ -267,6 +286,21 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
         assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape} {precision}: {name} (seed {seed})"
 
 
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
+    """MOK_MX_WEIGHTS=mainloop: the forward hands quantized weights to the MXFP8 GEMMs (twins: the BF16 GEMM
+    on their dequantization), L0's mxfp8 bits still."""
+    _use_twins(monkeypatch)
+    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, "mainloop")
+    seed = fresh_seed()
+    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
+    out0, grads0 = run_level(L0, inputs, precision="mxfp8", swiglu_limit=0.7)
+    out, grads = run_level(fused, inputs, precision="mxfp8", swiglu_limit=0.7)
+    assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name} (seed {seed})"
+
+
 @pytest.mark.parametrize("name", twins.KERNELS)
 def test_twins_have_the_kernels_signatures(name):
     """A twin stands in for its kernel only if the level can call it the same way."""
@@ -332,3 +366,19 @@ def test_num_sms_from_env_rejects_garbage(monkeypatch, value):
     monkeypatch.setenv(fused.NUM_SMS_ENV, value)
     with pytest.raises(ValueError, match="MOK_NUM_SMS: expected unset, 0"):
         fused.num_sms_from_env()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, "dequantize"), ("", "dequantize"), ("mainloop", "mainloop"),
+                                                 (" dequantize ", "dequantize")])
+def test_mx_weights_from_env(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(fused.MX_WEIGHTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(fused.MX_WEIGHTS_ENV, value)
+    assert fused.mx_weights_from_env() == expected
+
+
+def test_mx_weights_from_env_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, "registers")
+    with pytest.raises(ValueError, match="MOK_MX_WEIGHTS: expected unset or one of"):
+        fused.mx_weights_from_env()
