@@ -1,12 +1,15 @@
 """The workload compute-sanitizer checks (issue 5): the L2 `fused` level, forward and backward, on small shapes.
 
 One pass runs every L2 kernel (the four GEMM kinds and the weight-gradient kind, the schedule, the
-route-gradient glue and the combine, and in mxfp8 the quantizers) with and without the shared expert, then
-checks the result against L0 so that a sanitizer run that silently skipped a kernel cannot pass.
+route-gradient glue and the combine, and in mxfp8 the quantizers; the last case with MOK_MX_WEIGHTS=mainloop,
+the MXFP8-weight GEMMs) with and without the shared expert, then checks the result against L0 so that a
+sanitizer run that silently skipped a kernel cannot pass.
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py
 """
+
+import os
 
 import torch
 
@@ -14,10 +17,12 @@ from mok import fused, testing
 from mok import reference as L0
 from mok.config import TINY_SHAPES
 
-CASES = [("tiny", "bf16"), ("tiny-top8", "bf16"), ("tiny-noshared", "bf16"), ("tiny", "mxfp8")]
+CASES = [("tiny", "bf16", "dequantize"), ("tiny-top8", "bf16", "dequantize"), ("tiny-noshared", "bf16", "dequantize"),
+         ("tiny", "mxfp8", "dequantize"), ("tiny-top8", "mxfp8", "mainloop")]
 TOLERANCE = {"bf16": testing.TOLERANCES["bf16_vs_l0"], "mxfp8": testing.TOLERANCES["mxfp8_vs_l0_mxfp8"]}
 
-for name, precision in CASES:
+for name, precision, mx_weights in CASES:
+    os.environ[fused.MX_WEIGHTS_ENV] = mx_weights
     inputs = testing.make_inputs(TINY_SHAPES[name], device="cuda", seed=1, draw_on="cuda")
     out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
     out0, grads0 = testing.run_level(L0, inputs, precision=precision, swiglu_limit=1.0)
@@ -25,4 +30,4 @@ for name, precision in CASES:
     errors = [testing.rel_err(a, b) for a, b in zip((out, *grads), (out0, *grads0)) if b is not None]
     worst = max(errors)
     assert worst <= TOLERANCE[precision], f"{name} {precision}: worst rel_err {worst:.3e}"
-    print(f"{name} {precision}: fused == L0 within tolerance (worst rel_err {worst:.2e})", flush=True)
+    print(f"{name} {precision} ({mx_weights}): fused == L0 within tolerance (worst rel_err {worst:.2e})", flush=True)
