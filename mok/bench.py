@@ -87,11 +87,16 @@ def provenance() -> dict:
                 date=datetime.date.today().isoformat())
 
 
+def read_rows(path: Path) -> pd.DataFrame:
+    """A benchmark CSV, provenance as written: a commit such as 6e81576 stays a string, not 6·10^81576."""
+    return pd.read_csv(path, dtype={"commit": str})
+
+
 def write_rows(rows: list[dict], path: Path, key=KEY) -> pd.DataFrame:
     """Merge rows into the CSV at path: a new row replaces an old one with the same key."""
     new = pd.DataFrame(rows)
     if path.exists():
-        old = pd.read_csv(path)
+        old = read_rows(path)
         new = pd.concat([old, new]).drop_duplicates(subset=key, keep="last")
     path.parent.mkdir(parents=True, exist_ok=True)
     new.to_csv(path, index=False)
@@ -258,7 +263,7 @@ def main(argv=None) -> int:
         return bench_parts.main(argv[1:])
     if argv[:1] == ["summary"]:
         path = Path(argv[1]) if len(argv) > 1 else DATA / "moe.csv"
-        print(summary_markdown(pd.read_csv(path)))
+        print(summary_markdown(read_rows(path)))
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -40,10 +40,13 @@ def test_bench_rows_on_cpu(tmp_path):
     assert all(r["saved_gb"] > 0 for r in rows if r["kind"] == "mok")
 
     path = tmp_path / "moe.csv"
+    for r in rows:
+        r["commit"] = "6e81576"  # a short hash that reads as a float (it became "inf" in a merged CSV once)
     bench.write_rows(rows, path)
     bench.write_rows(rows[:1], path)  # same key again: replaced, not duplicated
-    df = pd.read_csv(path)
+    df = bench.read_rows(path)
     assert len(df) == len(rows)
+    assert (df["commit"] == "6e81576").all(), set(df["commit"])
     assert not df.duplicated(subset=bench.KEY).any()
     table = bench.summary_markdown(df)
     assert "| tiny-top1 | fwd |" in table and "cublas-dense" in table
@@ -51,7 +54,7 @@ def test_bench_rows_on_cpu(tmp_path):
 
 def test_committed_rows_have_provenance():
     """data/bench/moe.csv is what the README quotes: every row says where it was measured."""
-    df = pd.read_csv(bench.DATA / "moe.csv")
+    df = bench.read_rows(bench.DATA / "moe.csv")
     assert COLUMNS - {"saved_gb"} <= set(df.columns)  # saved_gb came later than some committed rows
     assert df[["gpu", "torch", "cuda", "commit", "date"]].notna().all().all()
     assert set(STANDARD_SHAPES) <= set(df["shape"])
