@@ -6,10 +6,11 @@ the MXFP8-weight GEMMs) with and without the shared expert, then checks the resu
 sanitizer run that silently skipped a kernel cannot pass.
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
-    compute-sanitizer --tool racecheck python tools/sanitize.py
+    compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)
 """
 
 import os
+import sys
 
 import torch
 
@@ -21,7 +22,10 @@ CASES = [("tiny", "bf16", "dequantize"), ("tiny-top8", "bf16", "dequantize"), ("
          ("tiny", "mxfp8", "dequantize"), ("tiny-top8", "mxfp8", "mainloop")]
 TOLERANCE = {"bf16": testing.TOLERANCES["bf16_vs_l0"], "mxfp8": testing.TOLERANCES["mxfp8_vs_l0_mxfp8"]}
 
+words = sys.argv[1:]
 for name, precision, mx_weights in CASES:
+    if words and not any(w in (name, precision, mx_weights) for w in words):
+        continue
     os.environ[fused.MX_WEIGHTS_ENV] = mx_weights
     inputs = testing.make_inputs(TINY_SHAPES[name], device="cuda", seed=1, draw_on="cuda")
     out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
