@@ -24,6 +24,8 @@ sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
+# Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139).
+timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
 # st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the default
 # build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run;
