@@ -24,7 +24,9 @@ sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
-# Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139).
+# Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139), and
+# the crash left torch's build lock behind, on which every later build of that machine waited until killed.
+find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
 # st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the default
