@@ -67,6 +67,19 @@ void dequantize(const at::Tensor& data, const at::Tensor& scales, at::Tensor& ou
              "mxfp8_dequantize");
 }
 
+void fake_quantize(const at::Tensor& x, at::Tensor& out_col_or_row, const std::optional<at::Tensor>& out_row,
+                   bool rowwise) {
+  check_arg(x, "x"), check_arg(out_col_or_row, "out");
+  if (out_row) check_arg(*out_row, "out_row");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  check_cuda(rowwise ? mok::mxfp8_fake_quantize_rowwise(x.data_ptr(), out_col_or_row.data_ptr(), x.numel(), stream)
+                     : mok::mxfp8_fake_quantize_tiled(x.data_ptr(), out_col_or_row.data_ptr(),
+                                                      out_row ? out_row->data_ptr() : nullptr, rows, cols, stream),
+             "mxfp8_fake_quantize");
+}
+
 void copy_bytes(const at::Tensor& src, at::Tensor& dst) {
   check_arg(src, "src"), check_arg(dst, "dst");
   TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected ", src.nbytes(), " bytes, got ", dst.nbytes());
@@ -291,6 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales, variant");
   m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
+  m.def("mxfp8_fake_quantize", &fake_quantize,
+        "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise");
   m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0): the benchmark's copy kernel");
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "

@@ -2,6 +2,7 @@
 #include "mok/api.h"
 #include "mok/quant/copy_bytes.cuh"
 #include "mok/quant/mxfp8_dequantize.cuh"
+#include "mok/quant/mxfp8_fake_quantize.cuh"
 #include "mok/quant/mxfp8_quantize.cuh"
 #include "mok/quant/mxfp8_quantize_split.cuh"
 
@@ -38,6 +39,15 @@ cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void*
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
                                      int64_t cols, cudaStream_t stream) {
   return mxfp8::launch_dequantize_colwise(data, scales, out, rows, cols, stream);
+}
+
+cudaError_t mxfp8_fake_quantize_rowwise(const void* x, void* out, int64_t numel, cudaStream_t stream) {
+  return mxfp8::launch_fake_quantize_rowwise(x, out, numel, stream);
+}
+
+cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows, int64_t cols,
+                                      cudaStream_t stream) {
+  return mxfp8::launch_fake_quantize_tiled(x, out_col, out_row, rows, cols, stream);
 }
 
 cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream) {

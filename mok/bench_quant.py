@@ -36,7 +36,7 @@ from mok import bench, mxfp8, ops
 from mok.config import STANDARD_SHAPES
 
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
-OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise")
+OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise", "fake_rowwise", "fake_colwise", "fake_dual")
 # docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
 # the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
 VARIANTS = {"rowwise": (0, 1, 2, 3, 4), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
@@ -62,6 +62,9 @@ def bytes_moved(op: str, numel: int) -> int:
         "dual": 2 * numel + 2 * (numel + scales),
         "dequant_rowwise": numel + scales + 2 * numel,
         "dequant_colwise": numel + scales + 2 * numel,
+        "fake_rowwise": 2 * numel + 2 * numel,  # the one-pass round trip: bf16 in, bf16 out
+        "fake_colwise": 2 * numel + 2 * numel,
+        "fake_dual": 2 * numel + 2 * 2 * numel,
     }[op]
 
 
@@ -141,6 +144,11 @@ def _kernel_calls(op: str, xs: list, variant: int) -> tuple[list, object]:
         rowwise = op == "dequant_rowwise"
         outs = [(torch.empty(d.shape, dtype=torch.bfloat16, device="cuda"), d, s) for d, s in xs]
         return [lambda o=o: ext.mxfp8_dequantize(o[1], o[2], o[0], rowwise) for o in outs], outs[0][0]
+    if op.startswith("fake"):
+        dual, rowwise = op == "fake_dual", op == "fake_rowwise"
+        outs = [(torch.empty_like(x), torch.empty_like(x) if dual else None) for x in xs]  # (col or row, row)
+        calls = [lambda x=x, o=o: ext.mxfp8_fake_quantize(x, o[0], o[1], rowwise) for x, o in zip(xs, outs)]
+        return calls, (outs[0][1], outs[0][0]) if dual else outs[0][0]
     fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
           "dual": ops.mxfp8_quantize_dual}[op]
     outs = [fn(x, variant) for x in xs]  # allocate once; the graph re-runs the raw binding into them
@@ -159,6 +167,10 @@ def _l0_fn(op: str, x: torch.Tensor, quantized: dict):
         return lambda: mxfp8.quantize(x, dim=-2)
     if op == "dual":
         return lambda: (mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2))
+    if op.startswith("fake"):
+        dims = {"fake_rowwise": (-1,), "fake_colwise": (-2,), "fake_dual": (-1, -2)}[op]
+        outs = lambda: tuple(mxfp8.fake_quantize(x, dim=d) for d in dims)
+        return (lambda: outs()[0]) if len(dims) == 1 else outs
     dim = -1 if op == "dequant_rowwise" else -2
     data, scales = quantized[dim]
     return lambda: mxfp8.dequantize(data, scales, dim=dim)

@@ -24,7 +24,7 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
            "grouped_gemm_mxfp8_nt_contiguous", "combine_rows",
            "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
-           "mxfp8_quantize_dual", "mxfp8_dequantize")
+           "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -148,3 +148,13 @@ def mxfp8_quantize_dual(x, variant=0):
 def mxfp8_dequantize(data, scales, dim=-1):
     """q · 2^e rounded to bf16, data.shape; dim -1 (row-wise scales) or -2 (column-wise)."""
     return mxfp8.dequantize(data, scales, dim=dim, dtype=BF16)
+
+
+def mxfp8_fake_quantize(x, dim=-1):
+    """dequantize(quantize(x, dim), dim) in bf16: L0's round trip."""
+    return mxfp8.fake_quantize(x, dim=dim)
+
+
+def mxfp8_fake_quantize_dual(x):
+    """(row-wise, column-wise) round trips, each from x independently."""
+    return mxfp8.fake_quantize(x, dim=-1), mxfp8.fake_quantize(x, dim=-2)

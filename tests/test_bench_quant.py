@@ -17,6 +17,8 @@ def test_bytes_moved_counts_each_byte_once():
     assert bench_quant.bytes_moved("colwise", numel) == bench_quant.bytes_moved("rowwise", numel)
     assert bench_quant.bytes_moved("dual", numel) == 2 * numel + 2 * numel + 2 * scales
     assert bench_quant.bytes_moved("dequant_rowwise", numel) == numel + scales + 2 * numel
+    assert bench_quant.bytes_moved("fake_rowwise", numel) == bench_quant.bytes_moved("fake_colwise", numel) == 4 * numel
+    assert bench_quant.bytes_moved("fake_dual", numel) == 6 * numel  # bf16 in, two bf16 out, no bytes between
 
 
 @pytest.mark.parametrize("nbytes", [44_498_944, 59_637_760, 3, 32, 33, 2 * 2**32])

@@ -278,6 +278,51 @@ def test_roundtrip_matches_l0_fake_quantize():
     _assert_bf16_equal(ops.mxfp8_dequantize(dc, sc, -2), mxfp8.fake_quantize(x, -2), "roundtrip col", seed)
 
 
+# ---- the one-pass round trip (mxfp8_fake_quantize) ------------------------------------------------
+
+
+def _check_fake_quantize(x: torch.Tensor, seed: int, dims=(-1, -2, "dual")) -> None:
+    """The one-pass round trip against the quantize + dequantize kernel pair (the same bits, NaN payloads
+    included: the same functions) and against L0 (any NaN equals any NaN)."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    xg = x.cuda()
+    for dim in dims:
+        if (dim != -2 and cols % 32) or (dim != -1 and rows % 32):
+            continue
+        poison_allocator(4 * x.numel() * 2, byte=0x55)
+        if dim == "dual":
+            got = dict(zip((-1, -2), ops.mxfp8_fake_quantize_dual(xg)))
+        else:
+            got = {dim: ops.mxfp8_fake_quantize(xg, dim)}
+        for d, out in got.items():
+            quantize = ops.mxfp8_quantize_rowwise if d == -1 else ops.mxfp8_quantize_colwise
+            pair = ops.mxfp8_dequantize(*quantize(xg), d)
+            what = f"fake_quantize {dim} (dim {d}), x {tuple(x.shape)}"
+            same = torch.equal(out.view(torch.int16), pair.view(torch.int16))
+            assert same, f"{what}: differs from the quantize + dequantize pair (seed {seed})"
+            _assert_bf16_equal(out, mxfp8.fake_quantize(x, d), what, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("shape", sorted(set(ROWWISE_SHAPES + COLWISE_SHAPES + DUAL_SHAPES)), ids=str)
+def test_fake_quantize_is_the_quantize_dequantize_pair(shape):
+    seed = fresh_seed()
+    _check_fake_quantize(_random_bf16(shape, seed), seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fake_quantize_special_values_and_every_amax():
+    seed = fresh_seed()
+    x = _special_blocks(seed)  # [32 * n, 32]
+    _check_fake_quantize(x, seed)
+    _check_fake_quantize(x.T.contiguous(), seed)
+    amax = _every_bf16_as_block_amax(seed)  # [65536, 32]
+    _check_fake_quantize(amax, seed, dims=(-1,))
+    _check_fake_quantize(amax.T.contiguous(), seed, dims=(-2,))
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 
@@ -289,6 +334,10 @@ def test_cpu_tensor_is_rejected_before_any_build():
         ops.mxfp8_quantize_colwise(x.float())
     with pytest.raises(ValueError, match=r"x: expected a 2D \[rows, cols\] or 3D"):
         ops.mxfp8_quantize_dual(x.flatten())
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        ops.mxfp8_fake_quantize(x, -2)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        ops.mxfp8_fake_quantize_dual(x)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

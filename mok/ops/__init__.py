@@ -3,7 +3,7 @@
 One module per family, everything re-exported here (call them as `mok.ops.<name>`):
 
     core   the JIT build (csrc_hash, require_hopper, load_extension) and the shared tensor checks
-    quant  MXFP8 quantizers and dequantization (mxfp8_*)
+    quant  MXFP8 quantizers, dequantization and the one-pass round trip (mxfp8_*)
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
     moe    the fixed-order combine (combine_rows), the device schedule (make_schedule_cuda) and the
@@ -34,6 +34,8 @@ from mok.ops.moe import ROUTE_GRADS_MAX_TOPK, SCHEDULE_MAX_EXPERTS, combine_rows
 from mok.ops.quant import (
     BLOCK_SIZE,
     mxfp8_dequantize,
+    mxfp8_fake_quantize,
+    mxfp8_fake_quantize_dual,
     mxfp8_quantize_colwise,
     mxfp8_quantize_dual,
     mxfp8_quantize_rowwise,
@@ -45,6 +47,7 @@ __all__ = [
     "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_swiglu_gather",
     "grouped_gemm_bf16_weight_grad", "MX_K_BLOCK", "grouped_gemm_mxfp8_nt_contiguous",
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
-    "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
+    "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
+    "mxfp8_fake_quantize_dual", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
 ]

@@ -5,6 +5,8 @@ outputs in the logical layout.
     mxfp8_quantize_colwise(x)  -> (data, scales)   blocks along dim -2; scales [..., rows // 32, cols]
     mxfp8_quantize_dual(x)     -> ((data_row, scales_row), (data_col, scales_col)), one read of x
     mxfp8_dequantize(data, scales, dim=-1) -> bf16
+    mxfp8_fake_quantize(x, dim=-1) -> bf16         mxfp8_dequantize(*quantize(x), dim) in one pass
+    mxfp8_fake_quantize_dual(x) -> (row, col)      both directions from one read of x, bf16
 
 x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
 cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
@@ -90,3 +92,26 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
     out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)  # data.shape
     load_extension().mxfp8_dequantize(data, scales, out, rowwise)
     return out
+
+
+def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The MXFP8 round trip of x in one kernel: mxfp8_dequantize(*mxfp8_quantize_*(x), dim) bit for bit (L0's
+    mok.mxfp8.fake_quantize), without the E4M3 bytes and scales in memory: 4 bytes moved per element instead
+    of 6. dim = -1 (row-wise) or -2 (column-wise). Returns bf16, x.shape."""
+    check_cuda_tensor("x", x, torch.bfloat16)
+    if dim not in (-1, -2, x.dim() - 1, x.dim() - 2):
+        fail("dim", f"-1 or -2 (or {x.dim() - 1} / {x.dim() - 2}) for x of rank {x.dim()}", dim)
+    rowwise = dim in (-1, x.dim() - 1)
+    _check_blocks("x", tuple(x.shape), rowwise=rowwise, colwise=not rowwise)
+    out = torch.empty_like(x)  # x.shape, bf16
+    load_extension().mxfp8_fake_quantize(x, out, None, rowwise)
+    return out
+
+
+def mxfp8_fake_quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mxfp8_fake_quantize(x, -1), mxfp8_fake_quantize(x, -2)) from one read of x, bf16 x.shape each."""
+    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
+    out_row, out_col = torch.empty_like(x), torch.empty_like(x)  # x.shape each
+    load_extension().mxfp8_fake_quantize(x, out_col, out_row, False)
+    return out_row, out_col

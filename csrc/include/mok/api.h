@@ -25,6 +25,12 @@ cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void*
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
                                      int64_t cols, cudaStream_t stream);
 
+// BF16 -> MXFP8 -> BF16 in one pass (the dequantized values, no bytes or scales written): row-wise over numel
+// elements; column-wise (out_row null) or dual (both directions from one read) over [rows, cols].
+cudaError_t mxfp8_fake_quantize_rowwise(const void* x, void* out, int64_t numel, cudaStream_t stream);
+cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows, int64_t cols,
+                                      cudaStream_t stream);
+
 // The quantizers' bandwidth ceiling for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
 // plain kernel (a graph-capturable copy that is not a memcpy node; mok/quant/copy_bytes.cuh).
 cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream);

@@ -61,12 +61,15 @@ struct ColTile {
   static_assert(kColLanes % kChunksPerBlock == 0, "row-wise blocks (dual) stay inside a warp tile");
 };
 
-// Outputs of the column-wise / dual kernels (the row-wise pair is null for column-wise only).
+// Outputs of the column-wise / dual kernels (the row-wise pair is null for column-wise only). The round-trip
+// kernels (mxfp8_fake_quantize.cuh) write the dequantized bf16 instead: round_trip_col (and _row for dual).
 struct TiledOut {
   uint8_t* data_col;    // [rows, cols] E4M3
   uint8_t* scales_col;  // [rows / 32, cols] E8M0
   uint8_t* data_row;    // [rows, cols] E4M3 (dual)
   uint8_t* scales_row;  // [rows, cols / 32] E8M0 (dual)
+  uint8_t* round_trip_col = nullptr;  // [rows, cols] bf16: dequantize(quantize(x, dim -2))
+  uint8_t* round_trip_row = nullptr;  // [rows, cols] bf16: dequantize(quantize(x, dim -1)) (dual)
 };
 
 // The E8M0 bytes of 8 consecutive columns' scales, column 0 in the lowest byte (one 8-byte store).
@@ -86,11 +89,12 @@ MOK_DEVICE void row_block_scales2(uint4 a, uint4 b, Scale& sa, Scale& sb) {
 }
 
 // Quantizes a thread's kRowsPerThread chunks `v` (8 columns from `col`, rows row0 + row_lane + kRowLanes
-// * i) column-wise and, for kDual, row-wise, and stores both. All 32 lanes must call it (shuffles); lanes
+// * i) column-wise and, for kDual, row-wise, and stores both (kRoundTrip: their dequantization, bf16, and
+// no scales: mxfp8_dequantize's bits, through its own dequantize8). All 32 lanes must call it (shuffles); lanes
 // with `valid` false (columns past the end) compute on whatever they hold and store nothing. NOTE: the
 // shuffles only mix lanes of equal `valid`: col lanes of one column (xor >= kColLanes), or the 4 col
 // lanes of one row-wise block (xor 1, 2; dual needs cols % 32 == 0).
-template <int kRowLanes, bool kDual>
+template <int kRowLanes, bool kDual, bool kRoundTrip = false>
 MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRowsPerThread], int64_t row0,
                                         int64_t col, int64_t cols, bool valid, int row_lane, int col_lane,
                                         const TiledOut& out) {
@@ -125,23 +129,40 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
   }
   if (!valid) return;  // no shuffles below
 
-  // ---- stores
+  if constexpr (kRoundTrip) {  // q · 2^e per element, as mxfp8_dequantize computes it from the stored bytes
+    float col_scale[8];
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
-    st_v2(out.data_col + offset, quantize8(v[i], col_inv, col_nan));
-    if constexpr (kDual) st_v2(out.data_row + offset, quantize8(v[i], rs[i]));
-  }
-  if (row_lane == 0) st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0/32, col..+8)
-  if constexpr (kDual) {
-    // The block's 4 col lanes all hold its kRowsPerThread row scales; lane j of the 4 stores a share.
-    constexpr int kRowsPerLane = kRowsPerThread / kChunksPerBlock;
-    const int sub = col_lane % kChunksPerBlock;
+    for (int k = 0; k < 8; ++k) col_scale[k] = scale_byte_to_f32(cs[k].byte);
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      if (i / kRowsPerLane == sub) {
-        const int64_t row = row0 + row_lane + kRowLanes * i;
-        st_u8(out.scales_row + row * (cols / kBlockSize) + col / kBlockSize, rs[i].byte);
+      const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
+      st_v4(out.round_trip_col + offset * 2, dequantize8(quantize8(v[i], col_inv, col_nan), col_scale));
+      if constexpr (kDual) {
+        const float s = scale_byte_to_f32(rs[i].byte);
+        const float row_scale[8] = {s, s, s, s, s, s, s, s};
+        st_v4(out.round_trip_row + offset * 2, dequantize8(quantize8(v[i], rs[i]), row_scale));
+      }
+    }
+  } else {
+    // ---- stores: E4M3 bytes and scales
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
+      st_v2(out.data_col + offset, quantize8(v[i], col_inv, col_nan));
+      if constexpr (kDual) st_v2(out.data_row + offset, quantize8(v[i], rs[i]));
+    }
+    if (row_lane == 0)
+      st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0/32, col..+8)
+    if constexpr (kDual) {
+      // The block's 4 col lanes all hold its kRowsPerThread row scales; lane j of the 4 stores a share.
+      constexpr int kRowsPerLane = kRowsPerThread / kChunksPerBlock;
+      const int sub = col_lane % kChunksPerBlock;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        if (i / kRowsPerLane == sub) {
+          const int64_t row = row0 + row_lane + kRowLanes * i;
+          st_u8(out.scales_row + row * (cols / kBlockSize) + col / kBlockSize, rs[i].byte);
+        }
       }
     }
   }
@@ -149,7 +170,7 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
 
 // kDual = false: column-wise only. kDual = true: also row-wise. One warp tile per warp, loads straight
 // from global memory (all issued before any use).
-template <int kRowLanes, int kWarps, bool kDual>
+template <int kRowLanes, int kWarps, bool kDual, bool kRoundTrip = false>
 __global__ void __launch_bounds__(kWarps * kWarpSize)
     quantize_tiled_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
   using Tile = ColTile<kRowLanes>;
@@ -168,7 +189,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     const int64_t row = row0 + row_lane + kRowLanes * i;
     v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
   }
-  quantize_and_store_tile<kRowLanes, kDual>(v, row0, col, cols, valid, row_lane, col_lane, out);
+  quantize_and_store_tile<kRowLanes, kDual, kRoundTrip>(v, row0, col, cols, valid, row_lane, col_lane, out);
 }
 
 // ---- column-wise and dual, pipelined: CTA tiles staged through shared memory by the bulk copy engine ----
