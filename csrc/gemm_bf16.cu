@@ -12,17 +12,9 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
                                             int64_t num_rows, int64_t hidden, int64_t intermediate,
                                             int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(x);
-  p.row_to_token = row_to_token;
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(h);
+  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
   p.gate = static_cast<uint16_t*>(gate);
   p.up = static_cast<uint16_t*>(up);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(intermediate);
-  p.k = static_cast<int>(hidden);
   p.swiglu_limit = swiglu_limit;
   p.has_limit = has_limit ? 1 : 0;
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(w_gate, w_up, num_experts, p, num_sms, stream);
@@ -32,15 +24,7 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
                                             int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(a_rows);
-  p.row_to_token = row_to_token;  // row r reads a_rows[r]; padding rows are written as zeros
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(out);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
+  const gemm::Params p = gemm::rows_params(a_rows, row_to_token, tile_to_expert, real_num_rows, out, num_rows, n, k);
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(w, w, num_experts, p, num_sms, stream);
 }
 
@@ -50,15 +34,9 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                            cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(dy_rows);
-  p.row_to_token = row_to_token;
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(d_gate);  // d_h, overwritten in place with d_gate by the elementwise pass
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(intermediate);
-  p.k = static_cast<int>(hidden);
+  // out: d_h, overwritten in place with d_gate by the elementwise pass
+  const gemm::Params p =
+      gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
   cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
                                                                             stream);
   if (err) return err;
@@ -71,16 +49,9 @@ cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up
                                             const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
                                             int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(d_gate);
+  gemm::Params p =
+      gemm::rows_params(d_gate, row_to_token, tile_to_expert, real_num_rows, dx_rows, num_rows, hidden, intermediate);
   p.a2 = static_cast<const uint16_t*>(d_up);
-  p.row_to_token = row_to_token;
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(dx_rows);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(hidden);
-  p.k = static_cast<int>(intermediate);
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(w_gate, w_up, num_experts, p, num_sms, stream);
 }
 

@@ -11,17 +11,9 @@ cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, 
                                              void* gate, void* up, int64_t num_rows, int64_t hidden,
                                              int64_t intermediate, int64_t num_experts, float swiglu_limit,
                                              bool has_limit, int num_sms, cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(x);
-  p.row_to_token = row_to_token;
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(h);
+  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
   p.gate = static_cast<uint16_t*>(gate);
   p.up = static_cast<uint16_t*>(up);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(intermediate);
-  p.k = static_cast<int>(hidden);
   p.swiglu_limit = swiglu_limit;
   p.has_limit = has_limit ? 1 : 0;
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMx>(w_gate, w_up, num_experts, p, num_sms, stream,
@@ -32,15 +24,7 @@ cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, 
                                              const int32_t* row_to_token, const int32_t* tile_to_expert,
                                              const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
                                              int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(a_rows);
-  p.row_to_token = row_to_token;  // row r reads a_rows[r]; padding rows are written as zeros
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(out);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
+  const gemm::Params p = gemm::rows_params(a_rows, row_to_token, tile_to_expert, real_num_rows, out, num_rows, n, k);
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownMx>(w, w, num_experts, p, num_sms, stream,
                                                              {w_scales, w_scales});
 }

@@ -209,6 +209,22 @@ struct Params {
   int has_limit;
 };
 
+// The Params every kind over the schedule's rows (all but kWeightGrad) starts from: A (x for the gather kinds),
+// the schedule, the output, n and k; the entry points (csrc/gemm_*.cu) add what their kind needs.
+inline Params rows_params(const void* a, const int32_t* row_to_token, const int32_t* tile_to_expert,
+                          const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n, int64_t k) {
+  Params p{};
+  p.a = static_cast<const uint16_t*>(a);
+  p.row_to_token = row_to_token;  // padding rows (-1) are written as zeros
+  p.tile_to_expert = tile_to_expert;
+  p.real_num_rows = real_num_rows;
+  p.out = static_cast<uint16_t*>(out);
+  p.num_rows = static_cast<int>(num_rows);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  return p;
+}
+
 template <Gemm kGemm>
 struct Tile {
   static constexpr bool kMx = kGemm == Gemm::kGateUpMx || kGemm == Gemm::kDownMx;  // MXFP8 weights
@@ -387,8 +403,8 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   if constexpr (T::kMx) {
     if (static_cast<int>(blockIdx.x) < num_tasks)
       num_landings = ((num_tasks - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1) * num_k_blocks;
-    if (thread == 0)
-      for (int j = 0; j < kNumLanding - 1 && j < num_landings; ++j) issue_landing<kGemm>(land, p, smem, j, num_k_blocks);
+    for (int j = 0; thread == 0 && j < kNumLanding - 1 && j < num_landings; ++j)
+      issue_landing<kGemm>(land, p, smem, j, num_k_blocks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {

@@ -2,7 +2,7 @@
 // of MXFP8 operands reads, without the E4M3 bytes and scales in HBM between a quantize and a dequantize
 // kernel. Per element 2 bytes read + 2 written, against 2 + 1 + 1 + 2 (and two launches) for the pair; the
 // same bits, by the same functions (quantize8, then dequantize8 on the scale byte's 2^e).
-//   row-wise: quantize_rowwise_kernel's flat stream of 32-element blocks;
+//   row-wise: quantize_rowwise_kernel's flat stream of 32-element blocks (variant 0), kRoundTrip = true;
 //   column-wise and dual: quantize_tiled_kernel's 32-row warp tiles (variant 8), kRoundTrip = true.
 #pragma once
 
@@ -10,39 +10,15 @@
 
 namespace mok::mxfp8 {
 
-template <int kChunksPerThread, int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    fake_quantize_rowwise_kernel(const uint8_t* __restrict__ x, uint8_t* __restrict__ out, int64_t num_chunks) {
-  static_assert(kThreads % kWarpSize == 0, "whole warps: every lane joins the shuffles");
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kChunksPerThread * kThreads + threadIdx.x;
-  uint4 v[kChunksPerThread];
-#pragma unroll
-  for (int i = 0; i < kChunksPerThread; ++i) {
-    const int64_t chunk = first + static_cast<int64_t>(i) * kThreads;
-    v[i] = chunk < num_chunks ? ld_stream_v4(x + chunk * 16) : make_uint4(0u, 0u, 0u, 0u);
-  }
-#pragma unroll
-  for (int i = 0; i < kChunksPerThread; ++i) {
-    const int64_t chunk = first + static_cast<int64_t>(i) * kThreads;
-    uint32_t amax2 = amax2_acc(0u, v[i]);
-    amax2 = warp_vmaxu2_xor(amax2, 1);  // num_chunks % 4 == 0: a block's 4 lanes agree on `chunk < num_chunks`
-    amax2 = warp_vmaxu2_xor(amax2, 2);
-    const Scale s = scale_from_amax_bits(amax2_fold(amax2));
-    const float e = scale_byte_to_f32(s.byte);
-    const float scale[8] = {e, e, e, e, e, e, e, e};
-    if (chunk < num_chunks) st_v4(out + chunk * 16, dequantize8(quantize8(v[i], s), scale));  // [chunk] 8 bf16
-  }
-}
-
 // x, out: bf16 [numel], numel % 32 == 0.
 inline cudaError_t launch_fake_quantize_rowwise(const void* x, void* out, int64_t numel, cudaStream_t stream) {
   if (numel % kBlockSize != 0) return cudaErrorInvalidValue;
   if (numel == 0) return cudaSuccess;
   constexpr int kThreads = 256, kChunks = 4;  // quantize_rowwise's default variant
   const int64_t num_chunks = numel / kChunkElems;
-  fake_quantize_rowwise_kernel<kChunks, kThreads><<<ceil_div(num_chunks, int64_t{kChunks} * kThreads), kThreads, 0,
-                                                   stream>>>(static_cast<const uint8_t*>(x),
-                                                             static_cast<uint8_t*>(out), num_chunks);
+  quantize_rowwise_kernel<kChunks, kThreads, true><<<ceil_div(num_chunks, int64_t{kChunks} * kThreads), kThreads, 0,
+                                                      stream>>>(static_cast<const uint8_t*>(x),
+                                                                static_cast<uint8_t*>(out), nullptr, num_chunks);
   return cudaGetLastError();
 }
 
@@ -59,7 +35,8 @@ inline cudaError_t launch_fake_quantize_tiled(const void* x, void* out_col, void
   out.round_trip_row = static_cast<uint8_t*>(out_row);
   constexpr int kWarps = 8;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, ColTile<4>::kCols);
-  const auto kernel = dual ? quantize_tiled_kernel<4, kWarps, true, true> : quantize_tiled_kernel<4, kWarps, false, true>;
+  const auto kernel =
+      dual ? quantize_tiled_kernel<4, kWarps, true, true> : quantize_tiled_kernel<4, kWarps, false, true>;
   kernel<<<ceil_div(tiles, kWarps), kWarps * kWarpSize, 0, stream>>>(static_cast<const uint8_t*>(x), out, rows, cols);
   return cudaGetLastError();
 }

@@ -16,9 +16,10 @@ namespace mok::mxfp8 {
 // ---- row-wise: a flat stream of 32-element blocks ----------------------------------------------------
 // Thread = one 16-byte chunk per step, kChunksPerThread steps whose loads are all issued first (bytes in
 // flight). A warp step reads 512 contiguous bytes; 4 consecutive lanes hold one block and reduce its
-// amax with two shuffles.
+// amax with two shuffles. kRoundTrip (mxfp8_fake_quantize.cuh): `data` receives the dequantized bf16 (16
+// bytes per chunk, dequantize8 on the scale's 2^e) and `scales` is unused.
 
-template <int kChunksPerThread, int kThreads>
+template <int kChunksPerThread, int kThreads, bool kRoundTrip = false>
 __global__ void __launch_bounds__(kThreads)
     quantize_rowwise_kernel(const uint8_t* __restrict__ x, uint8_t* __restrict__ data,
                             uint8_t* __restrict__ scales, int64_t num_chunks) {
@@ -38,7 +39,12 @@ __global__ void __launch_bounds__(kThreads)
     amax2 = warp_vmaxu2_xor(amax2, 1);  // NOTE: num_chunks % 4 == 0, so a block's 4 lanes agree on
     amax2 = warp_vmaxu2_xor(amax2, 2);  // `chunk < num_chunks`; out-of-range lanes still shuffle
     const Scale s = scale_from_amax_bits(amax2_fold(amax2));
-    if (chunk < num_chunks) {
+    if (chunk >= num_chunks) continue;
+    if constexpr (kRoundTrip) {
+      const float e = scale_byte_to_f32(s.byte);
+      const float scale[8] = {e, e, e, e, e, e, e, e};
+      st_v4(data + chunk * 16, dequantize8(quantize8(v[i], s), scale));  // [chunk] 8 bf16
+    } else {
       st_v2(data + chunk * 8, quantize8(v[i], s));  // [chunk] 8 E4M3 bytes
       if ((threadIdx.x & 3) == 0) st_u8(scales + chunk / kChunksPerBlock, s.byte);
     }
