@@ -37,10 +37,11 @@ def mx_scales_by_k_block(scales: torch.Tensor) -> torch.Tensor:
     tile's 128 rows in one k-block are 256 contiguous bytes, one TMA box. An odd k / 32 pads each row's last
     k-block with byte 127 (2^0), the scale of the zeros the kernel reads past k."""
     num_experts, n, num_blocks = scales.shape
-    if num_blocks % 2:
+    per_k_block = MX_K_BLOCK // BLOCK_SIZE  # 2
+    if num_blocks % per_k_block:
         pad = torch.full((num_experts, n, 1), 127, dtype=scales.dtype, device=scales.device)
         scales = torch.cat([scales, pad], dim=2)  # [E, n, k / 32 + 1]
-    return scales.view(num_experts, n, -1, 2).permute(0, 2, 1, 3).contiguous()  # [E, ceil(k / 64), n, 2]
+    return scales.view(num_experts, n, -1, per_k_block).permute(0, 2, 1, 3).contiguous()  # [E, ceil(k/64), n, 2]
 
 
 def _check_mx_weight(name: str, w, num_experts: int, k: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
