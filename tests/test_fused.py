@@ -352,33 +352,29 @@ def test_fused_mxfp8_dims_not_multiples_of_32_are_a_clear_error(arg, changes):
         mok.moe(*moe_args(inputs), backend="fused", precision="mxfp8")
 
 
-@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("0", None), ("37", 37), (" 132 ", 132)])
-def test_num_sms_from_env(monkeypatch, value, expected):
+# The level's environment variables: name -> (its reader, [(value or None = unset, what it reads)], [refused
+# values], the error's expectation).
+ENV = {
+    fused.NUM_SMS_ENV: (fused.num_sms_from_env, [(None, None), ("", None), ("0", None), ("37", 37), (" 132 ", 132)],
+                        ["-3", "all", "1.5"], "expected unset, 0"),
+    fused.MX_WEIGHTS_ENV: (fused.mx_weights_from_env, [(None, "dequantize"), ("", "dequantize"),
+                                                       ("mainloop", "mainloop"), (" dequantize ", "dequantize")],
+                           ["registers"], "expected unset or one of"),
+}
+
+
+@pytest.mark.parametrize("name,value,expected", [(n, v, e) for n, (_, ok, _, _) in ENV.items() for v, e in ok])
+def test_env_readers(monkeypatch, name, value, expected):
     if value is None:
-        monkeypatch.delenv(fused.NUM_SMS_ENV, raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv(fused.NUM_SMS_ENV, value)
-    assert fused.num_sms_from_env() == expected
+        monkeypatch.setenv(name, value)
+    assert ENV[name][0]() == expected
 
 
-@pytest.mark.parametrize("value", ["-3", "all", "1.5"])
-def test_num_sms_from_env_rejects_garbage(monkeypatch, value):
-    monkeypatch.setenv(fused.NUM_SMS_ENV, value)
-    with pytest.raises(ValueError, match="MOK_NUM_SMS: expected unset, 0"):
-        fused.num_sms_from_env()
+@pytest.mark.parametrize("name,value", [(n, v) for n, (_, _, bad, _) in ENV.items() for v in bad])
+def test_env_readers_refuse_garbage(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}: {ENV[name][3]}"):
+        ENV[name][0]()
 
-
-@pytest.mark.parametrize(("value", "expected"), [(None, "dequantize"), ("", "dequantize"), ("mainloop", "mainloop"),
-                                                 (" dequantize ", "dequantize")])
-def test_mx_weights_from_env(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv(fused.MX_WEIGHTS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(fused.MX_WEIGHTS_ENV, value)
-    assert fused.mx_weights_from_env() == expected
-
-
-def test_mx_weights_from_env_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, "registers")
-    with pytest.raises(ValueError, match="MOK_MX_WEIGHTS: expected unset or one of"):
-        fused.mx_weights_from_env()
