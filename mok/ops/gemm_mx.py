@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mok.checks import fail
-from mok.ops.core import load_extension
+from mok.ops.core import check_cuda_tensor, load_extension
 from mok.ops.gemm import (
     _check_devices,
     _check_gemm_dim,
@@ -65,9 +65,10 @@ def _check_mx_weight(name: str, w, num_experts: int, k: int, what: str) -> tuple
 
 
 def _check_on(device: torch.device, name: str, t: torch.Tensor) -> None:
-    if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
-        fail(name, f"a contiguous, 16-byte aligned tensor on {device} (the first operand's device)",
-             f"device {t.device}, strides {t.stride()}, address {t.data_ptr():#x}")
+    """A weight part for the kernels (its dtype checked already): CUDA, contiguous, aligned, on `device`."""
+    check_cuda_tensor(name, t, t.dtype)
+    if t.device != device:
+        fail(name, f"device {device} (the first operand's)", t.device)
 
 
 def grouped_gemm_mxfp8_swiglu_gather(x: torch.Tensor, w_gate, w_up, sched, swiglu_limit: float | None = None,
