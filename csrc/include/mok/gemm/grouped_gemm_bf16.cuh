@@ -154,15 +154,18 @@ MOK_HOST_DEVICE constexpr uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
   return row * 128 + ((chunk ^ (row % 8)) << 4);
 }
 
-constexpr bool sw128_is_the_address_xor() {
-  for (uint32_t row = 0; row < BLOCK_M; ++row)
-    for (uint32_t chunk = 0; chunk < 8; ++chunk) {
-      const uint32_t o = row * 128 + chunk * 16;
-      if (sw128_offset(row, chunk) != (o ^ (((o >> 7) & 7) << 4))) return false;
+// Whether `offset` (rows of kRowBytes = kChunks · 16 bytes) is TMA's swizzle of that width, the XOR on the
+// address bits: bits [4:4+log2(kChunks)) ^= the same many bits from bit 7 (128 rows: every row of a tile).
+template <uint32_t (*offset)(uint32_t, uint32_t), uint32_t kChunks>
+constexpr bool is_the_address_xor() {
+  for (uint32_t row = 0; row < 128; ++row)
+    for (uint32_t chunk = 0; chunk < kChunks; ++chunk) {
+      const uint32_t o = row * kChunks * 16 + chunk * 16;
+      if (offset(row, chunk) != (o ^ (((o >> 7) & (kChunks - 1)) << 4))) return false;
     }
   return true;
 }
-static_assert(sw128_is_the_address_xor(), "sw128_offset is the 128B swizzle: bits [4:6] ^= bits [7:9]");
+static_assert(is_the_address_xor<sw128_offset, 8>(), "sw128_offset is the 128B swizzle: bits [4:6] ^= bits [7:9]");
 static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its atom: chunk 3 lands in slot 2");
 
 // The 64-byte swizzle of the E4M3 landing tiles (rows of 64 bytes: 4 chunks of 16): TMA XORs bits [4:5] of
@@ -173,15 +176,7 @@ MOK_HOST_DEVICE constexpr uint32_t sw64_offset(uint32_t row, uint32_t chunk) {
   return row * 64 + ((chunk ^ ((row / 2) % 4)) << 4);
 }
 
-constexpr bool sw64_is_the_address_xor() {
-  for (uint32_t row = 0; row < BLOCK_N_B; ++row)
-    for (uint32_t chunk = 0; chunk < 4; ++chunk) {
-      const uint32_t o = row * 64 + chunk * 16;
-      if (sw64_offset(row, chunk) != (o ^ (((o >> 7) & 3) << 4))) return false;
-    }
-  return true;
-}
-static_assert(sw64_is_the_address_xor(), "sw64_offset is the 64B swizzle: bits [4:5] ^= bits [7:8]");
+static_assert(is_the_address_xor<sw64_offset, 4>(), "sw64_offset is the 64B swizzle: bits [4:5] ^= bits [7:8]");
 
 // ---- parameters ----------------------------------------------------------------------------------------
 
