@@ -53,12 +53,11 @@ No host sync in either pass (tests/test_fused.py runs both under torch.cuda.set_
 mxfp8 the quantize/dequantize passes over row buffers (`_mx`, `_mx_dual`) cover the spare rows too (whatever
 they hold; their outputs there are never read): they take no row count from the device.
 
-MXFP8 cost: a q+dq (`_mx`, `_mx_dual`) moves about 6 bytes per element (quantize reads 2, writes 1 + 1/32;
-dequantize the reverse), three times the GEMM's own read of the bf16 operand, and the weights dominate. With
-MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element) and its GEMMs read
-1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs 1.45-1.9x their BF16
-time on the H200, more than the q+dq it saves except on dsv4pro-rank (docs/l2_fused.md); the backward runs
-q+dq on every operand either way.
+MXFP8 cost: a round trip (`_mx`: ops.mxfp8_fake_quantize, one kernel) moves 4 bytes per element (reads 2,
+writes 2), twice the GEMM's own read of the bf16 operand, and the weights dominate; `_mx_dual` moves 6 for
+both directions. With MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element)
+and its GEMMs read 1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs
+1.45-1.9x their BF16 time on the H200 (docs/l2_fused.md); the backward round-trips every operand either way.
 """
 
 from __future__ import annotations
@@ -140,7 +139,7 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
                  size)
 
 
-# ---- MXFP8 operands: quantize -> dequantize -> the BF16 kernels (DESIGN §4) --------------------------------
+# ---- MXFP8 operands: the round trip (quantize + dequantize) -> the BF16 kernels (DESIGN §4) ---------------
 # An E4M3 value times 2^e is exact in bf16, so a BF16 GEMM of dequantized operands is L0's MXFP8 GEMM
 # (mok.reference.quant), bit for bit in its operands. These two functions are the level's MXFP8 operand path,
 # but for the forward's weights with MOK_MX_WEIGHTS=mainloop (their GEMMs dequantize to the same bf16).
@@ -156,17 +155,15 @@ def _mx(t: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
     dim (-1: row-wise, -2: column-wise), the GEMM's K. bf16, t's shape."""
     if precision == "bf16":
         return t
-    quantize = ops.mxfp8_quantize_rowwise if dim == -1 else ops.mxfp8_quantize_colwise
-    return ops.mxfp8_dequantize(*quantize(t), dim)  # t.shape
+    return ops.mxfp8_fake_quantize(t, dim)  # t.shape: dequantize(quantize(t)) in one pass
 
 
 def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(_mx(t, -1), _mx(t, -2)) from one read of t (ops.mxfp8_quantize_dual): a backward operand that is
-    both a dgrad operand (K along its row) and a weight-gradient operand (K along the rows)."""
+    """(_mx(t, -1), _mx(t, -2)) from one read of t: a backward operand that is both a dgrad operand (K along
+    its row) and a weight-gradient operand (K along the rows)."""
     if precision == "bf16":
         return t, t
-    (data_row, scales_row), (data_col, scales_col) = ops.mxfp8_quantize_dual(t)
-    return ops.mxfp8_dequantize(data_row, scales_row, -1), ops.mxfp8_dequantize(data_col, scales_col, -2)
+    return ops.mxfp8_fake_quantize_dual(t)
 
 
 # ---- forward --------------------------------------------------------------------------------------------
