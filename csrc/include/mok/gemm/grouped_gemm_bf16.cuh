@@ -113,7 +113,7 @@ constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandPieceBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScalePieceBytes;
-constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
+constexpr uint32_t kBarrierBytes = (2 * (kNumStages + kNumLanding) + kNumConsumerGroups) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
@@ -650,14 +650,18 @@ struct Operands {
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
+// Ping-pong: `turn_done` (null when cooperative) gets one arrival once this task's last stage has landed.
 template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  const Operands& ops, uint64_t* full, uint64_t* empty, uint32_t it,
-                                 int num_k_blocks, uint32_t lane) {
+                                 int num_k_blocks, uint32_t lane, uint64_t* turn_done) {
+  const bool leader = turn_done != nullptr && threadIdx.x % kWarpgroup == 0;
+  if (leader && num_k_blocks == 0) ptx::mbarrier_arrive(turn_done);
   uint32_t prev_stage = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
+    if (leader && kb == num_k_blocks - 1) ptx::mbarrier_arrive(turn_done);
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
     if constexpr (kGather) ptx::fence_proxy_async_shared();
     // A: K-major, or MN-major (64 rows of A are one 64-column box: its LBO is never used).
@@ -700,7 +704,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        int num_tasks, int num_k_blocks) {
+                        uint64_t* turn, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   // Cooperative: 0 or 1 = which 64 rows of every task; ping-pong: this warpgroup runs the CTA's tasks 0 or 1,
   // 2 or 3, ... (its turn), all 128 rows.
@@ -713,21 +717,26 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
+  // Ping-pong turns: the CTA's j-th task is warpgroup j % 2's, and its mainloop waits until task j - 1's last
+  // stage has landed (turn[(j - 1) % 2] completes phase (j - 1) / 2). NOTE: without that order a warpgroup waited
+  // on a stage two uses ahead of the producer, and a parity wait cannot tell phase u from u - 2: it took task
+  // j - 1's data for its own (found on the H200: a trap in a deadlock with one CTA).
   uint32_t it = 0;  // position in the CTA's (task, k-block) sequence, the producer's
-  for (int task = blockIdx.x, turn = 0; task < num_tasks; task += gridDim.x, turn ^= 1) {
+  for (int task = blockIdx.x, j = 0; task < num_tasks; task += gridDim.x, ++j) {
     const Task t = decode_task<kGemm>(p, task, num_k_blocks);
-    if (kPingPong && turn != static_cast<int>(group)) {  // the other warpgroup's task: skip its stages
+    if (kPingPong && j % 2 != static_cast<int>(group)) {  // the other warpgroup's task: skip its stages
       it += t.num_k_blocks;
       continue;
     }
+    if (kPingPong && j > 0) ptx::mbarrier_wait_parity(&turn[(j - 1) % 2], ((j - 1) / 2) & 1);
     float acc0[kAccPerThread], acc1[kAccPerThread];  // see Operands
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, operands, full, empty,
-                                                                         it, t.num_k_blocks, lane);
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(
+        acc0, acc1, smem, operands, full, empty, it, t.num_k_blocks, lane, kPingPong ? &turn[group] : nullptr);
     const int row0 = t.m_tile * BLOCK_M + (kPingPong ? 0 : group * WG_M) + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (T::kSwiGLU) {
@@ -765,12 +774,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
+  uint64_t* turn = empty + kNumStages + 2 * kNumLanding;  // [kNumConsumerGroups]: ping-pong turns
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(&full[s], T::kFullArrivals);
       ptx::mbarrier_init(&empty[s], kStageReaderWarps);
     }
+    for (int g = 0; g < kNumConsumerGroups; ++g) ptx::mbarrier_init(&turn[g], 1);
     if constexpr (T::kMx) {
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
@@ -796,7 +807,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, turn, num_tasks, num_k_blocks);
   }
 }
 
