@@ -113,20 +113,17 @@ def test_gemm_bad_inputs_name_the_argument():
 
 
 def test_build_switches_from_env_and_arguments(monkeypatch):
-    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_PINGPONG, MOK_GEMM_NUM_STAGES): checked,
-    and part of the extension's name, so each variant is its own build."""
+    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES): checked, and part of the
+    extension's name, so each variant is its own build."""
     for name in core.BUILD_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert core.build_switches() == ()
     assert core.extension_name(()) == f"mok_ext_{core.csrc_hash()}"
     monkeypatch.setenv("MOK_GEMM_TMA_STORE", "0")
     monkeypatch.setenv("MOK_GEMM_NUM_STAGES", " 3")
-    with pytest.raises(ValueError, match="MOK_GEMM_TMA_STORE: expected 1 with ping-pong"):
-        core.build_switches()
-    monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
     switches = core.build_switches()
-    assert switches == (("MOK_GEMM_NUM_STAGES", 3), ("MOK_GEMM_PINGPONG", 0), ("MOK_GEMM_TMA_STORE", 0))
-    assert core.extension_name(switches).endswith("_gemm_num_stages3_gemm_pingpong0_gemm_tma_store0")
+    assert switches == (("MOK_GEMM_NUM_STAGES", 3), ("MOK_GEMM_TMA_STORE", 0))
+    assert core.extension_name(switches).endswith("_gemm_num_stages3_gemm_tma_store0")
     assert core.build_switches({"MOK_GEMM_TMA_STORE": 1}) == (("MOK_GEMM_TMA_STORE", 1),)  # the env is not read
     monkeypatch.setenv("MOK_GEMM_TMA_STORE", "off")
     with pytest.raises(ValueError, match=r"MOK_GEMM_TMA_STORE: expected one of \(0, 1\)"):
@@ -255,11 +252,10 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     return {name: t.cpu().view(torch.int16) for name, t in outs.items()}
 
 
-# The build switches' other values against the default build (ping-pong, TMA stores, 6 stages), each variant
-# its own extension (built here on first use, about a minute each): cooperative consumers, with the st.global
-# epilogue, and with 3 stages (5 staging boxes per warp instead of 2), must store the same bits in the same places.
-SWITCH_VARIANTS = [{"MOK_GEMM_PINGPONG": 0}, {"MOK_GEMM_PINGPONG": 0, "MOK_GEMM_TMA_STORE": 0},
-                   {"MOK_GEMM_PINGPONG": 0, "MOK_GEMM_NUM_STAGES": 3}]
+# The build switches' other values against the default build (TMA stores, 4 stages), each variant its own
+# extension (built here on first use, about a minute each): the st.global epilogue, and 3 stages (5 staging
+# boxes per warp instead of 2), must store the same bits in the same places.
+SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}]
 
 
 @pytest.mark.gpu
@@ -275,10 +271,9 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     sched = sched.to("cuda")
     default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_PINGPONG": 1, "MOK_GEMM_NUM_STAGES": 6}
-    assert default.grouped_gemm_bf16_build_switches() == defaults
-    expected = {**defaults, "MOK_GEMM_NUM_STAGES": 4 if switches.get("MOK_GEMM_PINGPONG") == 0 else 6, **switches}
-    assert variant.grouped_gemm_bf16_build_switches() == expected
+    assert default.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4}
+    assert variant.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4,
+                                                          **switches}
     monkeypatch.setattr(gemm_ops, "load_extension", lambda: default)
     expected = _every_kind(inputs, sched, 3, f"{case} default build (seed {seed})")
     monkeypatch.setattr(gemm_ops, "load_extension", lambda: variant)

@@ -29,9 +29,8 @@ steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # M
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
-# cooperative, st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the
-# default build's (`switches_coop`: the cooperative one only); `parts_coop`, `parts_st` and `parts_s3` are `parts`
-# on those builds, an A/B against `parts` in the same run;
+# st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the default
+# build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run;
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
@@ -52,8 +51,6 @@ step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/
 step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py \
   tests/test_ops_gemm_mxfp8.py -k "not build_switches"
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
-step switches_coop 150 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
-  -k "build_switches and not TMA_STORE and not NUM_STAGES"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
@@ -62,11 +59,9 @@ step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench mo
   --peers --out "$out/moe_mx_mainloop.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
-step parts_coop 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_PINGPONG=0 python -m mok.bench parts \
-  --out "$out/parts_coop.csv"
-step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_PINGPONG=0 MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
+step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
-step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_PINGPONG=0 MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
+step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
   --out "$out/parts_stages3.csv"
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py

@@ -29,9 +29,7 @@ ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 # name -> the values it may take; unset = the header's default (csrc/include/mok/gemm/grouped_gemm_bf16.cuh).
 BUILD_SWITCHES = {
     "MOK_GEMM_TMA_STORE": (0, 1),  # 1 (default): GEMM epilogues store by TMA; 0: by 16-byte st.global
-    "MOK_GEMM_PINGPONG": (0, 1),  # 1 (default): consumer warpgroups take turns on whole tasks; 0: cooperative
-    # shared-memory stages: default 6 in ping-pong (32 KiB each), 4 cooperative (48 KiB; 3 gives the staging 5 boxes)
-    "MOK_GEMM_NUM_STAGES": (3, 4, 6),
+    "MOK_GEMM_NUM_STAGES": (3, 4),  # GEMM shared-memory stages (default 4; 3 gives the TMA staging 5 boxes a warp)
 }
 
 
@@ -57,10 +55,6 @@ def build_switches(switches: dict | None = None) -> tuple[tuple[str, int], ...]:
         if str(value).strip() not in {str(v) for v in allowed}:
             fail(name, f"one of {allowed} (a build switch; environment variable or unset)", repr(value))
         checked.append((name, int(str(value).strip())))
-    values = dict(checked)
-    if values.get("MOK_GEMM_TMA_STORE") == 0 and values.get("MOK_GEMM_PINGPONG", 1) == 1:
-        fail("MOK_GEMM_TMA_STORE", "1 with ping-pong consumers (st.global stores are cooperative only: set "
-             "MOK_GEMM_PINGPONG=0 too)", 0)
     return tuple(sorted(checked))
 
 

@@ -59,32 +59,21 @@ namespace mok::gemm {
 // consumer warp and awaited only before the staging is written again (so they drain during the next task's
 // mainloop); 0: every lane re-reads the staging and writes 16-byte st.global (the path before TMA stores).
 // MOK_GEMM_NUM_STAGES: the shared-memory ring depth; with TMA stores, the staging takes what the stages leave.
-// MOK_GEMM_PINGPONG=1: each consumer warpgroup runs whole tasks (128 × 128), the two taking turns, so one's
-// epilogue runs under the other's MMAs; 0: cooperative, both warpgroups on one 128 × 256 task (64 rows each).
 #ifndef MOK_GEMM_TMA_STORE
 #define MOK_GEMM_TMA_STORE 1
 #endif
-#ifndef MOK_GEMM_PINGPONG
-#define MOK_GEMM_PINGPONG 1
-#endif
 #ifndef MOK_GEMM_NUM_STAGES
-#define MOK_GEMM_NUM_STAGES (MOK_GEMM_PINGPONG ? 6 : 4)
+#define MOK_GEMM_NUM_STAGES 4
 #endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
-constexpr bool kPingPong = MOK_GEMM_PINGPONG != 0;
 constexpr int kNumConsumerGroups = 2;              // consumer warpgroups
-constexpr int WG_M = 64;                           // rows of one m64 wgmma
-constexpr int BLOCK_M = 2 * WG_M;                  // rows per task
+constexpr int WG_M = 64;                           // rows per consumer warpgroup: one m64 wgmma
+constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
-constexpr int BLOCK_N_B = 128;                     // n of each wgmma
-// A stage's B: two pieces of kBPieceRows weight rows, contiguous. Cooperative: B0 | B1, 128 rows each, one per
-// accumulator; ping-pong: 64 + 64 rows, together the one n128 B of both accumulators (rows 0-63 and 64-127 of A).
-constexpr int kBPieceRows = kPingPong ? 64 : 128;
-constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth
-// The consumer warps that read a stage (its empty[] arrivals): one warpgroup's in ping-pong, both otherwise.
-constexpr int kStageReaderWarps = (kPingPong ? 1 : kNumConsumerGroups) * 4;
+constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
+constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
@@ -95,25 +84,24 @@ constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
 // the MXFP8 kinds).
 constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 constexpr int kRowBytes = BLOCK_K * 2;
-constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;      // 16 KiB
-constexpr uint32_t kBPieceBytes = kBPieceRows * kRowBytes;  // 16 KiB (cooperative) or 8 KiB
-constexpr uint32_t kMNBoxBytes = 64 * kRowBytes;            // an MN-major box: 64 k-rows × 64 n (8 KiB)
-constexpr uint32_t kStageBytes = kATileBytes + 2 * kBPieceBytes;  // 48 or 32 KiB
+constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
+constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
+constexpr uint32_t kStageBytes = kATileBytes + 2 * kBTileBytes;
 constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory an sm_90 block may use
-// MXFP8 weights: the bf16 ring has one stage less, and a landing slot holds a k-block of the two B pieces as
-// E4M3 (kBPieceRows rows × 64 bytes each) plus their scales (2 bytes per row: the k-block's two 32-blocks).
+// MXFP8 weights: the bf16 ring has one stage less, and a landing slot holds a k-block of B0 and B1 as E4M3
+// (128 rows × 64 bytes each) plus their scales (2 bytes per row: the two 32-element blocks of the k-block).
 constexpr int kMxStages = kNumStages - 1;
 constexpr int kNumLanding = 3;
-constexpr uint32_t kLandPieceBytes = kBPieceRows * BLOCK_K;  // E4M3
-constexpr uint32_t kLandScalePieceBytes = kBPieceRows * 2;   // E8M0
-constexpr uint32_t kLandTxBytes = 2 * (kLandPieceBytes + kLandScalePieceBytes);
+constexpr uint32_t kLandTileBytes = BLOCK_N_B * BLOCK_K;  // 8 KiB of E4M3
+constexpr uint32_t kLandScaleBytes = BLOCK_N_B * 2;       // 256 bytes of E8M0
+constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
 // Shared memory: [the ring][epilogue staging][landing scales][barriers], the ring being the BF16 kinds'
-// kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (192 or 184 KiB).
+// kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
 constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
-constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandPieceBytes;
+constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
-constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScalePieceBytes;
-constexpr uint32_t kBarrierBytes = (2 * (kNumStages + kNumLanding) + kNumConsumerGroups) * 8;
+constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
@@ -136,20 +124,16 @@ constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
 constexpr int kRowsPerThread = BLOCK_M / kRowStride;
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
-static_assert(BLOCK_M % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
-                  kBPieceBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
-              "tiles, B pieces and each 64-row half of A are whole 8-row atoms (1024-byte aligned)");
-static_assert(2 * kBPieceRows == (kPingPong ? BLOCK_N_B : 2 * BLOCK_N_B) && kBPieceRows % 64 == 0,
-              "a stage's B is one n128 (ping-pong) or two (cooperative), in whole 64-column MN-major boxes");
-static_assert(kTmaStore || !kPingPong, "ping-pong stores by TMA only (its SwiGLU writes 64-column strips)");
+static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
+                  kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
+              "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
 static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
               "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
-static_assert((2 * kBPieceRows) % kNumProducerThreads == 0,
-              "MXFP8 weights: producer thread r dequantizes rows r, r + 128, ... of a stage's B");
+static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
 static_assert(kMxStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
 static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomBytes == 0 &&
-                  kLandPieceBytes % ptx::kSw128AtomBytes == 0,
+                  kLandTileBytes % ptx::kSw128AtomBytes == 0,
               "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
 static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
@@ -244,16 +228,15 @@ struct Tile {
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
       kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
   static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
-  // Output columns of a task: the columns of its B pieces (kGateUp: one gate and one up piece of the same ones).
-  static constexpr int kTaskN = kSwiGLU ? kBPieceRows : 2 * kBPieceRows;
-  static constexpr int kB1Offset = kSwiGLU ? 0 : kBPieceRows;  // B piece 1's first column vs piece 0's
+  static constexpr int kTaskN = kSwiGLU ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
+  static constexpr int kB1Offset = kSwiGLU ? 0 : BLOCK_N_B;  // B1's first column vs B0's
   static constexpr int kStages = kMx ? kMxStages : kNumStages;
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
   static constexpr uint32_t kFullArrivals =
       (kGather ? kNumProducerThreads : 0) + (kMx ? kNumProducerThreads : 0) + (kTmaIntoStage ? 1 : 0);
-  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kMx ? 0 : 2 * kBPieceBytes);
+  static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kMx ? 0 : 2 * kBTileBytes);
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
   // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere.
@@ -262,6 +245,7 @@ struct Tile {
                     kNumThreads * kLaunchRegs &&
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
                 "the register budgets fit the CTA's launch registers (setmaxnreg takes multiples of 8)");
+  static constexpr uint32_t kBHalfBytes = kBTileBytes / 2;  // MN-major: one 64-column box
 };
 
 // k-blocks of one task; kGateUpDgrad runs both halves of K (d_gate·Wg, then d_up·Wu) one after the other.
@@ -300,16 +284,15 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
 }
 
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
-MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: B piece 0 or 1
-  return smem + stage * kStageBytes + kATileBytes + which * kBPieceBytes;
+MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
+  return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
-// MXFP8 landing slot `slot`: the E4M3 rows of B piece `which`, and their scales (row r's two bytes at 2r).
-// Pieces are contiguous in both, so a stage's B rows are rows 0 .. 2·kBPieceRows - 1 of piece 0's address.
+// MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
 MOK_DEVICE uint8_t* land_tile(uint8_t* smem, uint32_t slot, int which) {
-  return smem + kMxStages * kStageBytes + (2 * slot + which) * kLandPieceBytes;
+  return smem + kMxStages * kStageBytes + (2 * slot + which) * kLandTileBytes;
 }
 MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // after the staging: 128-aligned
-  return smem + kMainBytes + kStagingBytes + (2 * slot + which) * kLandScalePieceBytes;
+  return smem + kMainBytes + kStagingBytes + (2 * slot + which) * kLandScaleBytes;
 }
 
 // ---- producer: warpgroup 0 -----------------------------------------------------------------------------
@@ -339,10 +322,10 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
-    if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1): a piece's columns 64 at a time
-      for (int c = 0; c < kBPieceRows; c += 64)
-        ptx::tma_load_3d(stage_b(smem, stage, which) + c / 64 * kMNBoxBytes, map, col + c, k0, batch, bar);
-    } else {  // map dims (k, n, experts), box (64, kBPieceRows, 1)
+    if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, batch, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, batch, bar);
+    } else {  // map dims (k, n, experts), box (64, 128, 1)
       ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, batch, bar);
     }
   }
@@ -373,18 +356,18 @@ MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* sme
   ptx::tma_load_3d(land_scales(smem, slot, 1), land.s1, 2 * n1, kb, t.expert, &land.full[slot]);
 }
 
-// Producer thread `thread`: B rows thread, thread + 128, ... (of both pieces) from landing slot `slot` (64 E4M3
-// bytes and two scales each) to the stage's bf16 B, exactly as mxfp8_dequantize computes each element
-// (mxfp8::dequantize8). A row's 4 shared loads go out before its first conversion (8 at once spilled in kDownMx).
-MOK_DEVICE void dequantize_b_rows(uint8_t* smem, uint32_t slot, uint32_t stage, uint32_t thread) {
+// Producer thread `row`: row `row` of B0 and B1 from landing slot `slot` (64 E4M3 bytes each, two scales)
+// to the stage's bf16 tiles, exactly as mxfp8_dequantize computes each element (mxfp8::dequantize8). A
+// tile's 4 shared loads go out before its first conversion (all 8 at once spilled in kDownMx).
+MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, uint32_t row) {
 #pragma unroll
-  for (uint32_t row = thread; row < 2 * kBPieceRows; row += kNumProducerThreads) {
+  for (int which = 0; which < 2; ++which) {
     uint4 q[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-      q[c] = *reinterpret_cast<const uint4*>(land_tile(smem, slot, 0) + sw64_offset(row, c));
-    const uint32_t scale_bytes = *reinterpret_cast<const uint16_t*>(land_scales(smem, slot, 0) + 2 * row);
-    uint8_t* b_tile = stage_b(smem, stage, 0);
+      q[c] = *reinterpret_cast<const uint4*>(land_tile(smem, slot, which) + sw64_offset(row, c));
+    const uint32_t scale_bytes = *reinterpret_cast<const uint16_t*>(land_scales(smem, slot, which) + 2 * row);
+    uint8_t* b_tile = stage_b(smem, stage, which);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
       // NOTE: a cheaper-looking path (one cvt per two elements, then integer ops and a bf16 multiply by
@@ -451,7 +434,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       if constexpr (T::kMx) {
         const uint32_t slot = it % kNumLanding;
         ptx::mbarrier_wait_parity(&land.full[slot], (it / kNumLanding) & 1);
-        dequantize_b_rows(smem, slot, stage, thread);
+        dequantize_b_row(smem, slot, stage, thread);
         ptx::fence_proxy_async_shared();  // the bf16 rows, before the consumers' wgmma reads them
         ptx::mbarrier_arrive(&land.empty[slot]);
         ptx::mbarrier_arrive(&full[stage]);
@@ -519,11 +502,11 @@ MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col
 // sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy, and lane 0
 // issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
 // rest: a partial box writes only columns < n and rows < num_rows).
-template <int kCols, typename Values>
+template <typename Values>
 MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
-  for (int b = 0; b < kCols / kStoreBoxCols; ++b) {
+  for (int b = 0; b < BLOCK_N_B / kStoreBoxCols; ++b) {
     const int col = col0 + b * kStoreBoxCols;
     if (col >= out.n || row0 >= out.num_rows) break;  // warp-uniform
     uint8_t* box = st.smem + st.box * kStoreBoxBytes;
@@ -545,15 +528,12 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
   }
 }
 
-// Columns [col0, col0 + kCols) of rows row0 .. row0 + 15 of `out`, by the path the build selected; values(i, h)
-// for column groups i < kCols / 8.
-template <int kCols = BLOCK_N_B, typename Values>
+// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
+template <typename Values>
 MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
-  static_assert(kCols % kStoreBoxCols == 0 && kCols <= BLOCK_N_B, "whole boxes of one accumulator");
   if constexpr (kTmaStore) {
-    store_tile_tma<kCols>(st, out, row0, col0, lane, values);
+    store_tile_tma(st, out, row0, col0, lane, values);
   } else {
-    static_assert(kCols == BLOCK_N_B, "the st.global path stores whole 128-column accumulators");
     store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
   }
 }
@@ -569,68 +549,48 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// Where a warp's 16-row strip of accumulator 1 sits against accumulator 0's: cooperative, the next 128 columns
-// of the same rows; ping-pong, the same columns 64 rows further (A's second half).
-constexpr int kAcc1Rows = kPingPong ? WG_M : 0, kAcc1Cols = kPingPong ? 0 : BLOCK_N_B;
-
-// kGateUp, one warp's strip of rows row0 .. row0 + 15: gate, up (rounded) and h = swiglu(gate, up) over kCols
-// columns, gate's column group i at acc_gate[4i + 2h ..], up's at acc_up[kUp + 4i + 2h ..]; padding rows are
-// zeros whatever the weights hold (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
-template <int kCols, int kUp>
-MOK_DEVICE void store_swiglu_strip(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
-                                   const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+// kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
+// (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
+MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
+                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile<kCols>(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
-  store_tile<kCols>(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
-    return real[h] ? pack_bf16x2(acc_up[kUp + 4 * i + 2 * h], acc_up[kUp + 4 * i + 2 * h + 1]) : 0u;
+  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+    return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
   const bool has_limit = p.has_limit != 0;
-  store_tile<kCols>(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     const int a = 4 * i + 2 * h;
-    const float h0 = swiglu(round_bf16(acc_gate[a]), round_bf16(acc_up[kUp + a]), p.swiglu_limit, has_limit);
-    const float h1 = swiglu(round_bf16(acc_gate[a + 1]), round_bf16(acc_up[kUp + a + 1]), p.swiglu_limit, has_limit);
+    const float h0 = swiglu(round_bf16(acc_gate[a]), round_bf16(acc_up[a]), p.swiglu_limit, has_limit);
+    const float h1 = swiglu(round_bf16(acc_gate[a + 1]), round_bf16(acc_up[a + 1]), p.swiglu_limit, has_limit);
     return real[h] ? pack_bf16x2(h0, h1) : 0u;
   });
 }
 
-// kGateUp: cooperative, gate in acc0 and up in acc1 (128 columns); ping-pong, each accumulator holds 64 gate
-// columns then the same 64 up columns (B piece 0 = Wg rows, piece 1 = Wu rows), for its own rows.
-MOK_DEVICE void store_swiglu(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
-  if constexpr (kPingPong) {
-    constexpr int kHalf = kAccPerThread / 2;  // column groups 8..15 = the up columns
-    store_swiglu_strip<kBPieceRows, kHalf>(acc0, acc0, p, o, st, row0, n0, lane);
-    store_swiglu_strip<kBPieceRows, kHalf>(acc1, acc1, p, o, st, row0 + kAcc1Rows, n0, lane);
-  } else {
-    store_swiglu_strip<BLOCK_N_B, 0>(acc0, acc1, p, o, st, row0, n0, lane);
-  }
-}
-
-// kDown, kDownDgrad, kGateUpDgrad: acc0 at (row0, n0), acc1 at (row0 + kAcc1Rows, n0 + kAcc1Cols); padding rows
-// are zeros.
+// kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
                            const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
   const Output out{p.out, o.out, 0, p.n, kAllRows};
-  const auto store = [&](float (&acc)[kAccPerThread], int row, int col) {
-    const bool real[2] = {p.row_to_token[row + lane / 4] >= 0, p.row_to_token[row + lane / 4 + 8] >= 0};
-    store_tile(st, out, row, col, lane, [&](int i, int h) {
-      return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u;
+  store_tile(st, out, row0, n0, lane, [&](int i, int h) {
+    return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
+  });
+  if (n0 + BLOCK_N_B < p.n)
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
+      return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
     });
-  };
-  store(acc0, row0, n0);
-  if (n0 + kAcc1Cols < p.n) store(acc1, row0 + kAcc1Rows, n0 + kAcc1Cols);
 }
 
-// kWeightGrad: dW[e] rows (< m) and columns as store_pair's, no padding rows.
+// kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
 MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
                                   const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane) {
   const Output out{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m};
   store_tile(st, out, row0, n0, lane,
              [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); });
-  if (n0 + kAcc1Cols < p.n)
-    store_tile(st, out, row0 + kAcc1Rows, n0 + kAcc1Cols, lane,
+  if (n0 + BLOCK_N_B < p.n)
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane,
                [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); });
 }
 
@@ -641,54 +601,39 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
   for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
-// What a consumer warpgroup multiplies: acc0 += A rows at a_offset0 · B piece 0 (n128 from there), acc1 += A
-// rows at a_offset1 · B from b_offset1. Cooperative: this warpgroup's 64 rows of A, B0 and B1; ping-pong: A's
-// rows 0-63 and 64-127, the stage's one n128 B (both pieces).
-struct Operands {
-  uint32_t a_offset0, a_offset1, b_offset1;
-};
-
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-// Ping-pong: `turn_done` (null when cooperative) gets one arrival once this task's last stage has landed.
 template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
-                                 const Operands& ops, uint64_t* full, uint64_t* empty, uint32_t it,
-                                 int num_k_blocks, uint32_t lane, uint64_t* turn_done) {
-  const bool leader = turn_done != nullptr && threadIdx.x % kWarpgroup == 0;
-  if (leader && num_k_blocks == 0) ptx::mbarrier_arrive(turn_done);
+                                 uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
+                                 uint32_t lane) {
   uint32_t prev_stage = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
-    if (leader && kb == num_k_blocks - 1) ptx::mbarrier_arrive(turn_done);
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
     if constexpr (kGather) ptx::fence_proxy_async_shared();
-    // A: K-major, or MN-major (64 rows of A are one 64-column box: its LBO is never used).
+    // A: K-major, or MN-major (this warpgroup's 64 rows are one 64-column box: its LBO is never used).
     constexpr uint32_t kAStep = kMajorMNA ? 16 * 128 : 32;
-    const auto desc_a = [&](uint32_t offset) {
-      return kMajorMNA ? ptx::smem_desc_sw128_mn(stage_a(smem, stage) + offset, kMNBoxBytes)
-                       : ptx::smem_desc_sw128(stage_a(smem, stage) + offset);
-    };
-    const uint64_t desc_a0 = desc_a(ops.a_offset0), desc_a1 = desc_a(ops.a_offset1);
+    const uint64_t desc_a = kMajorMNA ? ptx::smem_desc_sw128_mn(stage_a(smem, stage) + a_offset, kATileBytes / 2)
+                                      : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
     // NOTE: one m64n256k16 over B0|B1 (contiguous) instead of these two measured no faster on the routed GEMMs
     // and 5-20% slower on the shared expert's (H200, data/bench/parts.csv vs an A/B run at 86c2bfb).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
-    const auto desc_b = [&](uint32_t offset) {
-      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0) + offset, kMNBoxBytes)
-                      : ptx::smem_desc_sw128(stage_b(smem, stage, 0) + offset);
+    const auto desc_b = [&](int which) {
+      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
+                      : ptx::smem_desc_sw128(stage_b(smem, stage, which));
     };
-    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(ops.b_offset1);
+    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, ptx::desc_advance(desc_a0, kAStep * kk),
-                                                      ptx::desc_advance(desc_b0, kBStep * kk));
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, ptx::desc_advance(desc_a1, kAStep * kk),
-                                                      ptx::desc_advance(desc_b1, kBStep * kk));
+      const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
@@ -704,40 +649,29 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        uint64_t* turn, int num_tasks, int num_k_blocks) {
+                        int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
-  // Cooperative: 0 or 1 = which 64 rows of every task; ping-pong: this warpgroup runs the CTA's tasks 0 or 1,
-  // 2 or 3, ... (its turn), all 128 rows.
-  const uint32_t group = threadIdx.x / kWarpgroup - 1;
+  const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
-  constexpr uint32_t kHalfA = WG_M * kRowBytes;  // A's rows 64..127 (K-major) or its second box (MN-major)
-  const Operands operands = kPingPong ? Operands{0, kHalfA, 0}
-                                      : Operands{group * kHalfA, group * kHalfA, kBPieceBytes};
+  const uint32_t a_offset = group * WG_M * kRowBytes;  // this warpgroup's rows of the A tile
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Ping-pong turns: the CTA's j-th task is warpgroup j % 2's, and its mainloop waits until task j - 1's last
-  // stage has landed (turn[(j - 1) % 2] completes phase (j - 1) / 2). NOTE: without that order a warpgroup waited
-  // on a stage two uses ahead of the producer, and a parity wait cannot tell phase u from u - 2: it took task
-  // j - 1's data for its own (found on the H200: a trap in a deadlock with one CTA).
-  uint32_t it = 0;  // position in the CTA's (task, k-block) sequence, the producer's
-  for (int task = blockIdx.x, j = 0; task < num_tasks; task += gridDim.x, ++j) {
+  uint32_t it = 0;
+  for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const Task t = decode_task<kGemm>(p, task, num_k_blocks);
-    if (kPingPong && j % 2 != static_cast<int>(group)) {  // the other warpgroup's task: skip its stages
-      it += t.num_k_blocks;
-      continue;
-    }
-    if (kPingPong && j > 0) ptx::mbarrier_wait_parity(&turn[(j - 1) % 2], ((j - 1) / 2) & 1);
-    float acc0[kAccPerThread], acc1[kAccPerThread];  // see Operands
+    float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(
-        acc0, acc1, smem, operands, full, empty, it, t.num_k_blocks, lane, kPingPong ? &turn[group] : nullptr);
-    const int row0 = t.m_tile * BLOCK_M + (kPingPong ? 0 : group * WG_M) + 16 * warp;  // this warp's 16 rows
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
+                                                                         t.num_k_blocks, lane);
+    const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
+
+    const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (T::kSwiGLU) {
       store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
@@ -774,14 +708,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
-  uint64_t* turn = empty + kNumStages + 2 * kNumLanding;  // [kNumConsumerGroups]: ping-pong turns
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(&full[s], T::kFullArrivals);
-      ptx::mbarrier_init(&empty[s], kStageReaderWarps);
+      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
     }
-    for (int g = 0; g < kNumConsumerGroups; ++g) ptx::mbarrier_init(&turn[g], 1);
     if constexpr (T::kMx) {
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
@@ -807,7 +739,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, turn, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
 }
 
@@ -844,22 +776,22 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  // K-major: dims (k, n, E), box (64 k, kBPieceRows n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
+  // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {
-    if (T::kMx)  // E4M3 rows of 64 bytes per box: dims (k, n, E), box (64, kBPieceRows, 1), 64-byte swizzle
-      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w, num_experts, p.n, p.k, BLOCK_K, kBPieceRows,
+    if (T::kMx)  // E4M3 rows of 64 bytes per box: dims (k, n, E), box (64, 128, 1), 64-byte swizzle
+      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B,
                         CU_TENSOR_MAP_SWIZZLE_64B);
     if (kWeightGrad) return encode_rows_map(map, w, 1, p.num_rows, p.n, 64, BLOCK_K);
     return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
-                       : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, kBPieceRows);
+                       : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
   if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
   CUtensorMap tmap_s0{}, tmap_s1{};
-  if constexpr (T::kMx) {  // scales: dims (2n, k-blocks, E), box (2 · kBPieceRows, 1, 1): a piece's rows × 2 bytes
+  if constexpr (T::kMx) {  // scales: dims (2n, k-blocks, E), box (256, 1, 1): a tile's 128 rows × 2 bytes
     const auto encode_s = [&](CUtensorMap* map, const void* scales) {
       return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scales, num_experts, ceil_div(p.k, BLOCK_K),
-                        2 * p.n, 2 * kBPieceRows, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+                        2 * p.n, 2 * BLOCK_N_B, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
     };
     if ((err = encode_s(&tmap_s0, mx.s0)) || (err = encode_s(&tmap_s1, mx.s1))) return err;
   }
