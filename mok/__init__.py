@@ -2,6 +2,7 @@
 
 from mok.config import STANDARD_SHAPES, TINY_SHAPES, MoEConfig
 from mok.layer import LEVELS, MoE, moe
+from mok.mx_cache import mxfp8_weight_cache
 
-__all__ = ["MoE", "moe", "LEVELS", "MoEConfig", "STANDARD_SHAPES", "TINY_SHAPES"]
+__all__ = ["MoE", "moe", "mxfp8_weight_cache", "LEVELS", "MoEConfig", "STANDARD_SHAPES", "TINY_SHAPES"]
 __version__ = "0.1.0"

@@ -58,6 +58,9 @@ writes 2), twice the GEMM's own read of the bf16 operand, and the weights domina
 both directions. With MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element)
 and its GEMMs read 1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs
 1.45-1.9x their BF16 time on the H200 (docs/l2_fused.md); the backward round-trips every operand either way.
+Inside `mok.mxfp8_weight_cache()` (mok.mx_cache) the routed weights' round trips (`_mx_weight`; with
+MOK_MX_WEIGHTS=mainloop the forward's quantized weights, `_q_weight`) are computed once per weight version and
+reused across calls, as gradient accumulation allows; outside it, every call computes them.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok import bad_ids, ops
+from mok import bad_ids, mx_cache, ops
 from mok.checks import fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
@@ -166,6 +169,21 @@ def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
     return ops.mxfp8_fake_quantize_dual(t)
 
 
+def _mx_weight(w: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
+    """_mx for a routed weight [E, *, *]; inside mok.mxfp8_weight_cache() its round trip is computed once per
+    weight version and reused across calls (mok.mx_cache). Activations never take this path."""
+    if precision == "bf16" or not mx_cache.active():
+        return _mx(w, dim, precision)
+    return mx_cache.lookup(w, ("fake_quantize", dim), lambda: _mx(w, dim, precision))
+
+
+def _q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.mxfp8_quantize_rowwise(w) for a routed weight (MOK_MX_WEIGHTS=mainloop), cached like _mx_weight."""
+    if not mx_cache.active():
+        return ops.mxfp8_quantize_rowwise(w)
+    return mx_cache.lookup(w, ("quantize_rowwise",), lambda: ops.mxfp8_quantize_rowwise(w))
+
+
 # ---- forward --------------------------------------------------------------------------------------------
 
 def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
@@ -176,15 +194,17 @@ def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, preci
     if p == "mxfp8" and mx_weights_from_env() == "mainloop":
         return _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)
     # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
-    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx(w_gate, -1, p), _mx(w_up, -1, p), sched,
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx_weight(w_gate, -1, p),
+                                                      _mx_weight(w_up, -1, p), sched,
                                                       swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx_weight(w_down, -1, p), sched,
+                                                 num_sms=num_sms)  # [R, H]
     return y_rows, gate, up
 
 
 def _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
     """experts_forward in mxfp8 with the weights quantized only, dequantized in the GEMM mainloops."""
-    q = ops.mxfp8_quantize_rowwise
+    q = _q_weight
     h, gate, up = ops.grouped_gemm_mxfp8_swiglu_gather(_mx(x, -1, "mxfp8"), q(w_gate), q(w_up), sched,
                                                        swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
     y_rows = ops.grouped_gemm_mxfp8_nt_contiguous(_mx(h, -1, "mxfp8"), q(w_down), sched, num_sms=num_sms)  # [R, H]
@@ -248,12 +268,13 @@ def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sm
     (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8)."""
     p = precision
     dy_k, dy_w = _mx_dual(dy_rows, p)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
-    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_k, _mx(w_down, -2, p), gate, up, sched, swiglu_limit=limit,
-                                                         num_sms=num_sms)  # [R, I] each; w_down along hidden
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_k, _mx_weight(w_down, -2, p), gate, up, sched,
+                                                         swiglu_limit=limit, num_sms=num_sms)  # [R, I] each; Wd along H
     del dy_k
     (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p), _mx_dual(d_up, p)  # [R, I] each
     del d_gate, d_up
-    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx(w_gate, -2, p), _mx(w_up, -2, p), sched,
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p),
+                                                  _mx_weight(w_up, -2, p), sched,
                                                   num_sms=num_sms)  # [R, H]; weights along intermediate
     return dx_rows, h, (dy_w, d_gate_w, d_up_w)
 

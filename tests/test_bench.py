@@ -62,6 +62,31 @@ def test_committed_rows_have_provenance():
     assert (ceiling.frac_of_ceiling == 1.0).all()
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
+    """`moe --mx-weight-cache` (the fused level on its L0 twins): the mxfp8 rows say so in their notes, carry
+    the cache's size, and go to their own CSV (KEY has no notes); the timed runs reuse the warm-up's weight
+    round trips, so the weights are quantized only by the saved_gb forward (3, outside) and the first warm-up
+    (6) instead of in every run (3 + 13 forward + backward runs x 6)."""
+    monkeypatch.setattr(bench, "DATA", tmp_path)
+    argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
+            "--peers", "--iters", "2"] + (["--mx-weight-cache"] if cached else [])
+    assert bench.main(argv) == 0
+    csv = tmp_path / ("moe_mx_cache.csv" if cached else "moe.csv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [csv.name]
+    row = bench.read_rows(csv).query("level == 'fused'").iloc[0]
+    assert row.notes == f"{fused.MX_WEIGHTS_ENV}=dequantize" + ("; mxfp8_weight_cache" if cached else "")
+    weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
+                       if name == "mxfp8_fake_quantize" and len(dict(args)["x"][0]) == 3)  # [E, *, *]: a weight
+    assert weight_calls == (3 + 6 if cached else 3 + (3 + 10) * 6)
+    cfg = TINY_SHAPES["tiny"]
+    weight_bytes = 3 * cfg.num_experts * cfg.intermediate * cfg.hidden * 2  # w_gate, w_up, w_down in bf16
+    if cached:  # one bf16 round trip per weight and direction
+        assert math.isclose(row.mx_cache_gb, 2 * weight_bytes / 1e9)
+    else:
+        assert "mx_cache_gb" not in row
+
+
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
 
 FWD_STEPS = ["schedule", "gemm1", "gemm2", "combine"]
