@@ -33,7 +33,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run;
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
-# (MOK_MX_WEIGHTS=mainloop); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
+# (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
+# round trips reused across calls); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -57,6 +58,8 @@ step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out 
 step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
   --peers --out "$out/moe_mx_mainloop.csv"
+step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
+  --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
