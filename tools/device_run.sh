@@ -21,6 +21,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions
 export LIGER_FUSED_MOE_AUTOTUNE=0 MOK_COMMIT=$commit
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
@@ -34,7 +35,7 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
+# round trips reused across calls); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -66,6 +67,9 @@ step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python
   --out "$out/parts_st_global.csv"
 step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
   --out "$out/parts_stages3.csv"
+step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
+  --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py
 step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
