@@ -4,7 +4,7 @@
     python -m mok.bench moe --levels torch fused --mx-weight-cache   (-> data/bench/moe_mx_cache.csv)
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
-    python -m mok.bench summary [data/bench/moe.csv]   (the README's table, in markdown)
+    python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up),
 tflops (MoK's FLOP convention, mok.config), the cuBLAS dense ceiling measured in the same process
@@ -275,8 +275,11 @@ def main(argv=None) -> int:
         from mok import bench_parts
         return bench_parts.main(argv[1:])
     if argv[:1] == ["summary"]:
-        path = Path(argv[1]) if len(argv) > 1 else DATA / "moe.csv"
-        print(summary_markdown(read_rows(path)))
+        s = argparse.ArgumentParser(prog="python -m mok.bench summary", description="the README's table, in markdown")
+        s.add_argument("csv", type=Path, nargs="?", default=DATA / "moe.csv")
+        s.add_argument("--precision", default="bf16", choices=PRECISIONS)
+        args = s.parse_args(argv[1:])
+        print(summary_markdown(read_rows(args.csv), precision=args.precision))
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

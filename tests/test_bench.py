@@ -27,7 +27,7 @@ def test_ceiling_gemms_carry_the_moe_flops(cfg, pass_):
     assert flops == cfg.flops(pass_)
 
 
-def test_bench_rows_on_cpu(tmp_path):
+def test_bench_rows_on_cpu(tmp_path, capsys):
     cfg = TINY_SHAPES["tiny-top1"]
     rows = bench.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
                              iters=2, device="cpu")
@@ -50,6 +50,11 @@ def test_bench_rows_on_cpu(tmp_path):
     assert not df.duplicated(subset=bench.KEY).any()
     table = bench.summary_markdown(df)
     assert "| tiny-top1 | fwd |" in table and "cublas-dense" in table
+    assert bench.main(["summary", str(path)]) == 0  # the CLI prints the same table
+    assert table in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # `summary --help` is help, not a CSV named "--help"
+        bench.main(["summary", "--help"])
+    assert exit_.value.code == 0
 
 
 def test_committed_rows_have_provenance():
