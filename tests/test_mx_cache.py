@@ -236,3 +236,32 @@ def test_a_new_tensor_at_a_freed_weights_address_is_a_miss():
         new = torch.frombuffer(buf, dtype=torch.bfloat16).view(2, 32, 32)
         assert new.data_ptr() == address and new._version == 0
         assert bitwise_equal(mx_cache.lookup(new, ("test",), new.clone), new), "stale value for a new tensor"
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_cached_weights_give_the_uncached_bits_on_the_gpu(monkeypatch):
+    """The kernels themselves (no twins): two forward+backward calls inside the context give the bits of a call
+    outside it, and the second call runs no weight round trip (the kernels' outputs are reused, not recomputed)."""
+    seed = fresh_seed()
+    inputs = make_inputs(TINY_SHAPES["tiny-top8"], device="cuda", seed=seed, draw_on="cuda")
+    expected = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
+    weight_calls = []
+    kernel = ops.mxfp8_fake_quantize
+
+    def counted(x, dim=-1):
+        weight_calls.extend([dim] if x.dim() == 3 else [])
+        return kernel(x, dim)
+
+    monkeypatch.setattr(ops, "mxfp8_fake_quantize", counted)
+    with mok.mxfp8_weight_cache():
+        for call in range(2):
+            out, grads = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
+            assert bitwise_equal(out, expected[0]), f"out: call {call} differs from the uncached bits (seed {seed})"
+            for name, a, b in zip(GRAD_NAMES, grads, expected[1]):
+                assert bitwise_equal(a, b), f"{name}: call {call} differs from the uncached bits (seed {seed})"
+            assert sorted(weight_calls) == ([-2] * 3 + [-1] * 3 if call == 0 else []), weight_calls
+            weight_calls.clear()

@@ -54,7 +54,7 @@ step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 test
   tests/test_ops_gemm_mxfp8.py -k "not build_switches"
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
-  tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py
+  tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
