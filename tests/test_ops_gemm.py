@@ -113,8 +113,8 @@ def test_gemm_bad_inputs_name_the_argument():
 
 
 def test_build_switches_from_env_and_arguments(monkeypatch):
-    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES): checked, and part of the
-    extension's name, so each variant is its own build."""
+    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST): checked,
+    and part of the extension's name, so each variant is its own build."""
     for name in core.BUILD_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert core.build_switches() == ()
@@ -252,10 +252,10 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     return {name: t.cpu().view(torch.int16) for name, t in outs.items()}
 
 
-# The build switches' other values against the default build (TMA stores, 4 stages), each variant its own
-# extension (built here on first use, about a minute each): the st.global epilogue, and 3 stages (5 staging
-# boxes per warp instead of 2), must store the same bits in the same places.
-SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}]
+# The build switches' other values against the default build (TMA stores, 4 stages, no clusters), each variant its
+# own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5 staging boxes
+# per warp instead of 2), and B multicast over 2-CTA clusters must store the same bits in the same places.
+SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1}]
 
 
 @pytest.mark.gpu
@@ -271,15 +271,16 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     sched = sched.to("cuda")
     default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    assert default.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4}
-    assert variant.grouped_gemm_bf16_build_switches() == {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4,
-                                                          **switches}
-    monkeypatch.setattr(gemm_ops, "load_extension", lambda: default)
-    expected = _every_kind(inputs, sched, 3, f"{case} default build (seed {seed})")
-    monkeypatch.setattr(gemm_ops, "load_extension", lambda: variant)
-    got = _every_kind(inputs, sched, 3, f"{case} {switches} (seed {seed})")
-    for name, a in expected.items():
-        assert torch.equal(a, got[name]), f"{case} {name}: {switches} changes bits (seed {seed})"
+    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0}
+    assert default.grouped_gemm_bf16_build_switches() == defaults
+    assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
+    for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit
+        monkeypatch.setattr(gemm_ops, "load_extension", lambda: default)
+        expected = _every_kind(inputs, sched, num_sms, f"{case} default build (seed {seed})")
+        monkeypatch.setattr(gemm_ops, "load_extension", lambda: variant)
+        got = _every_kind(inputs, sched, num_sms, f"{case} {switches} (seed {seed})")
+        for name, a in expected.items():
+            assert torch.equal(a, got[name]), f"{case} {name}: {switches}, num_sms={num_sms} changes bits (seed {seed})"
 
 
 @pytest.mark.gpu

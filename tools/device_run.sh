@@ -30,8 +30,9 @@ steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # M
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
-# st.global-epilogue and 3-stage variants (about a minute each) and requires their bits to equal the default
-# build's; `parts_st` and `parts_s3` are `parts` on those builds, an A/B against `parts` in the same run;
+# st.global-epilogue, 3-stage and multicast variants (about a minute each) and requires their bits to equal the
+# default build's (`switches_mc`: the multicast one only); `parts_st`, `parts_s3` and `parts_mc` are `parts` on
+# those builds, an A/B against `parts` in the same run;
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
@@ -53,6 +54,8 @@ step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/
 step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py \
   tests/test_ops_gemm_mxfp8.py -k "not build_switches"
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
+step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
+  -k "build_switches and MULTICAST"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
@@ -63,6 +66,8 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
+step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
+  --out "$out/parts_multicast.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
 step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \

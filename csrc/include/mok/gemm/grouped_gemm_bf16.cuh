@@ -29,7 +29,8 @@
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
 //             that thread's copies have landed) + 1 arrive.expect_tx (B bytes);
 //             A by TMA: 1 arrive.expect_tx (A + B bytes).
-//   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed.
+//   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed (16 in the
+//             MOK_GEMM_MULTICAST build: both CTAs' warps of a 2-CTA cluster, "the CTA's work units" below).
 // The consumers keep one wgmma group in flight: k-block kb's MMAs run while kb - 1's stage is released.
 //
 // MXFP8 weights (kGateUpMx, kDownMx) take one more hop: thread 0 loads the E4M3 tiles of B0 and B1 (128 rows
@@ -46,6 +47,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/tensor_map.cuh"
@@ -65,6 +68,12 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_NUM_STAGES
 #define MOK_GEMM_NUM_STAGES 4
 #endif
+// MOK_GEMM_MULTICAST=1: the BF16 row-wise kinds run on clusters of 2 CTAs that take an expert's m-tiles two at a
+// time and load each k-block's weight tile once for both, by TMA multicast (the L2 → SM traffic that bounds the
+// dsv4pro GEMMs; docs/l2_fused.md, "Next" 1). 0 (default): one CTA per task. NOTE: written, not yet run on a GPU.
+#ifndef MOK_GEMM_MULTICAST
+#define MOK_GEMM_MULTICAST 0
+#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -74,6 +83,8 @@ constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
+constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
+constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
@@ -231,6 +242,9 @@ struct Tile {
   static constexpr int kTaskN = kSwiGLU ? BLOCK_N_B : 2 * BLOCK_N_B;  // output columns
   static constexpr int kB1Offset = kSwiGLU ? 0 : BLOCK_N_B;  // B1's first column vs B0's
   static constexpr int kStages = kMx ? kMxStages : kNumStages;
+  // Clusters of kClusterSize CTAs sharing each k-block's B by multicast (MOK_GEMM_MULTICAST; not the MXFP8
+  // kinds, whose B goes through the landing ring, nor kWeightGrad, whose tasks run different K).
+  static constexpr bool kMulticast = kMulticastBuild && !kMx && kGemm != Gemm::kWeightGrad;
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -283,6 +297,51 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
+// ---- the CTA's work units --------------------------------------------------------------------------------
+// One unit per task, or (multicast kinds) per pair: m-tiles 2j and 2j + 1 of the schedule at n-tile
+// u % num_n_tiles (j = u / num_n_tiles), CTA rank r of the cluster taking m-tile 2j + r. Both CTAs walk the same
+// units, every row-wise task runs all of K, so both walk the same stage sequence and a multicast box lands in the
+// same stage of each. A pair whose tiles belong to one expert shares B (`shared`: each CTA loads one B piece
+// into both CTAs); a pair across two experts loads B per CTA as the other kinds do; a pair without its second
+// tile (an odd number of real m-tiles, the last unit's) leaves CTA 1 without a task (`active` false: it keeps
+// the ring's pace and the cluster's barriers, and computes and stores nothing).
+struct Work {
+  Task t;
+  bool active, shared;
+};
+
+struct Units {
+  int first, step, count;  // this CTA's units: first, first + step, ... < count
+};
+
+static_assert(kClusterSize == 2, "a pair of m-tiles per cluster");
+
+template <Gemm kGemm>
+MOK_DEVICE Units units_of(const Params& p, int num_tasks) {
+  if constexpr (!Tile<kGemm>::kMulticast) {
+    return {static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), num_tasks};
+  } else {  // the row-wise kinds' tasks are real m-tiles × n-tiles (num_tasks_of)
+    const int real_m_tiles = num_tasks / p.num_n_tiles;
+    return {static_cast<int>(blockIdx.x) / kClusterSize, static_cast<int>(gridDim.x) / kClusterSize,
+            (real_m_tiles + kClusterSize - 1) / kClusterSize * p.num_n_tiles};
+  }
+}
+
+template <Gemm kGemm>
+MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num_tasks) {
+  if constexpr (!Tile<kGemm>::kMulticast) {
+    return {decode_task<kGemm>(p, unit, num_k_blocks), true, false};
+  } else {
+    const int real_m_tiles = num_tasks / p.num_n_tiles;
+    const int m_first = unit / p.num_n_tiles * kClusterSize;
+    const int m_tile = m_first + static_cast<int>(ptx::cluster_cta_rank());
+    const bool active = m_tile < real_m_tiles;
+    const bool shared = m_first + 1 < real_m_tiles && p.tile_to_expert[m_first] == p.tile_to_expert[m_first + 1];
+    const Task t{m_tile, unit % p.num_n_tiles, p.tile_to_expert[active ? m_tile : m_first], 0, num_k_blocks};
+    return {t, active, shared};
+  }
+}
+
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
@@ -300,11 +359,18 @@ MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // a
 // Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
 // kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
 // MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
+// Multicast kinds: a shared pair's CTA rank r loads only B piece r, into both CTAs (the stage's full[] counts the
+// same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Task& t,
+                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
                           int kb, int k) {
   using T = Tile<kGemm>;
+  if (!w.active) {
+    ptx::mbarrier_arrive_expect_tx(bar, 0);
+    return;
+  }
+  const Task& t = w.t;
   const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
   const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
   const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
@@ -319,14 +385,22 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
   }
+  const auto load_b = [&](uint8_t* dst, const CUtensorMap* map, int c0, int c1) {
+    if (T::kMulticast && w.shared) {
+      ptx::tma_load_3d_multicast(dst, map, c0, c1, batch, bar, (1u << kClusterSize) - 1);
+    } else {
+      ptx::tma_load_3d(dst, map, c0, c1, batch, bar);
+    }
+  };
   for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
+    if (T::kMulticast && w.shared && which != static_cast<int>(ptx::cluster_cta_rank())) continue;
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
-      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, batch, bar);
-      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, batch, bar);
+      load_b(stage_b(smem, stage, which), map, col, k0);
+      load_b(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0);
     } else {  // map dims (k, n, experts), box (64, 128, 1)
-      ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, batch, bar);
+      load_b(stage_b(smem, stage, which), map, k0, col);
     }
   }
 }
@@ -402,13 +476,15 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       issue_landing<kGemm>(land, p, smem, j, num_k_blocks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-    const Task t = decode_task<kGemm>(p, task, num_k_blocks);
+  const Units units = units_of<kGemm>(p, num_tasks);
+  for (int unit = units.first; unit < units.count; unit += units.step) {
+    const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
+    const Task& t = w.t;
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
-        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+        token[j] = w.active ? p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j] : -1;
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
@@ -418,9 +494,13 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       }
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
       if constexpr (T::kTmaIntoStage) {
-        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
+        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
       if constexpr (T::kGather) {
+        if (!w.active) {  // multicast: no task for this CTA, only the arrival the stage counts
+          ptx::mbarrier_arrive(&full[stage]);
+          continue;
+        }
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
@@ -601,9 +681,21 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
   for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
+// This warp's release of a stage: to its own CTA's empty[stage], or (multicast kinds, kCluster) to the same
+// barrier in every CTA of the cluster, whose producers may write this CTA's stage next (lane 0 only).
+template <bool kCluster>
+MOK_DEVICE void release_stage(uint64_t* empty) {
+  if constexpr (kCluster) {
+#pragma unroll
+    for (uint32_t cta = 0; cta < kClusterSize; ++cta) ptx::mbarrier_arrive_cluster(empty, cta);
+  } else {
+    ptx::mbarrier_arrive(empty);
+  }
+}
+
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN>
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane) {
@@ -638,12 +730,12 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
-    if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
+    if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
     prev_stage = stage;
   }
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc0, acc1);
-  if (num_k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
+  if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
   return it;
 }
 
@@ -659,16 +751,25 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
   uint32_t it = 0;
-  for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-    const Task t = decode_task<kGemm>(p, task, num_k_blocks);
+  const Units units = units_of<kGemm>(p, num_tasks);
+  for (int unit = units.first; unit < units.count; unit += units.step) {
+    const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
+    const Task& t = w.t;
+    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
+      for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
+        ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
+        if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
+      }
+      continue;
+    }
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN>(acc0, acc1, smem, a_offset, full, empty, it,
-                                                                         t.num_k_blocks, lane);
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane);
     const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
 
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
@@ -712,7 +813,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(&full[s], T::kFullArrivals);
-      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
+      // multicast kinds: both CTAs' consumer warps release each stage (its producers write both CTAs)
+      ptx::mbarrier_init(&empty[s], kNumConsumerWarps * (T::kMulticast ? kClusterSize : 1));
     }
     if constexpr (T::kMx) {
       for (int s = 0; s < kNumLanding; ++s) {
@@ -730,7 +832,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if constexpr (kTmaStore && T::kSwiGLU)
       ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
   }
-  __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
+  // NOTE: the last block-wide barrier: roles split below and may exit independently. Multicast kinds sync the
+  // cluster instead: no CTA arrives on, or copies into, its peer before the peer's barriers are initialized.
+  if constexpr (T::kMulticast) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   const int num_tasks = num_tasks_of<kGemm>(p);  // every thread reads the same 4 bytes: one load per warp
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
@@ -741,6 +849,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
     consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
+  // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
+  if constexpr (T::kMulticast) ptx::cluster_sync();
 }
 
 // ---- host launcher -------------------------------------------------------------------------------------
@@ -814,10 +924,29 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     if ((err = cudaGetDevice(&device)) || (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device)))
       return err;
   }
-  const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                                                    tmap_gate, tmap_up, p);
-  return cudaGetLastError();
+  if constexpr (!T::kMulticast) {
+    const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
+    kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
+                                                      tmap_gate, tmap_up, p);
+    return cudaGetLastError();
+  } else {  // whole clusters, one per pair unit at most, at least one whatever num_sms says
+    const int64_t num_units = ceil_div(p.num_m_tiles, kClusterSize) * static_cast<int64_t>(p.num_n_tiles);
+    const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(num_units, num_sms / kClusterSize));
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
+    config.blockDim = dim3(kNumThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterSize;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
+                              tmap_gate, tmap_up, p);
+  }
 }
 
 }  // namespace mok::gemm
