@@ -929,11 +929,8 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
                                                       tmap_gate, tmap_up, p);
     return cudaGetLastError();
-  } else {  // whole clusters, one per pair unit at most, at least one whatever num_sms says
-    const int64_t num_units = ceil_div(p.num_m_tiles, kClusterSize) * static_cast<int64_t>(p.num_n_tiles);
-    const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(num_units, num_sms / kClusterSize));
+  } else {  // whole clusters: one per pair unit at most, no more than fit at once, at least one
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
     config.blockDim = dim3(kNumThreads);
     config.dynamicSmemBytes = kSmemBytes;
     config.stream = stream;
@@ -944,6 +941,14 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
     config.numAttrs = 1;
+    // NOTE: pairs of SMs come per GPC, so fewer than num_sms / 2 clusters may be resident; a persistent grid
+    // larger than that would leave units to clusters that start only when others have finished.
+    int resident = 0;
+    config.gridDim = dim3(kClusterSize);  // the query wants a whole number of clusters; their count is the answer
+    if ((err = cudaOccupancyMaxActiveClusters(&resident, kernel, &config))) return err;
+    const int64_t num_units = ceil_div(p.num_m_tiles, kClusterSize) * static_cast<int64_t>(p.num_n_tiles);
+    const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>({num_units, num_sms / kClusterSize, resident}));
+    config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
     return cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
                               tmap_gate, tmap_up, p);
   }
