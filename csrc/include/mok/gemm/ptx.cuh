@@ -98,9 +98,10 @@ MOK_DEVICE uint32_t cluster_cta_rank() {
 }
 
 // Every thread of every CTA of the cluster: the CTAs' earlier shared-memory writes (mbarrier inits) are visible
-// to the others after it, and none goes on (or exits) before all have arrived.
+// to the others after it, and none goes on (or exits) before all have arrived. Not `.aligned`: the threads of a
+// warp may come from diverged roles (a TMA producer warp's lane 0 leaves its loop last).
 MOK_DEVICE void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // One arrival on the mbarrier at `bar`'s offset in CTA `cta` of this cluster (this CTA's own included).
