@@ -29,6 +29,9 @@ CASES = {
     "hot-expert": (MoEConfig("hot-expert", 200, 256, 192, 5, 2), "hot"),  # most routes on expert 3
     "two-experts-of-8": (MoEConfig("two-experts-of-8", 70, 128, 64, 8, 1), "two"),  # six empty experts
     "deep-k": (MoEConfig("deep-k", 300, 520, 200, 6, 4), "random"),  # 9 k-blocks > 4 stages, n tail
+    # ~300 routes (3 m-tiles) per expert: m-tile pairs within an expert, across two, and a last one alone (the
+    # three cases of the multicast build's pairing)
+    "pairs": (MoEConfig("pairs", 450, 128, 96, 3, 2), "random"),
 }
 NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
 
@@ -261,7 +264,7 @@ SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("switches", SWITCH_VARIANTS, ids=[str(v) for v in SWITCH_VARIANTS])
-@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert"])
+@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs"])
 def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     """Epilogue edges of the TMA path: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
     kWeightGrad's m = 520, 200, 32, 192 (rows past m clipped, whole warps skipped); num_sms = 3: several tasks
