@@ -492,7 +492,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         const int ahead = static_cast<int>(it) + kNumLanding - 1;
         if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks);
       }
-      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
+      ptx::mbarrier_wait_parity<T::kMulticast>(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
         if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
@@ -943,9 +943,12 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     config.numAttrs = 1;
     // NOTE: pairs of SMs come per GPC, so fewer than num_sms / 2 clusters may be resident; a persistent grid
     // larger than that would leave units to clusters that start only when others have finished.
-    int resident = 0;
-    config.gridDim = dim3(kClusterSize);  // the query wants a whole number of clusters; their count is the answer
-    if ((err = cudaOccupancyMaxActiveClusters(&resident, kernel, &config))) return err;
+    // Asked once per kind and process (one device: the level runs on the first Hopper GPU it is given).
+    static int resident = 0;
+    if (resident == 0) {
+      config.gridDim = dim3(kClusterSize);  // the query wants a whole number of clusters; their count is the answer
+      if ((err = cudaOccupancyMaxActiveClusters(&resident, kernel, &config))) return err;
+    }
     const int64_t num_units = ceil_div(p.num_m_tiles, kClusterSize) * static_cast<int64_t>(p.num_n_tiles);
     const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>({num_units, num_sms / kClusterSize, resident}));
     config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
