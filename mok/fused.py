@@ -172,15 +172,13 @@ def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tenso
 def _mx_weight(w: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
     """_mx for a routed weight [E, *, *]; inside mok.mxfp8_weight_cache() its round trip is computed once per
     weight version and reused across calls (mok.mx_cache). Activations never take this path."""
-    if precision == "bf16" or not mx_cache.active():
-        return _mx(w, dim, precision)
-    return mx_cache.lookup(w, ("fake_quantize", dim), lambda: _mx(w, dim, precision))
+    if precision == "bf16":
+        return w
+    return mx_cache.lookup(w, ("fake_quantize", dim), lambda: _mx(w, dim, precision))  # computes outside a context
 
 
 def _q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.mxfp8_quantize_rowwise(w) for a routed weight (MOK_MX_WEIGHTS=mainloop), cached like _mx_weight."""
-    if not mx_cache.active():
-        return ops.mxfp8_quantize_rowwise(w)
     return mx_cache.lookup(w, ("quantize_rowwise",), lambda: ops.mxfp8_quantize_rowwise(w))
 
 

@@ -93,7 +93,7 @@ MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
 
 MOK_DEVICE uint32_t cluster_cta_rank() {
   uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));  // constant for the CTA's life: no volatile
   return rank;
 }
 
