@@ -92,30 +92,21 @@ MOK_DEVICE uint64_t global_timer_ns() {
 
 constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
 
-// One test of the phase with parity `parity`: acquire at CTA scope, or (kClusterScope) at cluster scope, for a
-// barrier that other CTAs of the cluster arrive on (release.cluster).
-template <bool kClusterScope>
-MOK_DEVICE bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  if constexpr (kClusterScope) {
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  } else {
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  }
-  return done != 0;
-}
-
 // Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible),
 // or traps after kWaitTimeoutNs (the launch fails with "unspecified launch failure") instead of hanging
 // forever (DESIGN §9: device spin-waits carry a timeout).
 // NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510).
-template <bool kClusterScope = false>
 MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
   uint64_t start = 0;
   for (uint32_t spins = 0;; ++spins) {
-    if (mbarrier_try_wait_parity<kClusterScope>(bar, parity)) return;
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done)
+                 : "r"(smem_addr(bar)), "r"(parity)
+                 : "memory");
+    if (done) return;
     if (spins == 0) start = global_timer_ns();
     if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs) __trap();
   }

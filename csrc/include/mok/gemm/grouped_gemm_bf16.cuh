@@ -492,7 +492,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         const int ahead = static_cast<int>(it) + kNumLanding - 1;
         if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks);
       }
-      ptx::mbarrier_wait_parity<T::kMulticast>(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
+      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
         if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }

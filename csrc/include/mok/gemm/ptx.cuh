@@ -105,10 +105,14 @@ MOK_DEVICE void cluster_sync() {
 }
 
 // One arrival on the mbarrier at `bar`'s offset in CTA `cta` of this cluster (this CTA's own included).
+// NOTE: default semantics (release at CTA scope), as CUTLASS's cluster barriers: the arriving warp has only read
+// the stage, by wgmma, finished at its wait_group. `.release.cluster` compiles to MEMBAR.ALL.GPU before every
+// arrival, and with it (and `acquire.cluster` waits, CCTL.IVALL) the multicast GEMMs ran 1.4-1.9x slower (H200,
+// parts_multicast at 9507d83).
 MOK_DEVICE void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(
       "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}" ::"r"(smem_addr(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t}" ::"r"(smem_addr(bar)),
       "r"(cta)
       : "memory");
 }
