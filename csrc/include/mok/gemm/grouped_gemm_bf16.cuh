@@ -68,11 +68,12 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_NUM_STAGES
 #define MOK_GEMM_NUM_STAGES 4
 #endif
-// MOK_GEMM_MULTICAST=1: the BF16 row-wise kinds run on clusters of 2 CTAs that take an expert's m-tiles two at a
-// time and load each k-block's weight tile once for both, by TMA multicast (the L2 → SM traffic that bounds the
-// dsv4pro GEMMs; docs/l2_fused.md, "Next" 1). 0 (default): one CTA per task. NOTE: written, not yet run on a GPU.
+// MOK_GEMM_MULTICAST=1 (default): the BF16 row-wise kinds whose A comes by TMA (GEMM2 and both dgrads) run on
+// clusters of 2 CTAs that take an expert's m-tiles two at a time and load each k-block's weight tile once for
+// both, by TMA multicast (the L2 → SM traffic that bounds the dsv4pro GEMMs; docs/l2_fused.md, "B multicast").
+// 0: one CTA per task.
 #ifndef MOK_GEMM_MULTICAST
-#define MOK_GEMM_MULTICAST 0
+#define MOK_GEMM_MULTICAST 1
 #endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
@@ -244,7 +245,9 @@ struct Tile {
   static constexpr int kStages = kMx ? kMxStages : kNumStages;
   // Clusters of kClusterSize CTAs sharing each k-block's B by multicast (MOK_GEMM_MULTICAST; not the MXFP8
   // kinds, whose B goes through the landing ring, nor kWeightGrad, whose tasks run different K).
-  static constexpr bool kMulticast = kMulticastBuild && !kMx && kGemm != Gemm::kWeightGrad;
+  // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
+  // to 17% faster (H200, parts vs parts_multicast at c25bf99).
+  static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -484,7 +487,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
-        token[j] = w.active ? p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j] : -1;
+        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
@@ -497,10 +500,6 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
       if constexpr (T::kGather) {
-        if (!w.active) {  // multicast: no task for this CTA, only the arrival the stage counts
-          ptx::mbarrier_arrive(&full[stage]);
-          continue;
-        }
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
