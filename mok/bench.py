@@ -4,6 +4,7 @@
     python -m mok.bench moe --levels torch fused --mx-weight-cache   (-> data/bench/moe_mx_cache.csv)
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
+    python -m mok.bench ab MOK_GEMM_MULTICAST=0    (a build switch against the default, in one process: mok.bench_ab)
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up),
@@ -274,6 +275,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["parts"]:
         from mok import bench_parts
         return bench_parts.main(argv[1:])
+    if argv[:1] == ["ab"]:
+        from mok import bench_ab
+        return bench_ab.main(argv[1:])
     if argv[:1] == ["summary"]:
         s = argparse.ArgumentParser(prog="python -m mok.bench summary", description="the README's table, in markdown")
         s.add_argument("csv", type=Path, nargs="?", default=DATA / "moe.csv")
@@ -283,9 +287,9 @@ def main(argv=None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["moe", "quant", "parts", "summary"],
+    p.add_argument("what", choices=["moe", "quant", "parts", "ab", "summary"],
                    help="moe: the MoE layer; quant: MXFP8 quantizers; parts: the L2 passes kernel by kernel; "
-                        "summary [CSV]: the README table")
+                        "ab NAME=VALUE: a build switch's A/B; summary [CSV]: the README table")
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, ...)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)

@@ -36,7 +36,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
+# round trips reused across calls); `ab_mc` times the layer's passes on the default build and on one CTA per task
+# (MOK_GEMM_MULTICAST=0), interleaved in one process (mok/bench_ab.py); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -65,6 +66,7 @@ step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench mo
 step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
+step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=0 --out "$out/ab_multicast.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=0 python -m mok.bench parts \
   --out "$out/parts_no_multicast.csv"

@@ -7,12 +7,13 @@ rebuilt and a stale build is never loaded. `MOK_VERBOSE_BUILD=1` shows the compi
 
 Compile-time switches of the kernels (BUILD_SWITCHES) come from the environment (read once per process) or
 from `load_extension(switches)`: each one set becomes a `-D` define of the build and part of the extension's
-name, so two values build side by side; an A/B is two processes, e.g.
-`MOK_GEMM_TMA_STORE=0 python -m mok.bench parts --out parts_st_global.csv`.
+name, so two values build side by side; `built_with(switches)` runs both in one process, which is how
+`python -m mok.bench ab MOK_GEMM_TMA_STORE=0` compares them (interleaved, mok/bench_ab.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -80,8 +81,26 @@ def require_hopper() -> None:
 
 def load_extension(switches: dict | None = None):
     """The compiled extension module, built on first use (or loaded from .cache/). `switches`: build switches
-    (BUILD_SWITCHES name -> value), None = those set in the environment (read once per process)."""
-    return _load(_env_switches() if switches is None else build_switches(switches))
+    (BUILD_SWITCHES name -> value), None = those of the innermost `built_with`, else those set in the
+    environment (read once per process)."""
+    if switches is not None:
+        return _load(build_switches(switches))
+    return _load(_active if _active is not None else _env_switches())
+
+
+_active: tuple[tuple[str, int], ...] | None = None  # built_with's switches
+
+
+@contextlib.contextmanager
+def built_with(switches: dict):
+    """Inside it, every mok.ops call runs the build with `switches` ({} = the headers' defaults, whatever the
+    environment says): two builds in one process, for an interleaved A/B (mok.bench_ab)."""
+    global _active
+    outer, _active = _active, build_switches(switches)
+    try:
+        yield
+    finally:
+        _active = outer
 
 
 @functools.cache

@@ -1,0 +1,71 @@
+"""The in-process A/B of a build switch (mok.bench_ab, mok.ops.core.built_with) on the CPU: which build each
+timing runs under, the interleaving, and the table of medians."""
+
+import pandas as pd
+import pytest
+
+from mok import bench_ab
+from mok.config import TINY_SHAPES
+from mok.ops import core
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The switches of every extension load, instead of building one."""
+    seen = []
+    monkeypatch.setattr(core, "_load", lambda switches: seen.append(switches))
+    return seen
+
+
+def test_built_with_selects_the_build_and_restores(loads, monkeypatch):
+    monkeypatch.setenv("MOK_GEMM_TMA_STORE", "0")
+    core._env_switches.cache_clear()
+    try:
+        core.load_extension()
+        with core.built_with({"MOK_GEMM_MULTICAST": 0}):
+            core.load_extension()
+            with core.built_with({}):  # the headers' defaults, whatever the environment says
+                core.load_extension()
+            core.load_extension()
+            core.load_extension({"MOK_GEMM_NUM_STAGES": 3})  # explicit switches win
+        with pytest.raises(RuntimeError), core.built_with({"MOK_GEMM_MULTICAST": 0}):
+            raise RuntimeError("a failing op")
+        core.load_extension()  # restored after an exception
+    finally:
+        core._env_switches.cache_clear()
+    env, mc0 = (("MOK_GEMM_TMA_STORE", 0),), (("MOK_GEMM_MULTICAST", 0),)
+    assert loads == [env, mc0, (), mc0, (("MOK_GEMM_NUM_STAGES", 3),), env]
+
+
+def test_built_with_rejects_unknown_switches():
+    with pytest.raises(ValueError, match=r"MOK_GEMM_MULTICAST: expected one of \(0, 1\)"):
+        core.built_with({"MOK_GEMM_MULTICAST": 2}).__enter__()
+    assert core._active is None
+
+
+@pytest.mark.parametrize("text", ["MOK_GEMM_MULTICAST", "MULTICAST=0", "=0"])
+def test_parse_switch_names_the_argument(text):
+    with pytest.raises(ValueError, match=r"^switch: expected NAME=VALUE"):
+        bench_ab.parse_switch(text)
+
+
+def test_ab_interleaves_builds_and_tables_medians():
+    """Each timing runs under its own build, the order alternates between rounds, and the table's ratio is
+    variant / default of the medians (a fake clock: the variant takes twice as long, one outlier per build)."""
+    timed = []
+
+    def time_fn(fn, iters):
+        timed.append(core._active)
+        slow = 2.0 if core._active else 1.0
+        return slow * (100.0 if len(timed) in (1, 2) else 1.0)  # round 0's first pass: an outlier each
+
+    cfg = TINY_SHAPES["tiny-top1"]
+    rows = bench_ab.ab_shape(cfg, {"MOK_GEMM_MULTICAST": "0"}, ["fwd", "bwd"], rounds=3, iters=2,
+                             level="reference", device="cpu", time_fn=time_fn)
+    assert len(rows) == 3 * 2 * 2 and len(timed) == len(rows)
+    mc0 = (("MOK_GEMM_MULTICAST", 0),)
+    assert timed[:4] == [(), mc0, (), mc0] and timed[4:8] == [mc0, (), mc0, ()]  # rounds 0 and 1
+    assert all(r["build"] == ("default" if t == () else "MOK_GEMM_MULTICAST=0") for r, t in zip(rows, timed))
+    table = bench_ab.ab_table(pd.DataFrame(rows))
+    assert list(table["pass"]) == ["bwd", "fwd"] and (table["ratio"] == 2.0).all()
+    assert (table["default"] == 1.0).all()  # the outliers are not the median
