@@ -4,7 +4,7 @@
     python -m mok.bench moe --levels torch fused --mx-weight-cache   (-> data/bench/moe_mx_cache.csv)
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
-    python -m mok.bench ab MOK_GEMM_MULTICAST=0    (a build switch against the default, in one process: mok.bench_ab)
+    python -m mok.bench ab MOK_GEMM_MULTICAST=1    (a build switch against the default, in one process: mok.bench_ab)
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up),

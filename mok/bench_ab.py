@@ -1,13 +1,13 @@
 """An A/B of one build switch in one process (`python -m mok.bench ab NAME=VALUE`).
 
-Two processes timed one after the other (`MOK_GEMM_MULTICAST=0 python -m mok.bench parts`) differ by the GPU's
+Two processes timed one after the other (`MOK_GEMM_MULTICAST=1 python -m mok.bench parts`) differ by the GPU's
 clock and temperature as much as by the switch: the same build's whole forward moved 8% between two such runs
 (dsv4pro, parts at c25bf99 and f23e1b7). Here both builds are loaded side by side (mok.ops.core.built_with) and
 each pass is timed in rounds, the two builds back to back within a round and their order alternating between
 rounds, so drift hits both alike. One row per (shape, pass, build, round); the printed table is the medians
 over rounds and variant / default.
 
-    python -m mok.bench ab MOK_GEMM_MULTICAST=0 [--shapes ...] [--passes ...] [--rounds 7] [--out data/bench/ab.csv]
+    python -m mok.bench ab MOK_GEMM_MULTICAST=1 [--shapes ...] [--passes ...] [--rounds 7] [--out data/bench/ab.csv]
 """
 
 from __future__ import annotations

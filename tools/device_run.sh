@@ -30,14 +30,14 @@ steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # M
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
-# st.global-epilogue, 3-stage and no-multicast variants (about a minute each) and requires their bits to equal the
-# default build's (`switches_mc`: the no-multicast one only); `parts_st`, `parts_s3` and `parts_mc` are `parts` on
+# st.global-epilogue, 3-stage and multicast variants (about a minute each) and requires their bits to equal the
+# default build's (`switches_mc`: the multicast one only); `parts_st`, `parts_s3` and `parts_mc` are `parts` on
 # those builds, an A/B against `parts` in the same run;
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `ab_mc` times the layer's passes on the default build and on one CTA per task
-# (MOK_GEMM_MULTICAST=0), interleaved in one process (mok/bench_ab.py); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
+# round trips reused across calls); `ab_mc` times the layer's passes on the default build and on B multicast
+# (MOK_GEMM_MULTICAST=1), interleaved in one process (mok/bench_ab.py); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -66,10 +66,10 @@ step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench mo
 step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
-step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=0 --out "$out/ab_multicast.csv"
+step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=1 --out "$out/ab_multicast.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
-step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=0 python -m mok.bench parts \
-  --out "$out/parts_no_multicast.csv"
+step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
+  --out "$out/parts_multicast.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
 step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
