@@ -99,6 +99,19 @@ def read_rows(path: Path) -> pd.DataFrame:
     return pd.read_csv(path, dtype={"commit": str})
 
 
+def sweep(shape_names, rows_of, path: Path, key=KEY) -> list[dict]:
+    """rows_of(cfg) for each named shape, with a progress bar, merged into the CSV at path as it goes (a killed
+    sweep keeps what it measured); all the rows."""
+    all_rows = []
+    for name in tqdm(shape_names, desc="shapes"):
+        rows = rows_of(get_shape(name))
+        write_rows(rows, path, key)
+        all_rows += rows
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return all_rows
+
+
 def write_rows(rows: list[dict], path: Path, key=KEY) -> pd.DataFrame:
     """Merge rows into the CSV at path: a new row replaces an old one with the same key."""
     new = pd.DataFrame(rows)
@@ -305,13 +318,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = args.out or DATA / ("moe_mx_cache.csv" if args.mx_weight_cache else "moe.csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    all_rows = []
-    for name in tqdm(args.shapes, desc="shapes"):
-        rows = bench_shape(get_shape(name), args.levels, args.precisions, args.passes, args.peers,
-                           args.iters, device, mx_weight_cache=args.mx_weight_cache)
-        write_rows(rows, out)  # as it goes: a killed sweep keeps what it measured
-        all_rows += rows
-        torch.cuda.empty_cache() if device == "cuda" else None
+    all_rows = sweep(args.shapes, lambda cfg: bench_shape(cfg, args.levels, args.precisions, args.passes, args.peers,
+                                                          args.iters, device, mx_weight_cache=args.mx_weight_cache),
+                     out)
     cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]
     print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from mok import bench
 from mok.checks import fail
-from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
-from mok.ops.core import BUILD_SWITCHES, built_with
+from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig
+from mok.ops.core import BUILD_SWITCHES, build_switches, built_with
 from mok.testing import make_inputs
 
 KEY = ["shape", "precision", "pass", "build", "round"]
@@ -30,11 +29,11 @@ DEFAULT = "default"
 
 
 def parse_switch(text: str) -> dict:
-    """'NAME=VALUE' -> {NAME: VALUE}, checked against mok.ops.core.BUILD_SWITCHES."""
+    """'NAME=VALUE' -> {NAME: VALUE}, checked against mok.ops.core.BUILD_SWITCHES (name and value)."""
     name, sep, value = text.partition("=")
     if not sep or name not in BUILD_SWITCHES:
         fail("switch", f"NAME=VALUE with NAME from {sorted(BUILD_SWITCHES)}", repr(text))
-    return {name: value}
+    return dict(build_switches({name: value}))
 
 
 def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, precision="bf16", level="fused",
@@ -71,7 +70,7 @@ def ab_table(rows: pd.DataFrame) -> pd.DataFrame:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mok.bench ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("switch", type=parse_switch, help="NAME=VALUE, a build switch (mok.ops.core.BUILD_SWITCHES)")
+    p.add_argument("switch", help="NAME=VALUE, a build switch (mok.ops.core.BUILD_SWITCHES)")
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
@@ -79,16 +78,17 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20, help="timed runs per forward timing (half, ≥ 10, with backward)")
     p.add_argument("--out", type=Path, default=bench.DATA / "ab.csv")
     args = p.parse_args(argv)
+    try:
+        switch = parse_switch(args.switch)
+    except ValueError as e:
+        p.error(str(e))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    all_rows = []
-    for name in tqdm(args.shapes, desc="shapes"):
-        rows = ab_shape(get_shape(name), args.switch, args.passes, args.rounds, args.iters, args.precision,
-                        device=device)
-        prov = bench.provenance()
-        rows = [{**r, "iters": args.iters, **prov} for r in rows]
-        bench.write_rows(rows, args.out, key=KEY)  # as it goes: a killed sweep keeps what it measured
-        all_rows += rows
-        torch.cuda.empty_cache() if device == "cuda" else None
+
+    def rows_of(cfg):
+        rows = ab_shape(cfg, switch, args.passes, args.rounds, args.iters, args.precision, device=device)
+        return [{**r, "iters": args.iters, **bench.provenance()} for r in rows]
+
+    all_rows = bench.sweep(args.shapes, rows_of, args.out, KEY)
     print(ab_table(pd.DataFrame(all_rows)).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"wrote {args.out}")
     return 0

@@ -33,10 +33,9 @@ from typing import Callable
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from mok import bench, fused, ops
-from mok.config import STANDARD_SHAPES, MoEConfig, get_shape
+from mok.config import STANDARD_SHAPES, MoEConfig
 from mok.schedule import Schedule
 from mok.testing import make_inputs, moe_args
 
@@ -264,12 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=bench.DATA / "parts.csv")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    all_rows = []
-    for name in tqdm(args.shapes, desc="shapes"):
-        rows = bench_parts_shape(get_shape(name), args.iters, device)
-        bench.write_rows(rows, args.out, key=KEY)  # as it goes: a killed sweep keeps what it measured
-        all_rows += rows
-        torch.cuda.empty_cache() if device == "cuda" else None
+    all_rows = bench.sweep(args.shapes, lambda cfg: bench_parts_shape(cfg, args.iters, device), args.out, KEY)
     cols = ["shape", "step", "time_ms", "share_of_pass", "tflops", "frac_of_ceiling", "gbps"]
     print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {args.out}")

@@ -49,6 +49,12 @@ def test_parse_switch_names_the_argument(text):
         bench_ab.parse_switch(text)
 
 
+def test_parse_switch_checks_the_value():
+    assert bench_ab.parse_switch("MOK_GEMM_NUM_STAGES= 3") == {"MOK_GEMM_NUM_STAGES": 3}
+    with pytest.raises(ValueError, match=r"^MOK_GEMM_MULTICAST: expected one of \(0, 1\)"):
+        bench_ab.parse_switch("MOK_GEMM_MULTICAST=2")
+
+
 def test_ab_interleaves_builds_and_tables_medians():
     """Each timing runs under its own build, the order alternates between rounds, and the table's ratio is
     variant / default of the medians (a fake clock: the variant takes twice as long, one outlier per build)."""
