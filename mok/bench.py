@@ -68,6 +68,11 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def timings(pass_: str, iters: int) -> int:
+    """Timed runs of a pass (DESIGN §8): `iters` (≥ 20) forward, half of it, at least 10, with a backward."""
+    return iters if pass_ == "fwd" else max(10, iters // 2)
+
+
 def peak_mem_gb(fn) -> float:
     """GB allocated by one call of fn on top of what was allocated before it (0 on the CPU)."""
     if not torch.cuda.is_available():
@@ -216,15 +221,13 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          time_ms=ms, tflops=tflops, ceiling_tflops=ceiling, frac_of_ceiling=tflops / ceiling,
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
-                         shared_intermediate=cfg.shared_intermediate, iters=n(pass_), **prov))
-
-    def n(pass_):  # DESIGN §8: ≥ 20 timings forward, ≥ 10 with a backward
-        return iters if pass_ == "fwd" else max(10, iters // 2)
+                         shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters), **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
 
     for pass_ in passes:
-        ceiling_ms = dense_ceiling_ms(cfg, pass_, n(pass_), device)
+        n = timings(pass_, iters)
+        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device)
         row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"))
         for precision in precisions:
             for level in levels:
@@ -234,7 +237,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
-                    ms, mem, cache_gb = time_ms(fn, n(pass_)), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
+                    ms, mem, cache_gb = time_ms(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, saved[level, precision])
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
                     rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
@@ -245,7 +248,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)
                 if fn is not None:
-                    row("liger", "peer", "bf16", pass_, time_ms(fn, n(pass_)), ceiling_ms, peak_mem_gb(fn))
+                    row("liger", "peer", "bf16", pass_, time_ms(fn, n), ceiling_ms, peak_mem_gb(fn))
                     rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
                     del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}

@@ -53,7 +53,7 @@ def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, prec
         for pass_ in passes:
             for build in order:
                 with built_with(builds[build]):
-                    ms = time_fn(fns[build][pass_], iters if pass_ == "fwd" else max(10, iters // 2))
+                    ms = time_fn(fns[build][pass_], bench.timings(pass_, iters))
                 rows.append({"shape": cfg.name, "precision": precision, "pass": pass_, "build": build, "round": r,
                              "time_ms": ms})
     return rows
