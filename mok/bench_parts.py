@@ -160,7 +160,7 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
            *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
-        fwd += _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
+        fwd[:0] = _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)  # the level runs it first
         bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
                                                              "shared_x_rows": fused.pad_rows(s["x"], R_sh)},
                         nbytes=2 * (T + R_sh) * H * BF16_B))

@@ -6,6 +6,10 @@ along the GEMM's K, `q+dq` = a quantize kernel then a dequantize kernel back to 
 kernel, except the forward's with MOK_MX_WEIGHTS=mainloop: MXFP8 weights dequantized in the mainloop):
 
 forward:
+    shared expert                              the same two kernels, one expert, a schedule of all tokens in
+                                               token order (row t = token t), weights viewed as [1, ...];
+                                               BF16 in every precision (DESIGN §4); first: its schedule is
+                                               cached, so its GEMMs run while the host prepares the routed ones
     make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
                        sync=False)             have max_num_rows rows, the kernels read the real count on the
                                                device (sched.counts) and never touch the spare rows; bad ids
@@ -18,9 +22,6 @@ forward:
                                                mx: q+dq h along intermediate; q+dq w_down along
                                                intermediate (mainloop: q, grouped_gemm_mxfp8_nt_contiguous)
     saved gate/up                              mx: quantized row-wise, kept as MXFP8 (data + scales)
-    shared expert                              the same two kernels, one expert, a schedule of all tokens in
-                                               token order (row t = token t), weights viewed as [1, ...];
-                                               BF16 in every precision (DESIGN §4)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
     route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
@@ -227,6 +228,16 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     num_sms = num_sms_from_env() if num_sms is None else num_sms
     bad_ids.raise_landed()  # bad expert ids of earlier calls whose count has reached the host
     T = x.shape[0]
+    # The shared expert first: its schedule is cached, so its GEMMs start at once and run while the host
+    # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
+    shared, shared_gate, shared_up, shared_rows = None, None, None, None
+    if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
+        sh = shared_schedule(T, x.device)  # cached; read-only
+        rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
+                               swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
+        shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
+        shared_rows = rows[1:]
+
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
     bad_ids.defer(sched)  # the count of ids outside [0, E), checked when it has landed
@@ -235,14 +246,6 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
         gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
         gate, up = None, None
-
-    shared, shared_gate, shared_up, shared_rows = None, None, None, None
-    if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
-        sh = shared_schedule(T, x.device)  # cached; read-only
-        rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
-                                swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
-        shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
-        shared_rows = rows[1:]
 
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
