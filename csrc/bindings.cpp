@@ -247,40 +247,45 @@ int64_t* int64_ptr(const at::Tensor& t, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
-// Outputs sized by mok.ops (row arrays: max_num_rows = row_to_token.numel()); the chunk-count scratch is
-// allocated here, on the current stream through torch's caching allocator.
-void make_schedule(const at::Tensor& topk_idx, const at::Tensor& tokens_per_expert,
-                   const at::Tensor& padded_per_expert, const at::Tensor& expert_offsets,
-                   const at::Tensor& tile_offsets, const at::Tensor& route_to_row, const at::Tensor& row_to_token,
-                   const at::Tensor& row_to_k, const at::Tensor& row_to_route, const at::Tensor& row_to_expert,
-                   const at::Tensor& tile_to_expert, const at::Tensor& tile_num_rows, const at::Tensor& counts,
-                   const at::Tensor& row_to_token_i32, const std::optional<at::Tensor>& gemm_tile_to_expert,
-                   int64_t num_experts, int64_t block_m) {
+// The schedule's arrays are allocated here, not in mok.ops: carving one int64 and one int32 allocation into
+// 14 views cost ~40 us of Python per forward, on the path to GEMM1's launch (tools/host_time.py). Returned in
+// the order of mok.ops.moe._SCHEDULE_ARRAYS: the 11 int64 arrays (route_to_row as [num_tokens, num_topk]),
+// then the int32 counts [2], row_to_token [max_num_rows] and, with `gemm`, the per-128-row tile_to_expert
+// (else an empty tensor). Every array starts 256-byte aligned. The chunk-count scratch comes from the same
+// caching allocator, on the current stream.
+std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_experts, int64_t block_m,
+                                      int64_t max_num_rows, bool gemm) {
   TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected [num_tokens, num_topk]");
-  check_arg(row_to_token_i32, "row_to_token_i32"), check_arg(counts, "counts");
-  TORCH_CHECK(counts.scalar_type() == at::kInt && counts.numel() == 2, "counts: expected int32 [2]");
-  TORCH_CHECK(row_to_token_i32.scalar_type() == at::kInt, "row_to_token_i32: expected int32");
-  int32_t* gemm_tiles = nullptr;
-  if (gemm_tile_to_expert) {
-    check_arg(*gemm_tile_to_expert, "gemm_tile_to_expert");
-    TORCH_CHECK(gemm_tile_to_expert->scalar_type() == at::kInt, "gemm_tile_to_expert: expected int32");
-    gemm_tiles = gemm_tile_to_expert->data_ptr<int32_t>();
-  }
+  const int64_t num_routes = topk_idx.numel(), tiles = max_num_rows / block_m, rows = max_num_rows;
+  const auto carve = [&](at::ScalarType type, std::initializer_list<int64_t> sizes, std::vector<at::Tensor>& out) {
+    const int64_t step = 256 / static_cast<int64_t>(c10::elementSize(type));
+    int64_t total = 0;
+    for (const int64_t n : sizes) total += (n + step - 1) / step * step;
+    const at::Tensor buf = at::empty({total}, topk_idx.options().dtype(type));
+    int64_t start = 0;
+    for (const int64_t n : sizes) {
+      out.push_back(buf.narrow(0, start, n));
+      start += (n + step - 1) / step * step;
+    }
+  };
+  std::vector<at::Tensor> v;
+  carve(at::kLong, {num_experts, num_experts, num_experts + 1, num_experts + 1, num_routes, rows, rows, rows, rows,
+                    tiles, tiles}, v);
+  carve(at::kInt, {2, rows, gemm ? max_num_rows / 128 : 0}, v);
   const mok::ScheduleOutputs out{
-      int64_ptr(tokens_per_expert, "tokens_per_expert"), int64_ptr(padded_per_expert, "padded_per_expert"),
-      int64_ptr(expert_offsets, "expert_offsets"),       int64_ptr(tile_offsets, "tile_offsets"),
-      int64_ptr(route_to_row, "route_to_row"),           int64_ptr(row_to_token, "row_to_token"),
-      int64_ptr(row_to_k, "row_to_k"),                   int64_ptr(row_to_route, "row_to_route"),
-      int64_ptr(row_to_expert, "row_to_expert"),         int64_ptr(tile_to_expert, "tile_to_expert"),
-      int64_ptr(tile_num_rows, "tile_num_rows"),         counts.data_ptr<int32_t>(),
-      row_to_token_i32.data_ptr<int32_t>(),              gemm_tiles};
+      v[0].data_ptr<int64_t>(), v[1].data_ptr<int64_t>(), v[2].data_ptr<int64_t>(),  v[3].data_ptr<int64_t>(),
+      v[4].data_ptr<int64_t>(), v[5].data_ptr<int64_t>(), v[6].data_ptr<int64_t>(),  v[7].data_ptr<int64_t>(),
+      v[8].data_ptr<int64_t>(), v[9].data_ptr<int64_t>(), v[10].data_ptr<int64_t>(), v[11].data_ptr<int32_t>(),
+      v[12].data_ptr<int32_t>(), gemm ? v[13].data_ptr<int32_t>() : nullptr};
+  v[4] = v[4].view({topk_idx.size(0), topk_idx.size(1)});  // route_to_row
   const c10::cuda::CUDAGuard guard(topk_idx.device());
-  const int64_t num_chunks = (topk_idx.numel() + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
+  const int64_t num_chunks = (num_routes + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
   at::Tensor chunk_counts = at::empty({num_chunks * (num_experts + 1)}, topk_idx.options().dtype(at::kInt));
   check_cuda(mok::make_schedule(int64_ptr(topk_idx, "topk_idx"), topk_idx.size(0), topk_idx.size(1), num_experts,
-                                block_m, row_to_token.numel(), out, chunk_counts.data_ptr<int32_t>(),
+                                block_m, max_num_rows, out, chunk_counts.data_ptr<int32_t>(),
                                 c10::cuda::getCurrentCUDAStream()),
              "make_schedule_cuda");
+  return v;
 }
 
 void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const at::Tensor& y_rows,
@@ -327,9 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("make_schedule", &make_schedule,
-        "topk_idx, tokens_per_expert, padded_per_expert, expert_offsets, tile_offsets, route_to_row, row_to_token, "
-        "row_to_k, row_to_route, row_to_expert, tile_to_expert, tile_num_rows, counts, row_to_token_i32, "
-        "gemm_tile_to_expert (or None), num_experts, block_m");
+        "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
   m.def("route_grads_prep", &route_grads,
         "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
 }

@@ -214,9 +214,12 @@ def _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, nu
 def shared_schedule(num_tokens: int, device) -> Schedule:
     """The shared expert as one routed expert that every token visits once: rows 0..T-1 are tokens
     0..T-1 in order (routes in ascending token order), then padding up to BLOCK_M. It depends on
-    num_tokens alone, so it is built once per (num_tokens, device): no host sync per forward."""
+    num_tokens alone, so it is built once per (num_tokens, device), with the GEMM kernels' int32 copies of
+    it: no host sync and no conversion per pass."""
     topk_idx = torch.zeros(num_tokens, 1, dtype=torch.int64, device=device)  # [T, 1]
-    return make_schedule(topk_idx, 1, block_m=BLOCK_M)
+    sched = make_schedule(topk_idx, 1, block_m=BLOCK_M)
+    sched.gemm_tensors = ops.gemm_schedule_tensors(sched, device)  # the kernels' int32 views, made once
+    return sched
 
 
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
@@ -240,8 +243,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
-    bad_ids.defer(sched)  # the count of ids outside [0, E), checked when it has landed
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
+    bad_ids.defer(sched)  # the count of ids outside [0, E), checked when it has landed; after the GEMMs' launches
     gate_mx, up_mx = None, None
     if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
         gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)

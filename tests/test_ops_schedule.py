@@ -10,6 +10,8 @@ cannot pass. Routings are drawn fresh every run (the seed is in each failure mes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,18 +99,21 @@ def test_make_schedule_cuda_bad_inputs_raise_make_schedule_errors():
         ops.make_schedule_cuda(idx, 4)
 
 
-def test_carve_gives_aligned_disjoint_views():
-    v = ops.moe._carve(torch.int64, {"a": 3, "b": 0, "c": 33, "d": 1}, "cpu")
-    assert [t.numel() for t in v.values()] == [3, 0, 33, 1]
-    base = v["a"].data_ptr()
-    assert all((t.data_ptr() - base) % ops.moe._ALIGN == 0 for t in v.values() if t.numel())
-    for t in v.values():
-        t.fill_(7)  # disjoint: writing one never changes another
-    v["c"].fill_(1)
-    assert bool((v["a"] == 7).all() and (v["d"] == 7).all())
-
-
 # ---- GPU ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_make_schedule_cuda_arrays_are_aligned_and_disjoint():
+    """The binding carves two allocations into the schedule's arrays: each 256-byte aligned, none overlapping."""
+    topk_idx = _routing("uniform", 300, 7, 3, fresh_seed()).cuda()
+    sched = ops.make_schedule_cuda(topk_idx, 7, sync=False)
+    arrays = [t for t in (getattr(sched, f.name) for f in dataclasses.fields(sched)) if isinstance(t, torch.Tensor)]
+    arrays += list(sched.gemm_tensors)
+    assert len(arrays) == len(ops.moe._SCHEDULE_ARRAYS)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in arrays)
+    assert all(start % 256 == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), spans
 
 
 @pytest.mark.gpu

@@ -72,9 +72,14 @@ def require_hopper() -> None:
         raise RuntimeError("mok.ops: the csrc kernels need a Hopper GPU (sm_90a), but torch sees no CUDA "
                            f"device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda}); "
                            "use the L0/L1 levels on this machine")
-    capability = torch.cuda.get_device_capability()
+    _require_hopper_device(torch.cuda.current_device())
+
+
+@functools.cache  # a device passes once per process (the query took ~10 us of host time in every fused pass)
+def _require_hopper_device(index: int) -> None:
+    capability = torch.cuda.get_device_capability(index)
     if capability != (9, 0):
-        name = torch.cuda.get_device_name()
+        name = torch.cuda.get_device_name(index)
         raise RuntimeError(f"mok.ops: the csrc kernels are built for Hopper (sm_90a, compute capability 9.0), "
                            f"got {name} with compute capability {capability[0]}.{capability[1]}")
 

@@ -86,18 +86,11 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
 # which the kernels never touch) and the bad-id check is the caller's (mok.fused defers it).
 
 SCHEDULE_MAX_EXPERTS = 4096  # kScheduleMaxExperts (mok/api.h): per-warp expert cursors in shared memory
-_ALIGN = 256  # bytes: every carved array starts on its own allocation-like boundary
-
-
-def _carve(dtype: torch.dtype, sizes: dict, device) -> dict:
-    """One allocation cut into contiguous 1-D arrays of `sizes[name]` elements, each 256-byte aligned."""
-    step = _ALIGN // torch.empty((), dtype=dtype).element_size()
-    starts, total = {}, 0
-    for name, n in sizes.items():
-        starts[name] = total
-        total += -(-n // step) * step
-    buf = torch.empty(total, dtype=dtype, device=device)  # [total]
-    return {name: buf[start:start + sizes[name]] for name, start in starts.items()}
+# What the binding returns, in order (csrc/bindings.cpp, make_schedule): int64 arrays, then the int32 ones
+# ("gemm_" = the GEMM kernels' int32 row_to_token and per-128-row tile_to_expert).
+_SCHEDULE_ARRAYS = ("tokens_per_expert", "padded_per_expert", "expert_offsets", "tile_offsets", "route_to_row",
+                    "row_to_token", "row_to_k", "row_to_route", "row_to_expert", "tile_to_expert", "tile_num_rows",
+                    "counts", "gemm_row_to_token", "gemm_tile_to_expert")
 
 
 def _check_topk_idx_layout(topk_idx, num_experts: int) -> None:
@@ -130,35 +123,31 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
     rows = max_num_rows(num_tokens, num_topk, num_experts, block_m)
     if num_experts > SCHEDULE_MAX_EXPERTS or rows >= 2**31:  # beyond the kernels' int32 rows / smem cursors
         return make_schedule(topk_idx, num_experts, block_m)  # the same bits from torch ops
-    E, device = num_experts, topk_idx.device
-    gemm_tiles = rows // GEMM_BLOCK_M if block_m % GEMM_BLOCK_M == 0 else 0
-    v = _carve(torch.int64, {"tokens_per_expert": E, "padded_per_expert": E, "expert_offsets": E + 1,
-                             "tile_offsets": E + 1, "route_to_row": num_tokens * num_topk, "row_to_token": rows,
-                             "row_to_k": rows, "row_to_route": rows, "row_to_expert": rows,
-                             "tile_to_expert": rows // block_m, "tile_num_rows": rows // block_m}, device)
-    v32 = _carve(torch.int32, {"row_to_token": rows, "tile_to_expert": gemm_tiles, "counts": 2}, device)
-    load_extension().make_schedule(
-        topk_idx.contiguous(), v["tokens_per_expert"], v["padded_per_expert"], v["expert_offsets"],
-        v["tile_offsets"], v["route_to_row"], v["row_to_token"], v["row_to_k"], v["row_to_route"],
-        v["row_to_expert"], v["tile_to_expert"], v["tile_num_rows"], v32["counts"], v32["row_to_token"],
-        v32["tile_to_expert"] if gemm_tiles else None, num_experts, block_m)
+    gemm = block_m % GEMM_BLOCK_M == 0
+    v = dict(zip(_SCHEDULE_ARRAYS, load_extension().make_schedule(topk_idx.contiguous(), num_experts, block_m,
+                                                                   rows, gemm)))  # views sized for `rows`
     num_rows = rows  # row arrays of max_num_rows entries, spare rows included
     if sync:
-        num_rows, num_bad = v32["counts"].tolist()  # the one host sync
+        num_rows, num_bad = v["counts"].tolist()  # the one host sync
         if num_bad:
             check_topk_idx(topk_idx, num_experts)  # raises its error, with the ids' min and max
             raise AssertionError(f"make_schedule_cuda: {num_bad} ids outside [0, {num_experts}) not seen by the check")
-    num_tiles = num_rows // block_m
+    if num_rows < rows:  # sync=True: cut the views to the real rows (without a sync they have `rows` already)
+        tiles = num_rows // block_m
+        for name, n in (("row_to_token", num_rows), ("row_to_k", num_rows), ("row_to_route", num_rows),
+                        ("row_to_expert", num_rows), ("tile_to_expert", tiles), ("tile_num_rows", tiles)):
+            v[name] = v[name][:n]
+        v["gemm_row_to_token"] = v["gemm_row_to_token"][:num_rows]
+        v["gemm_tile_to_expert"] = v["gemm_tile_to_expert"][:num_rows // GEMM_BLOCK_M]
     sched = Schedule(
         num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
         tokens_per_expert=v["tokens_per_expert"], padded_per_expert=v["padded_per_expert"],
-        expert_offsets=v["expert_offsets"], row_to_token=v["row_to_token"][:num_rows],
-        row_to_k=v["row_to_k"][:num_rows], row_to_route=v["row_to_route"][:num_rows],
-        row_to_expert=v["row_to_expert"][:num_rows], route_to_row=v["route_to_row"].view(num_tokens, num_topk),
-        tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"][:num_tiles],
-        tile_num_rows=v["tile_num_rows"][:num_tiles], counts=v32["counts"])
-    if gemm_tiles:
-        sched.gemm_tensors = (v32["row_to_token"][:num_rows], v32["tile_to_expert"][:num_rows // GEMM_BLOCK_M])
+        expert_offsets=v["expert_offsets"], row_to_token=v["row_to_token"], row_to_k=v["row_to_k"],
+        row_to_route=v["row_to_route"], row_to_expert=v["row_to_expert"],
+        route_to_row=v["route_to_row"], tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"],
+        tile_num_rows=v["tile_num_rows"], counts=v["counts"])
+    if gemm:
+        sched.gemm_tensors = (v["gemm_row_to_token"], v["gemm_tile_to_expert"])
     return sched
 
 
