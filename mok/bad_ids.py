@@ -8,10 +8,11 @@ bad id cannot raise in the call that receives it. What happens instead, so that 
    `sched.counts[1]` counts the bad ids.
 2. `defer(sched)` queues a non-blocking copy of that count into pinned host memory and records an event
    behind it.
-3. `raise_landed()` runs at the start of every fused forward and backward: for each queued copy whose event
-   has completed (`Event.query()`, which never blocks) it drops the entry, and raises ValueError naming
-   `topk_idx` if the count was not zero. In practice the error comes from the backward of the same step (the
-   schedule is the forward's first kernel); at the latest from the first fused call after the GPU ran it.
+3. `raise_landed()` runs at the end of every fused forward and backward, after their launches (at the start,
+   its host time delayed the first kernel): for each queued copy whose event has completed (`Event.query()`,
+   which never blocks) it drops the entry, and raises ValueError naming `topk_idx` if the count was not zero.
+   In practice the error comes from the backward of the same step; at the latest from the first fused call
+   that ends after the GPU ran the schedule.
 
 `mok.moe(..., check=True)` keeps the old behaviour instead: a host read of min/max before anything runs, and
 the error in that call. `raise_landed(wait=True)` waits for every queued check (a host sync).

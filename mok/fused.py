@@ -229,7 +229,6 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         _check_mxfp8_dims(x, w_gate)
     _check_runs_here(x, precision)
     num_sms = num_sms_from_env() if num_sms is None else num_sms
-    bad_ids.raise_landed()  # bad expert ids of earlier calls whose count has reached the host
     T = x.shape[0]
     # The shared expert first: its schedule is cached, so its GEMMs start at once and run while the host
     # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
@@ -244,13 +243,15 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
-    bad_ids.defer(sched)  # the count of ids outside [0, E), checked when it has landed; after the GEMMs' launches
     gate_mx, up_mx = None, None
     if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
         gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
         gate, up = None, None
 
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
+    # The bad-id bookkeeping after every launch (from an idle GPU its ~50 us of host time came before GEMM1):
+    bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
+    bad_ids.raise_landed()  # earlier calls' counts that have reached the host
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
                        sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms,
@@ -327,7 +328,6 @@ def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
-    bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
@@ -341,4 +341,5 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
     # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
     d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]
+    bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     return (d_x, d_topk_weights, *d_w, *d_shared)
