@@ -163,7 +163,7 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
         fwd[:0] = _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)  # the level runs it first
         bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
                                                              "shared_x_rows": fused.pad_rows(s["x"], R_sh)},
-                        nbytes=2 * (T + R_sh) * H * BF16_B))
+                        nbytes=2 * (T + R_sh) * H * BF16_B if R_sh > T else 0))  # no padding: no copy
         bwd += _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
     fwd.append(Step("combine", "fwd", combine, nbytes=routes_in + R * FP32_B + shared_in + tok))
     bwd.append(Step("combine_dx", "bwd", combine_dx, nbytes=routes_in + shared_in + tok))

@@ -312,7 +312,10 @@ def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 
 def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[T, H] -> bf16 [num_rows, H]: row t = t's row t, then zero rows (the shared schedule's row layout)."""
+    """[T, H] -> bf16 [num_rows, H]: row t = t's row t, then zero rows (the shared schedule's row layout).
+    A contiguous bf16 t with no padding to add (T a multiple of BLOCK_M) is returned as it is, not copied."""
+    if t.shape[0] == num_rows and t.dtype == BF16 and t.is_contiguous():
+        return t  # the kernels only read it
     rows = t.new_zeros(num_rows, t.shape[1], dtype=BF16)  # [num_rows, H]
     rows[: t.shape[0]] = t
     return rows

@@ -379,3 +379,14 @@ def test_env_readers_refuse_garbage(monkeypatch, name, value):
     with pytest.raises(ValueError, match=f"{name}: {ENV[name][3]}"):
         ENV[name][0]()
 
+
+
+def test_pad_rows_adds_zero_rows_and_copies_only_when_needed():
+    t = torch.randn(5, 16).to(torch.bfloat16)  # [T, H]
+    rows = fused.pad_rows(t, 8)  # [8, H]: t, then 3 zero rows
+    assert rows.shape == (8, 16) and torch.equal(rows[:5], t) and not rows[5:].any()
+    assert fused.pad_rows(t, 5) is t  # nothing to add: the kernels read t itself
+    wide = torch.randn(5, 32).to(torch.bfloat16)
+    for other in (t.float(), wide[:, :16]):  # another dtype, a non-contiguous view: a bf16 contiguous copy
+        got = fused.pad_rows(other, 5)
+        assert got is not other and got.is_contiguous() and torch.equal(got, other.to(torch.bfloat16))
