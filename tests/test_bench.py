@@ -202,7 +202,8 @@ def test_parts_gemm_flops_are_the_moe_flops(cfg):
     for s in steps:  # a step is a GEMM or moves bytes, never both
         assert (s.mnk is None) == (s.padded_mnk is None) == (s.nbytes is not None)
         assert s.mnk is None or s.padded_flops >= s.flops > 0
-        assert s.nbytes is None or s.nbytes > 0
+        # every memory step moves bytes, but for shared_pad_rows with no padding to add (it returns its input)
+        assert s.nbytes is None or s.nbytes > 0 or (s.name == "shared_pad_rows" and rows_sh == T)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
