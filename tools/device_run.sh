@@ -80,7 +80,8 @@ step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grou
   --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
 # `stalls`: Nsight Compute's warp-state and per-instruction stall samples of dsv4pro's GEMM1 (both launches: routed,
 # shared) and first weight gradient; `trace`: whole passes under torch.profiler (tools/trace_passes.py); `host`:
-# each call's host time in a pass (tools/host_time.py).
+# each call's host time in a pass (tools/host_time.py); `order_ab`: the forward's shared expert first against last,
+# and from an idle GPU against back to back (tools/forward_order_ab.py).
 step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-start off --kernel-name-base demangled \
   -k "regex:Gemm\)(0|4)>" -c 3 --section WarpStateStats --section SourceCounters --section SpeedOfLight -f \
   -o "$1/stalls" python tools/profile_gemms.py dsv4pro-rank && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
@@ -88,6 +89,7 @@ step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-star
   >"$1/stalls_sass.csv"; rm -f "$1/stalls.ncu-rep"; head -c 3000 "$1/stalls_details.csv"' "$ncu" "$logs"
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
+step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py
 step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
