@@ -249,9 +249,11 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         gate, up = None, None
 
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
-    # The bad-id bookkeeping after every launch (from an idle GPU its ~50 us of host time came before GEMM1):
-    bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
+    # The bad-id bookkeeping after every launch (from an idle GPU its ~50 us of host time came before GEMM1).
+    # Earlier calls' counts first: this call's own may land at once on a small problem, and a forward must
+    # not raise on its own ids some of the time (the same step's backward does, every time).
     bad_ids.raise_landed()  # earlier calls' counts that have reached the host
+    bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
                        sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms,
