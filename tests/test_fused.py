@@ -380,7 +380,6 @@ def test_env_readers_refuse_garbage(monkeypatch, name, value):
         ENV[name][0]()
 
 
-
 def test_pad_rows_adds_zero_rows_and_copies_only_when_needed():
     t = torch.randn(5, 16).to(torch.bfloat16)  # [T, H]
     rows = fused.pad_rows(t, 8)  # [8, H]: t, then 3 zero rows
