@@ -30,7 +30,8 @@ from mok.testing import make_inputs
 
 def short_name(kernel: str) -> str:
     """`void mok::gemm::grouped_gemm_bf16_kernel<(mok::gemm::Gemm)4>(...)` -> `grouped_gemm_bf16_kernel<4>`."""
-    name = re.sub(r"^void |\(.*", "", kernel.replace("(mok::gemm::Gemm)", ""))  # no return type, no parameters
+    name = kernel.replace("(mok::gemm::Gemm)", "").replace("(anonymous namespace)::", "")
+    name = re.sub(r"^void |\(.*", "", name)  # no return type, no parameters
     base, sep, args = name.partition("<")
     return (base.split("::")[-1] + sep + args)[:60]
 
