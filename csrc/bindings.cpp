@@ -235,6 +235,15 @@ void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std
              "combine_rows");
 }
 
+void gather(const at::Tensor& x, const at::Tensor& row_to_token, at::Tensor& out) {
+  check_arg(x, "x"), check_arg(row_to_token, "row_to_token"), check_arg(out, "out");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt, "row_to_token: expected int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda(mok::gather_rows(x.data_ptr(), row_to_token.data_ptr<int32_t>(), out.data_ptr(), x.size(0), out.size(0),
+                              x.size(1), c10::cuda::getCurrentCUDAStream()),
+             "gather_rows_cuda");
+}
+
 }  // namespace
 
 // ---- route schedule and routed-gradient prep (mok.ops.make_schedule_cuda, mok.ops.route_grads_prep) ----------
@@ -331,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
   m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
+  m.def("gather_rows", &gather, "x, row_to_token (int32), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
   m.def("route_grads_prep", &route_grads,

@@ -40,7 +40,7 @@ from mok.schedule import Schedule
 from mok.testing import make_inputs, moe_args
 
 KEY = ["shape", "step"]  # step names are unique over both passes
-BF16_B, FP32_B, INT64_B = 2, 4, 8  # bytes per element
+BF16_B, FP32_B, INT32_B, INT64_B = 2, 4, 4, 8  # bytes per element
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
                 nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
            *routed_bwd[:2],
            Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])},
-                nbytes=tok + rows * INT64_B + row_buf),
+                nbytes=R * H * BF16_B + rows * INT32_B + row_buf),  # each route's x row in, its int32 row id, rows out
            *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows

@@ -36,8 +36,8 @@ backward:
                                                along intermediate (dim -2)
     shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
-                                               each expert's rows (x rows gathered first: combine_rows,
-                                               one route per row)
+                                               each expert's rows (x rows gathered first:
+                                               gather_rows_cuda, a copy kernel)
                                                mx: every operand column-wise (blocks along the rows):
                                                q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
@@ -303,14 +303,9 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
 
 
 def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding rows (mok.schedule.gather_rows).
-    The combine kernel with one route per row and unit weights is a row gather (fp32 sum of one bf16 value:
-    exact) at ~3 TB/s; torch's index + where ran at ~0.6 TB/s (bench parts, gather_x). Padding rows read an
-    appended zero row; so do spare rows (mxfp8 only: its column-wise quantizer then reads zeros there)."""
-    T = x.shape[0]
-    x_ext = torch.cat([x.to(BF16), x.new_zeros(1, x.shape[1], dtype=BF16)])  # [T + 1, H]
-    rows = torch.where(sched.row_to_token >= 0, sched.row_to_token, T)  # [num_rows]
-    return ops.combine_rows(x_ext, rows[:, None], None, None, check_rows=False)  # [num_rows, H]
+    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding and spare rows (mxfp8: its
+    column-wise quantizer then reads zeros there): mok.schedule.gather_rows as one copy kernel."""
+    return ops.gather_rows_cuda(x.to(BF16), sched)  # [num_rows, H]
 
 
 def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:

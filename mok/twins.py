@@ -16,13 +16,13 @@ import torch
 
 from mok import mxfp8
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
-from mok.schedule import make_schedule, max_num_rows, scatter_routes, segment
+from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
-           "grouped_gemm_mxfp8_nt_contiguous", "combine_rows",
+           "grouped_gemm_mxfp8_nt_contiguous", "combine_rows", "gather_rows_cuda",
            "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
            "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
 
@@ -103,6 +103,11 @@ def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_row
     y = y_rows[route_to_row.reshape(-1).long()].view(T, K, -1)  # [T, K, H]
     w = torch.ones(T, K, device=y_rows.device) if topk_weights is None else topk_weights  # [T, K]
     return combine(y, w, shared)
+
+
+def gather_rows_cuda(x, sched):
+    """[num_rows, H]: L0's dispatch (mok.schedule.gather_rows); spare rows are zeros (row_to_token -1 there)."""
+    return gather_rows(x, sched)
 
 
 def grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms=None):

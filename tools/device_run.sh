@@ -59,7 +59,8 @@ step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_op
 step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
   -k "build_switches and MULTICAST"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
-  tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py tests/test_mx_cache.py
+  tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
+  tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
@@ -98,3 +99,6 @@ step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$saniti
   python tools/sanitize.py mainloop
 step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
+# `qdual`: dual's default (16) against its evict-first-store twins (17-19), 16 timed twice for the spread.
+step qdual 120 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants 16,17,18,19,16 \
+  --out "$out/quant_dual_stream.csv"

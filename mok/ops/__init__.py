@@ -6,8 +6,8 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     quant  MXFP8 quantizers, dequantization and the one-pass round trip (mxfp8_*)
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
-    moe    the fixed-order combine (combine_rows), the device schedule (make_schedule_cuda) and the
-           backward's routed-gradient prep (route_grads_prep)
+    moe    the fixed-order combine (combine_rows), the row gather (gather_rows_cuda), the device schedule
+           (make_schedule_cuda) and the backward's routed-gradient prep (route_grads_prep)
 
 Every op checks its arguments first (errors name the argument, the expectation and the actual value),
 then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
@@ -30,7 +30,14 @@ from mok.ops.gemm_mx import (
     grouped_gemm_mxfp8_swiglu_gather,
     mx_scales_by_k_block,
 )
-from mok.ops.moe import ROUTE_GRADS_MAX_TOPK, SCHEDULE_MAX_EXPERTS, combine_rows, make_schedule_cuda, route_grads_prep
+from mok.ops.moe import (
+    ROUTE_GRADS_MAX_TOPK,
+    SCHEDULE_MAX_EXPERTS,
+    combine_rows,
+    gather_rows_cuda,
+    make_schedule_cuda,
+    route_grads_prep,
+)
 from mok.ops.quant import (
     BLOCK_SIZE,
     mxfp8_dequantize,
@@ -43,8 +50,9 @@ from mok.ops.quant import (
 
 __all__ = [
     "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO", "ROUTE_GRADS_MAX_TOPK",
-    "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gemm_schedule_tensors", "grouped_gemm_bf16_dgrad_gate_up",
-    "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_swiglu_gather",
+    "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
+    "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous",
+    "grouped_gemm_bf16_swiglu_gather",
     "grouped_gemm_bf16_weight_grad", "MX_K_BLOCK", "grouped_gemm_mxfp8_nt_contiguous",
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",

@@ -1,5 +1,5 @@
-"""The MoE plumbing around the GEMMs (csrc/include/mok/moe/; L2): the fixed-order combine, the route
-schedule built on the device, and the routed-gradient prep of the backward."""
+"""The MoE plumbing around the GEMMs (csrc/include/mok/moe/; L2): the fixed-order combine, the row gather, the
+route schedule built on the device, and the routed-gradient prep of the backward."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from mok.checks import check_int, fail
 from mok.ops.core import load_extension
-from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, real_num_rows
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
 from mok.routing import check_topk_idx
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
@@ -74,6 +74,26 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
             fail("route_to_row", f"row ids in [0, {num_rows}) (y_rows has {num_rows} rows)", f"ids in [{low}, {high}]")
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_tokens, hidden]
     load_extension().combine_rows(y_rows, route_to_row, topk_weights, shared, out)
+    return out
+
+
+# ---- row gather (L2; csrc/include/mok/moe/gather_rows.cuh) ----------------------------------------------
+
+
+def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """mok.schedule.gather_rows on the GPU, bit for bit (a copy): x bf16 [num_tokens, hidden] (hidden % 8 == 0)
+    -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding and spare rows (their
+    row_to_token is -1). No host sync; the schedule is trusted (a token id past num_tokens gives a NaN row)."""
+    if not isinstance(sched, Schedule):
+        fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
+    _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
+    hidden = x.shape[1]
+    if hidden % GEMM_K_ALIGN:
+        fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
+    _check_on_device("x", x, x.device, True)
+    row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows]
+    out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
+    load_extension().gather_rows(x, row_to_token, out)
     return out
 
 

@@ -1,0 +1,12 @@
+// Instantiates the row gather behind the host API of mok/api.h. Torch-free.
+#include "mok/api.h"
+#include "mok/moe/gather_rows.cuh"
+
+namespace mok {
+
+cudaError_t gather_rows(const void* x, const int32_t* row_to_token, void* out, int64_t num_tokens, int64_t num_rows,
+                        int64_t hidden, cudaStream_t stream) {
+  return moe::launch_gather_rows(x, row_to_token, out, num_tokens, num_rows, hidden, stream);
+}
+
+}  // namespace mok
