@@ -196,14 +196,15 @@ void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const 
 }
 
 void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& expert_offsets,
-                      at::Tensor& d_w, int64_t num_sms) {
+                      const at::Tensor& expert_rows, at::Tensor& d_w, int64_t num_sms) {
   check_arg(a_rows, "a_rows"), check_arg(b_rows, "b_rows"), check_arg(expert_offsets, "expert_offsets");
-  check_arg(d_w, "d_w");
+  check_arg(expert_rows, "expert_rows"), check_arg(d_w, "d_w");
   TORCH_CHECK(expert_offsets.scalar_type() == at::kInt, "expert_offsets: expected int32");
+  TORCH_CHECK(expert_rows.scalar_type() == at::kInt, "expert_rows: expected int32");
   const c10::cuda::CUDAGuard guard(a_rows.device());
   check_cuda(mok::grouped_gemm_bf16_weight_grad(a_rows.data_ptr(), b_rows.data_ptr(), expert_offsets.data_ptr<int32_t>(),
-                                                d_w.data_ptr(), a_rows.size(0), a_rows.size(1), b_rows.size(1),
-                                                d_w.size(0), static_cast<int>(num_sms),
+                                                expert_rows.data_ptr<int32_t>(), d_w.data_ptr(), a_rows.size(0),
+                                                a_rows.size(1), b_rows.size(1), d_w.size(0), static_cast<int>(num_sms),
                                                 c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_weight_grad");
 }
@@ -337,7 +338,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
-  m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad, "a_rows, b_rows, expert_offsets, d_w, num_sms");
+  m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
+        "a_rows, b_rows, expert_offsets, expert_rows, d_w, num_sms");
   m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("gather_rows", &gather, "x, row_to_token (int32), out");

@@ -56,11 +56,12 @@ cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up
 }
 
 cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows, const int32_t* expert_offsets,
-                                          void* d_w, int64_t num_rows, int64_t m, int64_t n, int64_t num_experts,
-                                          int num_sms, cudaStream_t stream) {
+                                          const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
+                                          int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream) {
   gemm::Params p{};
   p.a = static_cast<const uint16_t*>(a_rows);
   p.expert_offsets = expert_offsets;
+  p.expert_rows = expert_rows;
   p.out = static_cast<uint16_t*>(d_w);
   p.num_rows = static_cast<int>(num_rows);
   p.m = static_cast<int>(m);

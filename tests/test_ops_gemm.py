@@ -226,6 +226,30 @@ def test_weight_grad_matches_l0(case, which):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "two-experts-of-8", "pairs"])
+def test_weight_grad_stops_at_the_64_row_block_of_the_real_rows(case):
+    """K runs over each expert's real rows rounded up to 64, not over all of its padding: padding rows past that
+    block hold NaN here, and the result must not see them (those before it must be zeros: the API's rule)."""
+    seed = fresh_seed()
+    _, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
+    a_rows, b_rows = b["gate"], b["dy_rows"]
+    expected = twins.grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched)  # the real rows only
+    offsets, tokens = sched.expert_offsets.tolist(), sched.tokens_per_expert.tolist()
+    poisoned = 0
+    for e, n in enumerate(tokens):
+        past = offsets[e] + -(-n // 64) * 64  # the first row past the 64-row block of the real rows
+        a_rows[past:offsets[e + 1]] = float("nan")
+        b_rows[past:offsets[e + 1]] = float("nan")
+        poisoned += offsets[e + 1] - past
+    assert poisoned, f"{case}: no expert has a whole 64-row block of padding (seed {seed})"
+    got = ops.grouped_gemm_bf16_weight_grad(a_rows.cuda(), b_rows.cuda(), sched.to("cuda"))
+    _assert_close(got, expected, f"{case} d_w_gate", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "deep-k"])
 def test_gemms_bitwise_repeatable_for_any_grid_size(case):
     """DESIGN §5: same bits run to run and whatever the persistent grid size."""

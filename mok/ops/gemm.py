@@ -34,6 +34,19 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
     return row_to_token, tile_to_expert.contiguous()
 
 
+def weight_grad_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule as the weight-gradient kernel reads it, on `device`: (expert_offsets int32 [E + 1],
+    tokens_per_expert int32 [E], the real rows of each segment), views of one allocation made on the first
+    call and kept on the schedule (a backward runs three weight gradients over it)."""
+    ready = getattr(sched, "weight_grad_tensors", None)
+    if ready is not None and ready[0].device == torch.device(device):
+        return ready
+    both = torch.cat([sched.expert_offsets, sched.tokens_per_expert]).to(device=device, dtype=torch.int32)
+    ready = both[:sched.num_experts + 1], both[sched.num_experts + 1:]  # [E + 1], [E]
+    sched.weight_grad_tensors = ready
+    return ready
+
+
 def real_num_rows(sched, device) -> torch.Tensor | None:
     """The schedule's device counts (int32 [2], entry 0 = its real padded rows) for the kernels that run over
     its rows: they run the real tiles only, so spare rows (mok.schedule) are never read or written. None
@@ -196,8 +209,8 @@ def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sc
         fail("sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, b_rows=b_rows)
-    offsets = sched.expert_offsets.to(device=a_rows.device, dtype=torch.int32)  # [E + 1]
+    offsets, expert_rows = weight_grad_schedule_tensors(sched, a_rows.device)  # [E + 1], [E]
     d_w = torch.empty(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.bfloat16,
                       device=a_rows.device)  # [E, m, n]
-    load_extension().grouped_gemm_bf16_weight_grad(a_rows, b_rows, offsets, d_w, sms)
+    load_extension().grouped_gemm_bf16_weight_grad(a_rows, b_rows, offsets, expert_rows, d_w, sms)
     return d_w

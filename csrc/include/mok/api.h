@@ -94,12 +94,13 @@ cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up
                                             int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
                                             cudaStream_t stream);
 
-// Weight gradients, a k-grouped GEMM: d_w[e] [m, n] = bf16(Σ_r a_rows[r]ᵀ · b_rows[r]) over the rows r of
-// expert e's segment [expert_offsets[e], expert_offsets[e + 1]) (int32, multiples of 128; padding rows zero);
-// a_rows [num_rows, m], b_rows [num_rows, n] (both read transposed); an expert without rows gets zeros.
+// Weight gradients, a k-grouped GEMM: d_w[e] [m, n] = bf16(Σ_r a_rows[r]ᵀ · b_rows[r]) over the real rows r of
+// expert e's segment, [expert_offsets[e], expert_offsets[e] + expert_rows[e]) (int32; segment starts are
+// multiples of 128, padding rows zero, the first 63 of them may be read); a_rows [num_rows, m], b_rows
+// [num_rows, n] (both read transposed); an expert without rows gets zeros.
 cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows, const int32_t* expert_offsets,
-                                          void* d_w, int64_t num_rows, int64_t m, int64_t n, int64_t num_experts,
-                                          int num_sms, cudaStream_t stream);
+                                          const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
+                                          int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
 
 // The compile-time switches these GEMMs were built with (mok/ops/core.py BUILD_SWITCHES): 1 if the epilogues
 // store by TMA (0: st.global), and the shared-memory ring depth.

@@ -10,8 +10,9 @@
 //   kDownDgrad    d_h[r] = bf16(dy[r]·Wd[e])  (Wd [E, H, I] read MN-major; the SwiGLU backward runs after it
 //                 as an elementwise kernel, mok/moe/swiglu_backward_rows.cuh: see the note there)
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
-//   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's rows, both
-//                 operands MN-major; d_w_down from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
+//   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's real rows,
+//                 rounded up to 64 within the segment's zero padding rows; both operands MN-major; d_w_down
+//                 from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
 //   kGateUpMx, kDownMx   kGateUp and kDown with MXFP8 weights (E4M3 data [E, n, k] and E8M0 scales along k):
 //                 the producer dequantizes each weight tile in shared memory to exactly the bf16 that
 //                 mxfp8_dequantize writes (mok/quant/mxfp8.cuh), so the outputs are the BF16 kinds' bits on
@@ -203,6 +204,7 @@ struct Params {
   uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
   uint16_t* up;                    // kGateUp: up out [num_rows, n]
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
+  const int32_t* expert_rows;      // kWeightGrad: [num_experts] each segment's real rows (its tokens)
   const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of BLOCK_M),
                                    // written on the device; null = num_rows. Tiles past it are never run.
   int num_rows;                    // rows of the row buffers, a multiple of BLOCK_M
@@ -273,7 +275,9 @@ MOK_HOST_DEVICE int num_k_blocks_of(int k) {
 }
 
 // Where a task's output tile sits and which K it runs. Tasks are numbered m-major; kWeightGrad numbers
-// (expert, m_tile, n_tile) and runs K over the expert's segment of rows [k_row0, k_row0 + 64·num_k_blocks).
+// (expert, m_tile, n_tile) and runs K over the expert's segment of rows [k_row0, k_row0 + 64·num_k_blocks):
+// its real rows, then padding rows (zeros in both operands) up to the next multiple of 64, never all of the
+// segment's padding (dsv4pro pads its experts' 256 rows by 25% on average).
 struct Task {
   int m_tile, n_tile, expert, k_row0, num_k_blocks;
 };
@@ -283,7 +287,7 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
   const int n_tile = task % p.num_n_tiles, mt = task / p.num_n_tiles;
   if constexpr (kGemm == Gemm::kWeightGrad) {
     const int expert = mt / p.num_m_tiles, row0 = p.expert_offsets[expert];
-    return {mt % p.num_m_tiles, n_tile, expert, row0, (p.expert_offsets[expert + 1] - row0) / BLOCK_K};
+    return {mt % p.num_m_tiles, n_tile, expert, row0, (p.expert_rows[expert] + BLOCK_K - 1) / BLOCK_K};
   } else {
     return {mt, n_tile, p.tile_to_expert[mt], 0, num_k_blocks};
   }
