@@ -99,6 +99,3 @@ step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$saniti
   python tools/sanitize.py mainloop
 step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
-# `qdual`: dual's default (16) against its evict-first-store twins (17-19), 16 timed twice for the spread.
-step qdual 120 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants 16,17,18,19,16 \
-  --out "$out/quant_dual_stream.csv"

@@ -42,26 +42,6 @@ MOK_DEVICE void st_v4(void* ptr, uint4 v) { *reinterpret_cast<uint4*>(ptr) = v; 
 MOK_DEVICE void st_v2(void* ptr, uint2 v) { *reinterpret_cast<uint2*>(ptr) = v; }
 MOK_DEVICE void st_u8(void* ptr, uint32_t v) { *reinterpret_cast<uint8_t*>(ptr) = static_cast<uint8_t>(v); }
 
-// The same stores with the streaming hint (`.cs`: evict first from L1 and L2), for outputs no later kernel
-// of the same pass reads soon; kStream = false is the plain store.
-template <bool kStream>
-MOK_DEVICE void st_out_v2(void* ptr, uint2 v) {
-  if constexpr (kStream) {
-    asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(ptr), "r"(v.x), "r"(v.y) : "memory");
-  } else {
-    st_v2(ptr, v);
-  }
-}
-
-template <bool kStream>
-MOK_DEVICE void st_out_u8(void* ptr, uint32_t v) {
-  if constexpr (kStream) {
-    asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-  } else {
-    st_u8(ptr, v);
-  }
-}
-
 // ---- bf16 as bits ----------------------------------------------------------------------------------
 // A 32-bit word holds two bf16 values: element 2i in the low half, 2i+1 in the high half (little
 // endian). bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.

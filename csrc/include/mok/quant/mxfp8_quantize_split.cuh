@@ -82,7 +82,7 @@ MOK_DEVICE uint4 ld_stage(const uint8_t* src, int row) {
 // Per row the warp stores 256 contiguous E4M3 bytes; a block's 8 scale bytes of a batch (one per row) are
 // stored by its 4 lanes, 2 each (lane j of the 4: rows j and j + 4), so every lane stores and no lane
 // branches on its position.
-template <int kRows, bool kStream>
+template <int kRows>
 MOK_DEVICE void quantize_split_tile_rows(const uint8_t* src, int first_row, int64_t row0, int64_t col,
                                          int64_t cols, bool valid, const TiledOut& out) {
   constexpr int kBatch = 8;
@@ -101,17 +101,15 @@ MOK_DEVICE void quantize_split_tile_rows(const uint8_t* src, int first_row, int6
     for (int i = 0; i < kBatch; i += 2) row_block_scales2(v[i], v[i + 1], s[i], s[i + 1]);
     if (valid) {
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        st_out_v2<kStream>(data + i * cols, quantize8(v[i], s[i]));  // [row0 + r0 + i, col..+8)
-      }
+      for (int i = 0; i < kBatch; ++i) st_v2(data + i * cols, quantize8(v[i], s[i]));  // [row0 + r0 + i, col..+8)
       uint32_t lo = s[0].byte, hi = s[4].byte;  // rows sub and sub + 4 of the batch
 #pragma unroll
       for (int j = 1; j < kChunksPerBlock; ++j) {
         lo = sub == j ? s[j].byte : lo;
         hi = sub == j ? s[j + kChunksPerBlock].byte : hi;
       }
-      st_out_u8<kStream>(scales, lo);
-      st_out_u8<kStream>(scales + kChunksPerBlock * scale_cols, hi);
+      st_u8(scales, lo);
+      st_u8(scales + kChunksPerBlock * scale_cols, hi);
     }
     data += kBatch * cols;
     scales += kBatch * scale_cols;
@@ -122,7 +120,6 @@ MOK_DEVICE void quantize_split_tile_rows(const uint8_t* src, int first_row, int6
 // shuffle: pass 1 reads the 32 rows for the amax, pass 2 reads them again to quantize (shared memory is
 // cheap; keeping 32 chunks in registers is not). Stores: 256 contiguous scale bytes, then per row 256
 // contiguous E4M3 bytes.
-template <bool kStream>
 MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, int64_t row0, int64_t col, int64_t cols, bool valid,
                                          const TiledOut& out) {
   uint32_t acc[4] = {0u, 0u, 0u, 0u};  // column pairs (2k, 2k + 1)
@@ -143,17 +140,15 @@ MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, int64_t row0, int64
   }
   const uint2 nan_mask = nan_byte_mask(cs);
   if (!valid) return;
-  st_out_v2<kStream>(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0 / 32, col..+8)
+  st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0 / 32, col .. col + 8)
   uint8_t* data = out.data_col + row0 * cols + col;  // [row0, col]
 #pragma unroll 8
-  for (int r = 0; r < kBlockSize; ++r, data += cols) {
-    st_out_v2<kStream>(data, quantize8(ld_stage(src, r), inv, nan_mask));
-  }
+  for (int r = 0; r < kBlockSize; ++r, data += cols) st_v2(data, quantize8(ld_stage(src, r), inv, nan_mask));
 }
 
 // One warp of group `group`: row warp `role` < kRowWarps, or the column warp (role == kRowWarps). It takes
 // the CTA's tiles k = group, group + kGroups, ... and releases each stage with one arrival.
-template <int kGroups, int kStages, int kRowWarps, bool kStream>
+template <int kGroups, int kStages, int kRowWarps>
 MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint64_t* empty, const TiledOut& out,
                                     int64_t cols, uint32_t col_tiles, uint32_t num_tiles, int group, int role) {
   using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
@@ -166,10 +161,10 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
     const int64_t row0 = static_cast<int64_t>(tile / col_tiles) * kBlockSize;
     const int64_t col = static_cast<int64_t>(tile % col_tiles) * kSplitTileCols + lane * kChunkElems;
     if (role < kRowWarps) {  // warp-uniform
-      quantize_split_tile_rows<Cfg::kRowsPerRowWarp, kStream>(src, role * Cfg::kRowsPerRowWarp, row0, col, cols,
-                                                              col < cols, out);
+      quantize_split_tile_rows<Cfg::kRowsPerRowWarp>(src, role * Cfg::kRowsPerRowWarp, row0, col, cols, col < cols,
+                                                     out);
     } else {
-      quantize_split_tile_cols<kStream>(src, row0, col, cols, col < cols, out);
+      quantize_split_tile_cols(src, row0, col, cols, col < cols, out);
     }
     __syncwarp();  // every lane's shared loads are done (their values are used above)
     if (lane == 0) ptx::mbarrier_arrive_expect_tx(&empty[stage], 0);  // a plain arrival: 0 bytes expected
@@ -177,7 +172,7 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
 }
 
 // ---- the kernel: a persistent grid, CTA b walks the tiles b, b + G, b + 2G, ... (G = gridDim.x) -----------
-template <int kGroups, int kStages, int kRowWarps, bool kStream>
+template <int kGroups, int kStages, int kRowWarps>
 __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThreads,
                                   SplitDual<kGroups, kStages, kRowWarps>::kMinCtasPerSm)
     quantize_dual_split_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
@@ -204,8 +199,8 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThrea
     produce_split_tiles<kStages>(x, stages, full, empty, cols, col_tiles, num_tiles);
   } else {
     const int group = (warp - 1) / Cfg::kGroupWarps, role = (warp - 1) % Cfg::kGroupWarps;
-    consume_split_tiles<kGroups, kStages, kRowWarps, kStream>(stages, full, empty, out, cols, col_tiles, num_tiles,
-                                                              group, role);
+    consume_split_tiles<kGroups, kStages, kRowWarps>(stages, full, empty, out, cols, col_tiles, num_tiles, group,
+                                                     role);
   }
 }
 
@@ -221,24 +216,24 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThrea
 //  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
 //  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
 //  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM
-// 17-19 are 16, 13 and 11 with every output store evict-first (`st.global.cs`): whether dual's three write
-// streams lose HBM efficiency to L2 write-backs interleaved with the reads.
-constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 19;
+constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 16;
 
 inline bool is_split_dual_variant(int variant) {
   return variant >= kFirstSplitDualVariant && variant <= kLastSplitDualVariant;
 }
 
-template <int kGroups, int kStages, int kRowWarps, bool kStream = false>
+template <int kGroups, int kStages, int kRowWarps>
 inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
                                               cudaStream_t stream) {
   using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, kSplitTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
-  constexpr auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps, kStream>;
-  const cudaError_t err = persistent_grid<kernel>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
+  const cudaError_t err =
+      persistent_grid<quantize_dual_split_kernel<kGroups, kStages, kRowWarps>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                 tiles, &grid);
   if (err != cudaSuccess) return err;
+  const auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps>;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
 }
@@ -261,9 +256,6 @@ inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, voi
     case 14: return launch_quantize_dual_split<1, 2, 1>(in, out, rows, cols, stream);
     case 15: return launch_quantize_dual_split<1, 3, 1>(in, out, rows, cols, stream);
     case 16: return launch_quantize_dual_split<1, 2, 2>(in, out, rows, cols, stream);
-    case 17: return launch_quantize_dual_split<1, 2, 2, true>(in, out, rows, cols, stream);
-    case 18: return launch_quantize_dual_split<2, 4, 2, true>(in, out, rows, cols, stream);
-    case 19: return launch_quantize_dual_split<2, 4, 1, true>(in, out, rows, cols, stream);
     default: return cudaErrorInvalidValue;
   }
 }
