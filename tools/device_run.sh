@@ -91,6 +91,8 @@ step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-star
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
 step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
+# `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
+step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 90 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py
 step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
