@@ -37,8 +37,7 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `ab_mc` times the layer's passes on the default build and on B multicast
-# (MOK_GEMM_MULTICAST=1), interleaved in one process (mok/bench_ab.py), `ab_ee` against the epilogue after
-# every MMA (MOK_GEMM_EARLY_EPILOGUE=0), with `switches_ee` and `parts_ee` its bit test and kernel breakdown; `ncu` profiles every GEMM once
+# (MOK_GEMM_MULTICAST=1), interleaved in one process (mok/bench_ab.py); `ncu` profiles every GEMM once
 # (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
@@ -59,8 +58,6 @@ step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 test
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
 step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
   -k "build_switches and MULTICAST"
-step switches_ee 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
-  -k "build_switches and EARLY"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
@@ -72,13 +69,9 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=1 --out "$out/ab_multicast.csv"
-step ab_ee 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_EARLY_EPILOGUE=0 --passes fwd bwd \
-  --out "$out/ab_early_epilogue.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
   --out "$out/parts_multicast.csv"
-step parts_ee 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_EARLY_EPILOGUE=0 python -m mok.bench parts \
-  --out "$out/parts_no_early_epilogue.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
 step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \

@@ -76,12 +76,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
-// MOK_GEMM_EARLY_EPILOGUE=1 (default): each k-block's MMAs are two commit groups (acc0's, acc1's) and a task's
-// epilogue stores acc0's columns while acc1's last MMAs still run (mma_k_blocks); 0: one group per k-block,
-// interleaved, and the epilogue starts after every MMA (the path before). Same bits.
-#ifndef MOK_GEMM_EARLY_EPILOGUE
-#define MOK_GEMM_EARLY_EPILOGUE 1
-#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -92,7 +86,6 @@ constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
-constexpr bool kEarlyEpilogue = MOK_GEMM_EARLY_EPILOGUE != 0;
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
@@ -639,17 +632,14 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// The epilogues store acc0's columns first, then call finish_acc1() (acc1's last MMAs done) before reading acc1.
 // kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
 // (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
-template <typename FinishAcc1>
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
-                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane, FinishAcc1 finish_acc1) {
+                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
   store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
-  finish_acc1();
   store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
@@ -663,15 +653,13 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
 }
 
 // kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
-template <typename FinishAcc1>
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane, FinishAcc1 finish_acc1) {
+                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
   const Output out{p.out, o.out, 0, p.n, kAllRows};
   store_tile(st, out, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
   });
-  finish_acc1();
   if (n0 + BLOCK_N_B < p.n)
     store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
       return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
@@ -679,14 +667,11 @@ MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerTh
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
-template <typename FinishAcc1>
 MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                                  const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane,
-                                  FinishAcc1 finish_acc1) {
+                                  const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane) {
   const Output out{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m};
   store_tile(st, out, row0, n0, lane,
              [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); });
-  finish_acc1();
   if (n0 + BLOCK_N_B < p.n)
     store_tile(st, out, row0, n0 + BLOCK_N_B, lane,
                [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); });
@@ -713,11 +698,6 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. Returns the position in the stage sequence after it.
-// kEarlyEpilogue: each k-block is two commit groups, acc0's MMAs then acc1's, and the last one's acc1 group is
-// left in flight: the caller has acc0 (wait_group 1) and stores its columns while acc1's MMAs finish, then
-// calls finish_acc1() below. So the tensor cores drain each task's last MMAs under half of its epilogue, not
-// before all of it. (Two groups in every k-block, not only the last: a branch around wgmmas makes ptxas
-// serialize them, C7520.) Without it, every MMA is done on return and finish_acc1() only releases the stage.
 template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
@@ -742,44 +722,24 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
                       : ptx::smem_desc_sw128(stage_b(smem, stage, which));
     };
     const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
-    const auto mma = [&](float(&acc)[kAccPerThread], uint64_t desc_b_tile, int kk) {
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc, ptx::desc_advance(desc_a, kAStep * kk),
-                                                      ptx::desc_advance(desc_b_tile, kBStep * kk));
-    };
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
-    if constexpr (kEarlyEpilogue) {
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_K / 16; ++kk) mma(acc0, desc_b0, kk);
-      ptx::wgmma_commit_group();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_K / 16; ++kk) mma(acc1, desc_b1, kk);
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<2>();  // k-block kb - 1's MMAs are done: its stage can be refilled
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_K / 16; ++kk) mma(acc0, desc_b0, kk), mma(acc1, desc_b1, kk);
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+      const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
     if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
     prev_stage = stage;
   }
-  ptx::wgmma_wait_group<kEarlyEpilogue ? 1 : 0>();  // acc0 is complete (early epilogue: acc1 may still run)
-#pragma unroll
-  for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]);
+  ptx::wgmma_wait_group<0>();
+  fence_accumulators(acc0, acc1);
+  if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
   return it;
-}
-
-// After mma_k_blocks, before acc1 is read: its MMAs are done, and so the task's last stage can be refilled.
-template <int kStages, bool kCluster>
-MOK_DEVICE void finish_acc1(float (&acc1)[kAccPerThread], uint64_t* empty, uint32_t it, int num_k_blocks,
-                            uint32_t lane) {
-  if constexpr (kEarlyEpilogue) ptx::wgmma_wait_group<0>();
-#pragma unroll
-  for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc1[i]);
-  if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
 }
 
 template <Gemm kGemm>
@@ -817,13 +777,12 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 
     const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
-    const auto finish = [&] { finish_acc1<T::kStages, T::kMulticast>(acc1, empty, it, t.num_k_blocks, lane); };
     if constexpr (T::kSwiGLU) {
-      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane, finish);
+      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
-      store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane, finish);
+      store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
     } else {
-      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane, finish);
+      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane);
     }
   }
   drain_stores(lane);
