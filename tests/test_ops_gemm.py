@@ -79,6 +79,18 @@ def test_gemm_schedule_tensors_split_tiles_into_kernel_tiles(block_m):
         ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=64), "cpu")
 
 
+def test_weight_grad_schedule_tensors_are_the_offsets_and_real_rows_made_once():
+    """int32 expert_offsets [E + 1] and tokens_per_expert [E] (the real rows the weight gradients' K stops at),
+    empty experts included, made on the first call and then reused (three weight gradients per backward)."""
+    topk_idx = routing.random_routing(300, 9, 2, skew=1.5, generator=torch.Generator().manual_seed(5))[0]
+    topk_idx[topk_idx == 4] = 3  # expert 4 gets no rows
+    sched = make_schedule(topk_idx, 9)
+    offsets, rows = ops.gemm.weight_grad_schedule_tensors(sched, "cpu")
+    assert offsets.dtype == rows.dtype == torch.int32 and rows[4] == 0
+    assert torch.equal(offsets.long(), sched.expert_offsets) and torch.equal(rows.long(), sched.tokens_per_expert)
+    assert ops.gemm.weight_grad_schedule_tensors(sched, "cpu")[0] is offsets  # kept on the schedule
+
+
 def test_gemm_bad_inputs_name_the_argument():
     inputs, sched = _problem("tiny-noshared", seed=1)
     x, wg, wu, wd = inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"]
