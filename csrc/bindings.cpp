@@ -80,12 +80,14 @@ void fake_quantize(const at::Tensor& x, at::Tensor& out_col_or_row, const std::o
              "mxfp8_fake_quantize");
 }
 
-void copy_bytes(const at::Tensor& src, at::Tensor& dst) {
+void copy_bytes(const at::Tensor& src, at::Tensor& dst, int64_t variant) {
   check_arg(src, "src"), check_arg(dst, "dst");
   TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected ", src.nbytes(), " bytes, got ", dst.nbytes());
+  TORCH_CHECK(variant >= 0 && variant < mok::kNumCopyVariants, "variant: expected 0..", mok::kNumCopyVariants - 1,
+              ", got ", variant);
   const c10::cuda::CUDAGuard guard(src.device());
   check_cuda(mok::copy_bytes(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
-                             c10::cuda::getCurrentCUDAStream()),
+                             static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
              "copy_bytes");
 }
 
@@ -322,7 +324,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("mxfp8_fake_quantize", &fake_quantize,
         "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise");
-  m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0): the benchmark's copy kernel");
+  m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
+        py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
         "num_sms");

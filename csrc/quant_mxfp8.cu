@@ -50,8 +50,8 @@ cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_ro
   return mxfp8::launch_fake_quantize_tiled(x, out_col, out_row, rows, cols, stream);
 }
 
-cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream) {
-  return launch_copy_bytes(src, dst, nbytes, stream);
+cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream) {
+  return launch_copy_bytes(src, dst, nbytes, variant, stream);
 }
 
 }  // namespace mok

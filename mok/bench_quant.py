@@ -41,6 +41,9 @@ OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise", "fake
 # the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
 VARIANTS = {"rowwise": (0, 1, 2, 3, 4), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
             "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16)}
+# The copy kernels (mok/quant/copy_bytes.cuh): 0 the same-size ceiling, 1 twice the bytes in flight, 2 bulk
+# copies both ways, 3 one read stream into two half-size write streams.
+COPY_VARIANTS = (0, 1, 2, 3)
 
 
 def quant_shapes() -> list[tuple[str, tuple]]:
@@ -122,15 +125,15 @@ def copy_bandwidth_gbps(nbytes: int = 2**32) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def same_size_copy_gbps(nbytes: int) -> float:
-    """Read + written GB/s of the copy kernel moving `nbytes` in all (half each way), timed as the
-    quantizers are (graph_time_ms over rotated sources)."""
+def same_size_copy_gbps(nbytes: int, variant: int = 0) -> float:
+    """Read + written GB/s of copy kernel `variant` (mok/quant/copy_bytes.cuh; 0: the same-size ceiling)
+    moving `nbytes` in all (half each way), timed as the quantizers are (graph_time_ms over rotated sources)."""
     half = same_size_copy_bytes(nbytes)
     ext = ops.load_extension()
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255),  # [half] source
               torch.empty(half, dtype=torch.uint8, device="cuda"))  # [half] destination
              for _ in range(rotation_copies(half))]
-    ms = graph_time_ms([lambda p=p: ext.copy_bytes(*p) for p in pairs])
+    ms = graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
     return 2 * half / ms / 1e6
 
 
@@ -237,14 +240,16 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants=True, ops_
     copy_gbps = copy_bandwidth_gbps()
     meta = bench.provenance()
     none = {"variant": 0, "l0_time_ms": float("nan"), "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}
-    # The eager 4 GiB copy, and the copy kernel at 4 GiB timed as the kernels are: the second row says
-    # whether the kernel the same-size columns use is itself a full-speed copy.
-    kernel_gbps = same_size_copy_gbps(2 * 2**32)
+    # The eager 4 GiB copy, and the copy kernels at 4 GiB timed as the kernels are: variant 0's row says
+    # whether the kernel the same-size columns use is itself a full-speed copy; 1-3 are other access patterns
+    # (3: one read stream and two write streams, dual's mix without its arithmetic).
+    kernel_gbps = [same_size_copy_gbps(2 * 2**32, v) for v in COPY_VARIANTS]
     rows = [{"shape_name": "copy-4GiB", "shape": str(2**32), "op": "copy", "time_ms": 2 * 2**32 / copy_gbps / 1e6,
-             **bandwidth_columns(2 * 2**32, 2 * 2**32 / copy_gbps / 1e6, copy_gbps, kernel_gbps), **none},
-            {"shape_name": "copy-kernel-4GiB", "shape": str(2**32), "op": "copy_kernel",
-             "time_ms": 2 * 2**32 / kernel_gbps / 1e6,
-             **bandwidth_columns(2 * 2**32, 2 * 2**32 / kernel_gbps / 1e6, copy_gbps, kernel_gbps), **none}]
+             **bandwidth_columns(2 * 2**32, 2 * 2**32 / copy_gbps / 1e6, copy_gbps, kernel_gbps[0]), **none}]
+    rows += [{"shape_name": "copy-kernel-4GiB", "shape": str(2**32), "op": "copy_kernel",
+              "time_ms": 2 * 2**32 / gbps / 1e6,
+              **bandwidth_columns(2 * 2**32, 2 * 2**32 / gbps / 1e6, copy_gbps, kernel_gbps[0]), **none,
+              "variant": v} for v, gbps in zip(COPY_VARIANTS, kernel_gbps)]
     for name, shape in shapes or quant_shapes():
         rows += bench_shape(name, shape, copy_gbps, l0=l0, variants=variants, ops_list=ops_list)
         torch.cuda.empty_cache()

@@ -367,3 +367,24 @@ def test_bad_inputs_raise_clear_errors():
         ops.mxfp8_dequantize(data, scales, dim=-3)
     with pytest.raises(ValueError, match=r"scales: expected dtype torch.uint8"):
         ops.mxfp8_dequantize(data, scales.int(), dim=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("nbytes", [16, 48 * 1024 + 16, 5 * 2**20 + 4096 * 16 + 32], ids=str)
+def test_copy_kernels_copy_every_byte(nbytes):
+    """The benchmark's copy ceilings (mok/quant/copy_bytes.cuh) move what they claim: variants 0-2 copy, 3 splits
+    every 16-byte chunk into its even bytes (dst's first half) and odd bytes (second half)."""
+    seed = fresh_seed()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    chunks = src.view(-1, 16)  # [nbytes / 16, 16]
+    split = torch.cat([chunks[:, 0::2].flatten(), chunks[:, 1::2].flatten()])  # [nbytes]
+    ext = ops.load_extension()
+    for variant, want in [(0, src), (1, src), (2, src), (3, split)]:
+        poison_allocator(2 * nbytes, byte=0x55)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        ext.copy_bytes(src.cuda(), dst, variant)
+        torch.cuda.synchronize()
+        _assert_bytes_equal(dst, want, f"copy_bytes variant {variant}, {nbytes} bytes", seed)
+    with pytest.raises(RuntimeError, match=r"variant: expected 0..3, got 4"):
+        ext.copy_bytes(src.cuda(), dst, 4)

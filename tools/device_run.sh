@@ -80,14 +80,15 @@ step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grou
   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
   --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
 # `stalls`: Nsight Compute's warp-state and per-instruction stall samples of dsv4pro's GEMM1 (both launches: routed,
-# shared) and first weight gradient; `trace`: whole passes under torch.profiler (tools/trace_passes.py); `host`:
-# each call's host time in a pass (tools/host_time.py); `order_ab`: the forward's shared expert first against last,
-# and from an idle GPU against back to back (tools/forward_order_ab.py).
+# shared) and first weight gradient, or of MOK_STALLS="SHAPE KERNEL_REGEX COUNT"; `trace`: whole passes under
+# torch.profiler (tools/trace_passes.py); `host`: each call's host time in a pass (tools/host_time.py); `order_ab`:
+# the forward's shared expert first against last, and from an idle GPU against back to back
+# (tools/forward_order_ab.py).
 step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-start off --kernel-name-base demangled \
-  -k "regex:Gemm\)(0|4)>" -c 3 --section WarpStateStats --section SourceCounters --section SpeedOfLight -f \
-  -o "$1/stalls" python tools/profile_gemms.py dsv4pro-rank && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
+  -k "regex:$3" -c "$4" --section WarpStateStats --section SourceCounters --section SpeedOfLight -f \
+  -o "$1/stalls" python tools/profile_gemms.py "$2" && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
   >"$1/stalls_details.csv" && "$0" -i "$1/stalls.ncu-rep" --page source --csv --print-source sass \
-  >"$1/stalls_sass.csv"; rm -f "$1/stalls.ncu-rep"; head -c 3000 "$1/stalls_details.csv"' "$ncu" "$logs"
+  >"$1/stalls_sass.csv"; rm -f "$1/stalls.ncu-rep"; head -c 3000 "$1/stalls_details.csv"' "$ncu" "$logs" ${MOK_STALLS:-dsv4pro-rank 'Gemm\)(0|4)>' 3}
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
 step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
@@ -101,3 +102,5 @@ step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$saniti
   python tools/sanitize.py mainloop
 step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
+# `qdual`: dual quantization alone (its default) beside the copy kernels' 4 GiB rows, a quick A/B of dual's ceiling.
+step qdual 90 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants 0 --out "$out/quant_dual.csv"

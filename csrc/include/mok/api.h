@@ -31,9 +31,11 @@ cudaError_t mxfp8_fake_quantize_rowwise(const void* x, void* out, int64_t numel,
 cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows, int64_t cols,
                                       cudaStream_t stream);
 
-// The quantizers' bandwidth ceiling for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
-// plain kernel (a graph-capturable copy that is not a memcpy node; mok/quant/copy_bytes.cuh).
-cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, cudaStream_t stream);
+// The quantizers' bandwidth ceilings for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
+// plain kernel (a graph-capturable copy that is not a memcpy node). variant 0: the benchmark's same-size copy;
+// 1-3: the other access patterns of mok/quant/copy_bytes.cuh (3 writes two half-size streams into dst).
+constexpr int kNumCopyVariants = 4;
+cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream);
 
 // ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
 // Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
