@@ -201,6 +201,61 @@ def test_dgrad_swiglu_matches_l0(case, limit):
         _assert_close(a, e, f"{case} limit={limit} {name}", seed)
 
 
+def _every_bf16(rows: int) -> torch.Tensor:
+    """All 65,536 bf16 bit patterns as [rows, 65536 / rows], the 256 with exponent 0xFF (Inf, NaN) in the
+    last rows: a GEMM row with one of them is NaN in every column, so they must not share rows with the others."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)  # [65536]
+    special = (bits.view(torch.uint16).to(torch.int32) & 0x7F80) == 0x7F80  # [65536]
+    return torch.cat([bits[~special], bits[special]]).view(BF16).view(rows, -1)
+
+
+def _swiglu_ieee(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """h as the kernels write it: bf16(g · (1 / (1 + exp(-g))) · u) in fp32, each op IEEE-rounded (torch on the
+    GPU), the clamps as L0's. mok.reference.swiglu computes the same with torch.sigmoid, a different rounding."""
+    g, u = gate.float(), up.float()
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (g * (1.0 / (1.0 + torch.exp(-g))) * u).to(BF16)
+
+
+def _assert_same_bits_or_both_nan(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    a, e = actual.float(), expected.float()
+    same = (actual.view(torch.int16) == expected.view(torch.int16)) | (a.isnan() & e.isnan())
+    if not same.all():
+        i = (~same).nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int((~same).sum())} of {same.numel()} elements differ; first at {i}: "
+                             f"got {actual[tuple(i)].item()}, want {expected[tuple(i)].item()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_swiglu_bits_for_every_bf16_gate(limit):
+    """GEMM1's epilogue and the backward's SwiGLU kernel compute h = swiglu(gate, up) in batches (mok/swiglu.cuh:
+    the division's fast path for every element, the batch redone when one needs the slow path). Every bf16
+    gate, the slow path's (g < -87, NaN) included, gives IEEE division's bits. GEMM1 makes gate and up exact
+    copies of x's columns (0/1 weights); the backward kernel takes gate and up as they are."""
+    num_tokens, hidden, inter = 1024, 64, 128
+    x = _every_bf16(num_tokens).cuda()  # [T, H]: every pattern once
+    n = torch.arange(inter)  # [I]
+    w_gate = (torch.arange(hidden) == (n % hidden)[:, None]).to(BF16)[None].cuda()  # [1, I, H]: gate = x[:, n % H]
+    w_up = (torch.arange(hidden) == ((7 * n + 3) % hidden)[:, None]).to(BF16)[None].cuda()  # [1, I, H]
+    sched = make_schedule(torch.zeros(num_tokens, 1, dtype=torch.int64), 1).to("cuda")
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=limit)
+    torch.cuda.synchronize()
+    g = gate.float()  # [R, I]
+    assert (g < -88).any() and g.isnan().any() and (g > 88).any(), "the gates miss the slow path's inputs"
+    _assert_same_bits_or_both_nan(h, _swiglu_ieee(gate, up, limit), f"GEMM1 h, limit {limit}")
+
+    gate = _every_bf16(sched.num_rows).repeat(1, inter // hidden).cuda()  # [R, I]: every pattern twice
+    up = torch.randn(sched.num_rows, inter, device="cuda").to(BF16)  # [R, I]
+    dy_rows = torch.randn(sched.num_rows, hidden, device="cuda").to(BF16)  # [R, H]
+    w_down = torch.randn(1, hidden, inter, device="cuda").to(BF16)  # [1, H, I]
+    _, _, h_again = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit=limit)
+    torch.cuda.synchronize()
+    _assert_same_bits_or_both_nan(h_again, _swiglu_ieee(gate, up, limit), f"backward h, limit {limit}")
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("case", list(CASES))

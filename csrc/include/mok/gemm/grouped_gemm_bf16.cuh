@@ -4,7 +4,7 @@
 //
 // For every row r of the schedule (e = the tile's expert, t = row_to_token[r]; padding rows t = -1 are
 // written as zeros in every output), in L0's rounding points (mok.reference.expert_forward/_backward):
-//   kGateUp       gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r]))
+//   kGateUp       gate[r] = bf16(x[t]·Wg[e]ᵀ), up[r] = bf16(x[t]·Wu[e]ᵀ), h[r] = bf16(swiglu_n(gate[r], up[r]))
 //                 (x rows gathered through row_to_token: the dispatch is fused)
 //   kDown         out[r] = bf16(a[r]·W[e]ᵀ)                          (the down projection, or any NT GEMM)
 //   kDownDgrad    d_h[r] = bf16(dy[r]·Wd[e])  (Wd [E, H, I] read MN-major; the SwiGLU backward runs after it
@@ -643,13 +643,21 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
   store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
-  const bool has_limit = p.has_limit != 0;
-  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
-    const int a = 4 * i + 2 * h;
-    const float h0 = swiglu(round_bf16(acc_gate[a]), round_bf16(acc_up[a]), p.swiglu_limit, has_limit);
-    const float h1 = swiglu(round_bf16(acc_gate[a + 1]), round_bf16(acc_up[a + 1]), p.swiglu_limit, has_limit);
-    return real[h] ? pack_bf16x2(h0, h1) : 0u;
-  });
+  // h in batches of 16 elements (swiglu_n: see mok/swiglu.cuh for why batches), packed as the stores read it:
+  // word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
+  constexpr int kBatch = 8;
+  uint32_t h_words[kAccPerThread / 2];
+#pragma unroll
+  for (int b = 0; b < kAccPerThread; b += kBatch) {
+    float g[kBatch], u[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) g[j] = round_bf16(acc_gate[b + j]), u[j] = round_bf16(acc_up[b + j]);
+    swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
+#pragma unroll
+    for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
+  }
+  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+             [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
 }
 
 // kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.

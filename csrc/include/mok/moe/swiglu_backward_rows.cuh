@@ -1,5 +1,5 @@
 // The SwiGLU backward over the schedule's rows, after the down-projection dgrad GEMM (kDownDgrad):
-//   (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h[r])), h[r] = bf16(swiglu(gate[r], up[r]))
+//   (d_gate[r], d_up[r], h[r]) = bf16(swiglu_backward_n(gate[r], up[r], d_h[r])) (h = swiglu(gate[r], up[r]))
 // with padding rows (row_to_token[r] < 0) written as zeros whatever the inputs hold. d_h may be d_gate's own
 // buffer (in place: each thread reads its 8 elements before it writes them). Rows from *real_num_rows on (the
 // schedule's spare rows; null: none) are neither read nor written.
@@ -31,20 +31,22 @@ __global__ void __launch_bounds__(kSwiGLUThreads)
     if (row_to_token[v / vecs_per_row] >= 0) {
       const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
       const uint4 g4 = ld_stream_v4(gate + at), u4 = ld_stream_v4(up + at);
-      const uint32_t dh[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g[4] = {g4.x, g4.y, g4.z, g4.w};
-      const uint32_t u[4] = {u4.x, u4.y, u4.z, u4.w};
-      uint32_t rg[4], ru[4], rh[4];
+      const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
+      const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
+      float g[8], u[8], dh[8];  // element 2i + j = word i's half j (j = 0: low)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const SwiGLUGrad lo = swiglu_backward(bf16_lo_as_f32(g[i]), bf16_lo_as_f32(u[i]), bf16_lo_as_f32(dh[i]),
-                                              limit, has_limit);
-        const SwiGLUGrad hi = swiglu_backward(bf16_hi_as_f32(g[i]), bf16_hi_as_f32(u[i]), bf16_hi_as_f32(dh[i]),
-                                              limit, has_limit);
-        rg[i] = pack_bf16x2(lo.d_gate, hi.d_gate), ru[i] = pack_bf16x2(lo.d_up, hi.d_up);
-        rh[i] = pack_bf16x2(lo.h, hi.h);
+        g[2 * i] = bf16_lo_as_f32(g_w[i]), g[2 * i + 1] = bf16_hi_as_f32(g_w[i]);
+        u[2 * i] = bf16_lo_as_f32(u_w[i]), u[2 * i + 1] = bf16_hi_as_f32(u_w[i]);
+        dh[2 * i] = bf16_lo_as_f32(dh_w[i]), dh[2 * i + 1] = bf16_hi_as_f32(dh_w[i]);
       }
-      out_g = make_uint4(rg[0], rg[1], rg[2], rg[3]), out_u = make_uint4(ru[0], ru[1], ru[2], ru[3]);
-      out_h = make_uint4(rh[0], rh[1], rh[2], rh[3]);
+      swiglu_backward_n(g, u, dh, limit, has_limit);  // g, u, dh <- d_gate, d_up, h
+      out_g = make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
+                         pack_bf16x2(g[6], g[7]));
+      out_u = make_uint4(pack_bf16x2(u[0], u[1]), pack_bf16x2(u[2], u[3]), pack_bf16x2(u[4], u[5]),
+                         pack_bf16x2(u[6], u[7]));
+      out_h = make_uint4(pack_bf16x2(dh[0], dh[1]), pack_bf16x2(dh[2], dh[3]), pack_bf16x2(dh[4], dh[5]),
+                         pack_bf16x2(dh[6], dh[7]));
     }
     st_v4(d_gate + at, out_g);
     st_v4(d_up + at, out_u);
