@@ -386,5 +386,7 @@ def test_copy_kernels_copy_every_byte(nbytes):
         ext.copy_bytes(src.cuda(), dst, variant)
         torch.cuda.synchronize()
         _assert_bytes_equal(dst, want, f"copy_bytes variant {variant}, {nbytes} bytes", seed)
-    with pytest.raises(RuntimeError, match=r"variant: expected 0..3, got 4"):
+    with pytest.raises(RuntimeError, match=r"variant: expected 0, 1, 2 or 3"):
         ext.copy_bytes(src.cuda(), dst, 4)
+    with pytest.raises(RuntimeError, match=r"dst: expected as many bytes as src"):
+        ext.copy_bytes(src.cuda(), dst[:-16])
