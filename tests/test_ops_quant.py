@@ -137,7 +137,7 @@ def test_pipelined_variants_match_l0(shape):
 # 12 stages for variant 10, 5 over 2 for 14 and 16), and 288 = 256 + 32 leaves a partial last column tile
 # (32 of 256 columns); 3D folds experts into rows (1056 = 4 x 256 + 32); 32 x 32 is one partial tile;
 # 64 x 7168 has fewer tiles than CTAs.
-SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13, 14, 15, 16, 17)
+SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13, 14, 15, 16)
 
 
 @pytest.mark.gpu

@@ -26,21 +26,14 @@ static_assert(kSplitRowBytes % 16 == 0, "stage rows stay 16-byte aligned for the
 // kGroups consumer groups and kStages shared-memory stages per CTA; a group is kRowWarps row warps (tile
 // rows split evenly among them) and one column warp. Warp 0 produces; group g is warps
 // 1 + g (kRowWarps + 1) ..., its column warp last.
-// kShareAmax: the row warps first read their rows for the column-wise amax of their lanes' 8 columns and hand
-// it to the column warp in shared memory (one 16-byte word per lane, per stage, behind the stage's
-// amax_ready mbarrier); the column warp then reads each row once (quantize and store) instead of twice.
-// Why: Nsight put the column warp at ~88% busy and the row warps at ~59% on dsv4pro's weights (variant 16),
-// and a stage stays full until its column warp is done (docs/mxfp8_kernels.md).
-template <int kGroups, int kStages, int kRowWarps, bool kShareAmax = false>
+template <int kGroups, int kStages, int kRowWarps>
 struct SplitDual {
   static constexpr int kGroupWarps = kRowWarps + 1;
   static constexpr int kWarps = 1 + kGroups * kGroupWarps;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kRowsPerRowWarp = kBlockSize / kRowWarps;
-  static constexpr int kNumBarriers = (kShareAmax ? 3 : 2) * kStages;  // full, empty[, amax_ready]
-  static constexpr int kBarrierBytes = 128 * static_cast<int>(ceil_div(kNumBarriers * 8, 128));
-  static constexpr int kAmaxBytes = kShareAmax ? kStages * kRowWarps * kWarpSize * 16 : 0;  // [stage][row warp][lane]
-  static constexpr int kSmemBytes = kBarrierBytes + kStages * kSplitStageBytes + kAmaxBytes;
+  static constexpr int kBarrierBytes = 128 * static_cast<int>(ceil_div(2 * kStages * 8, 128));  // full, empty
+  static constexpr int kSmemBytes = kBarrierBytes + kStages * kSplitStageBytes;
   // CTAs per SM that shared memory allows (228 KB per SM on sm_90, 1 KB of it reserved per CTA): the
   // register budget of __launch_bounds__ must not be what stops them.
   static constexpr int kMinCtasPerSm = (228 * 1024) / (kSmemBytes + 1024);
@@ -123,27 +116,21 @@ MOK_DEVICE void quantize_split_tile_rows(const uint8_t* src, int first_row, int6
   }
 }
 
-// The column-wise amax of this lane's 8 columns over tile rows [first_row, first_row + kRows): column pairs
-// (2k, 2k + 1) in word k, as packed |bf16| bits (amax2_acc).
-template <int kRows>
-MOK_DEVICE uint4 column_amax_rows(const uint8_t* src, int first_row) {
-  uint4 acc = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll 8
-  for (int r = first_row; r < first_row + kRows; ++r) {
-    const uint4 v = ld_stage(src, r);
-    acc.x = amax2_acc(acc.x, v.x), acc.y = amax2_acc(acc.y, v.y);
-    acc.z = amax2_acc(acc.z, v.z), acc.w = amax2_acc(acc.w, v.w);
-  }
-  return acc;
-}
-
 // Column warp: the column-wise half. A lane holds all 32 rows of its 8 columns, so the block amax needs no
-// shuffle: `amax` is it (column_amax_rows over the 32 rows, or the row warps' parts combined), then each row
-// is read again to quantize (shared memory is cheap; keeping 32 chunks in registers is not). Stores: 256
-// contiguous scale bytes, then per row 256 contiguous E4M3 bytes.
-MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, uint4 amax, int64_t row0, int64_t col, int64_t cols,
-                                         bool valid, const TiledOut& out) {
-  const uint32_t acc[4] = {amax.x, amax.y, amax.z, amax.w};  // column pairs (2k, 2k + 1)
+// shuffle: pass 1 reads the 32 rows for the amax, pass 2 reads them again to quantize (shared memory is
+// cheap; keeping 32 chunks in registers is not). Stores: 256 contiguous scale bytes, then per row 256
+// contiguous E4M3 bytes.
+MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, int64_t row0, int64_t col, int64_t cols, bool valid,
+                                         const TiledOut& out) {
+  uint32_t acc[4] = {0u, 0u, 0u, 0u};  // column pairs (2k, 2k + 1)
+#pragma unroll 8
+  for (int r = 0; r < kBlockSize; ++r) {
+    const uint4 v = ld_stage(src, r);
+    acc[0] = amax2_acc(acc[0], v.x);
+    acc[1] = amax2_acc(acc[1], v.y);
+    acc[2] = amax2_acc(acc[2], v.z);
+    acc[3] = amax2_acc(acc[3], v.w);
+  }
   Scale cs[8];
   float inv[8];
 #pragma unroll
@@ -160,14 +147,11 @@ MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, uint4 amax, int64_t
 }
 
 // One warp of group `group`: row warp `role` < kRowWarps, or the column warp (role == kRowWarps). It takes
-// the CTA's tiles k = group, group + kGroups, ... and releases each stage with one arrival. kShareAmax: the
-// row warps publish their rows' column amax in amax[stage][role][lane] (every lane arrives on amax_ready[stage]
-// after its write), the column warp waits for it.
-template <int kGroups, int kStages, int kRowWarps, bool kShareAmax>
-MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint64_t* empty, uint64_t* amax_ready,
-                                    uint4* amax, const TiledOut& out, int64_t cols, uint32_t col_tiles,
-                                    uint32_t num_tiles, int group, int role) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kShareAmax>;
+// the CTA's tiles k = group, group + kGroups, ... and releases each stage with one arrival.
+template <int kGroups, int kStages, int kRowWarps>
+MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint64_t* empty, const TiledOut& out,
+                                    int64_t cols, uint32_t col_tiles, uint32_t num_tiles, int group, int role) {
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int lane = static_cast<int>(lane_id());
   uint32_t k = group;
   for (uint32_t tile = blockIdx.x + group * gridDim.x; tile < num_tiles; tile += kGroups * gridDim.x, k += kGroups) {
@@ -176,29 +160,11 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
     const uint8_t* src = stages + stage * kSplitStageBytes + lane * 16;
     const int64_t row0 = static_cast<int64_t>(tile / col_tiles) * kBlockSize;
     const int64_t col = static_cast<int64_t>(tile % col_tiles) * kSplitTileCols + lane * kChunkElems;
-    uint4* stage_amax = amax + stage * kRowWarps * kWarpSize;  // kShareAmax: [row warp][lane]
     if (role < kRowWarps) {  // warp-uniform
-      if constexpr (kShareAmax) {
-        stage_amax[role * kWarpSize + lane] = column_amax_rows<Cfg::kRowsPerRowWarp>(src, role * Cfg::kRowsPerRowWarp);
-        ptx::mbarrier_arrive_expect_tx(&amax_ready[stage], 0);  // release: this lane's word is written
-      }
       quantize_split_tile_rows<Cfg::kRowsPerRowWarp>(src, role * Cfg::kRowsPerRowWarp, row0, col, cols, col < cols,
                                                      out);
     } else {
-      uint4 column_amax;
-      if constexpr (kShareAmax) {
-        ptx::mbarrier_wait_parity(&amax_ready[stage], (k / kStages) & 1u);
-        column_amax = stage_amax[lane];
-#pragma unroll
-        for (int w = 1; w < kRowWarps; ++w) {  // |bf16| bits: the unsigned max of the parts
-          const uint4 part = stage_amax[w * kWarpSize + lane];
-          column_amax = make_uint4(__vmaxu2(column_amax.x, part.x), __vmaxu2(column_amax.y, part.y),
-                                   __vmaxu2(column_amax.z, part.z), __vmaxu2(column_amax.w, part.w));
-        }
-      } else {
-        column_amax = column_amax_rows<kBlockSize>(src, 0);
-      }
-      quantize_split_tile_cols(src, column_amax, row0, col, cols, col < cols, out);
+      quantize_split_tile_cols(src, row0, col, cols, col < cols, out);
     }
     __syncwarp();  // every lane's shared loads are done (their values are used above)
     if (lane == 0) ptx::mbarrier_arrive_expect_tx(&empty[stage], 0);  // a plain arrival: 0 bytes expected
@@ -206,17 +172,15 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
 }
 
 // ---- the kernel: a persistent grid, CTA b walks the tiles b, b + G, b + 2G, ... (G = gridDim.x) -----------
-template <int kGroups, int kStages, int kRowWarps, bool kShareAmax>
-__global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kShareAmax>::kThreads,
-                                  SplitDual<kGroups, kStages, kRowWarps, kShareAmax>::kMinCtasPerSm)
+template <int kGroups, int kStages, int kRowWarps>
+__global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThreads,
+                                  SplitDual<kGroups, kStages, kRowWarps>::kMinCtasPerSm)
     quantize_dual_split_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kShareAmax>;
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // [kStages] the stage's tile landed (1 arrival + bytes)
   uint64_t* empty = full + kStages;                    // [kStages] its group is done (kGroupWarps arrivals)
-  uint64_t* amax_ready = empty + kStages;              // kShareAmax: [kStages] row warps' amax written
   uint8_t* stages = smem + Cfg::kBarrierBytes;         // [kStages][32][256] bf16
-  uint4* amax = reinterpret_cast<uint4*>(stages + kStages * kSplitStageBytes);  // kShareAmax, see consume
   // NOTE: tile indices in 32 bits (the launcher checks num_tiles < 2^31).
   const uint32_t col_tiles = static_cast<uint32_t>(ceil_div(cols, kSplitTileCols));
   const uint32_t num_tiles = static_cast<uint32_t>(rows / kBlockSize) * col_tiles;
@@ -225,7 +189,6 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kShareA
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], 1);
       ptx::mbarrier_init(&empty[s], Cfg::kGroupWarps);
-      if constexpr (kShareAmax) ptx::mbarrier_init(&amax_ready[s], kRowWarps * kWarpSize);
     }
     ptx::fence_mbarrier_init();
   }
@@ -236,8 +199,8 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kShareA
     produce_split_tiles<kStages>(x, stages, full, empty, cols, col_tiles, num_tiles);
   } else {
     const int group = (warp - 1) / Cfg::kGroupWarps, role = (warp - 1) % Cfg::kGroupWarps;
-    consume_split_tiles<kGroups, kStages, kRowWarps, kShareAmax>(stages, full, empty, amax_ready, amax, out, cols,
-                                                                 col_tiles, num_tiles, group, role);
+    consume_split_tiles<kGroups, kStages, kRowWarps>(stages, full, empty, out, cols, col_tiles, num_tiles, group,
+                                                     role);
   }
 }
 
@@ -253,26 +216,24 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kShareA
 //  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
 //  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
 //  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM
-//  17: 16 with the column amax from the row warps (kShareAmax; 33 KB)
-constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 17;
+constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 16;
 
 inline bool is_split_dual_variant(int variant) {
   return variant >= kFirstSplitDualVariant && variant <= kLastSplitDualVariant;
 }
 
-template <int kGroups, int kStages, int kRowWarps, bool kShareAmax = false>
+template <int kGroups, int kStages, int kRowWarps>
 inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
                                               cudaStream_t stream) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kShareAmax>;
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, kSplitTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
   const cudaError_t err =
-      persistent_grid<quantize_dual_split_kernel<kGroups, kStages, kRowWarps, kShareAmax>>(Cfg::kThreads,
-                                                                                             Cfg::kSmemBytes, tiles,
-                                                                                             &grid);
+      persistent_grid<quantize_dual_split_kernel<kGroups, kStages, kRowWarps>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                 tiles, &grid);
   if (err != cudaSuccess) return err;
-  const auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps, kShareAmax>;
+  const auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps>;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
 }
@@ -295,7 +256,6 @@ inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, voi
     case 14: return launch_quantize_dual_split<1, 2, 1>(in, out, rows, cols, stream);
     case 15: return launch_quantize_dual_split<1, 3, 1>(in, out, rows, cols, stream);
     case 16: return launch_quantize_dual_split<1, 2, 2>(in, out, rows, cols, stream);
-    case 17: return launch_quantize_dual_split<1, 2, 2, true>(in, out, rows, cols, stream);
     default: return cudaErrorInvalidValue;
   }
 }
