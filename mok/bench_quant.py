@@ -20,6 +20,8 @@ into L2 and written back by the hardware, for both alike.
     python -m mok.bench_quant                    # writes data/bench/quant.csv
     python -m mok.bench_quant --ops dual --variants 0,11,13,14,15,16 --out data/bench/quant_dual.csv
                                                  # some ops and variants only, side by side
+    python -m mok.bench_quant --ops dual --shapes 147456x7168,258048x4096 --out data/bench/quant_geometry.csv
+                                                 # other shapes (here: the same bytes in other row lengths)
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def quant_shapes() -> list[tuple[str, tuple]]:
     for cfg in STANDARD_SHAPES.values():
         shapes.append((f"{cfg.name}/x", (cfg.num_tokens, cfg.hidden)))
         shapes.append((f"{cfg.name}/w_gate", (cfg.num_experts, cfg.intermediate, cfg.hidden)))
+    return shapes
+
+
+def parse_shapes(text: str) -> list[tuple[str, tuple]]:
+    """'147456x7168,3x64x96' -> [('147456x7168', (147456, 7168)), ('3x64x96', (3, 64, 96))]."""
+    shapes = []
+    for name in text.split(","):
+        dims = name.split("x")
+        if len(dims) not in (2, 3) or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(f"--shapes: expected ROWSxCOLS or EXPERTSxROWSxCOLS of positive ints, got {name!r}")
+        shapes.append((name, tuple(int(d) for d in dims)))
     return shapes
 
 
@@ -263,7 +276,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variant numbers (each op times those it has); default: all")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated ROWSxCOLS or EXPERTSxROWSxCOLS; default: 16384x7168 and each standard "
+                             "shape's activations and weights")
     args = parser.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else None
+    except ValueError as e:
+        parser.error(str(e))
     ops_list = tuple(args.ops.split(","))
     unknown = [op for op in ops_list if op not in OPS]
     if unknown:
@@ -271,7 +291,7 @@ def main(argv=None) -> int:
     variants = True if args.variants is None else tuple(int(v) for v in args.variants.split(","))
     import pandas as pd
 
-    df = pd.DataFrame(bench_quant(l0=not args.no_l0, variants=variants, ops_list=ops_list))
+    df = pd.DataFrame(bench_quant(shapes, l0=not args.no_l0, variants=variants, ops_list=ops_list))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     cols = ["shape_name", "op", "variant", "time_ms", "gbps", "frac_of_copy", "frac_of_same_size_copy",

@@ -58,3 +58,11 @@ def test_variants_of_includes_the_persistent_rowwise_variants():
     assert bench_quant.variants_of("rowwise", (0, 3, 4, 16)) == (0, 3, 4)
     assert bench_quant.variants_of("dual", (0, 3, 4, 16)) == (0, 3, 4, 16)
     assert bench_quant.variants_of("dequant_rowwise", (3,)) == ()
+
+
+def test_parse_shapes():
+    assert bench_quant.parse_shapes("147456x7168,3x64x96") == [("147456x7168", (147456, 7168)),
+                                                                ("3x64x96", (3, 64, 96))]
+    for bad in ("147456", "0x64", "2x3x4x5", "64xa"):
+        with pytest.raises(ValueError, match="--shapes: expected ROWSxCOLS"):
+            bench_quant.parse_shapes(bad)
