@@ -70,11 +70,14 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=1 --out "$out/ab_multicast.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
-# `parts_base`: `parts` at commit MOK_BASE (checked out from the device's .git into a worktree, its own build), the
-# A/B partner of `parts` in the same run when a change has no build switch.
-step parts_base 240 "whole|steps|gemm|wgrad|dgrad" bash -c 'git worktree add -f /tmp/mok_base "$1" >/dev/null &&
-  cd /tmp/mok_base && MOK_COMMIT=$1 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
-  python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}"
+# `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
+# lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
+# untracked so that it travels), its own build: the A/B partner of `parts` in the same run when a change has no
+# build switch. MOK_BASE_COMMIT labels its rows (default: MOK_BASE).
+step parts_base 240 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then cd "$1"; else
+  git worktree add -f /tmp/mok_base "$1" >/dev/null && cd /tmp/mok_base; fi &&
+  MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
+  python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}"
 step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
   --out "$out/parts_multicast.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
