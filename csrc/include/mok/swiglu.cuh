@@ -20,13 +20,15 @@ MOK_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
 // `1.0f / d` (IEEE, --prec-div) compiles to an approximate reciprocal, one Newton step and a branch to a slow path
 // for d outside [2^-126, 2^126) (and Inf, NaN). That branch per element kept the compiler from interleaving the
 // elements' dependent chains (expf, reciprocal, products): GEMM1's epilogue ran its 64 SwiGLUs per thread one
-// after another, 24% of the kernel's warp samples at qwen3-30b (Nsight Compute, docs/l2_fused.md). So the
+// after another, 24% of its consumer warps' samples at qwen3-30b (Nsight Compute, docs/l2_fused.md). So the
 // helpers below take the fast path for all n elements, with the compiler's instructions, and redo the batch
 // by the division only when an element needs the slow path: the same bits as `1.0f / d` everywhere.
 
 // Whether the fast path below is `1.0f / d` rounded as IEEE: d's exponent field in [1, 252], the compiler's own
 // test (sm_90, CUDA 13.0 SASS of `1.0f / d`).
-MOK_DEVICE bool reciprocal_fast_path(float d) { return ((__float_as_uint(d) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu; }
+MOK_DEVICE bool reciprocal_fast_path(float d) {
+  return ((__float_as_uint(d) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu;
+}
 
 // The compiler's fast path of `1.0f / d`: MUFU.RCP, then r + r·(1 − d·r), correctly rounded where
 // reciprocal_fast_path(d) holds.

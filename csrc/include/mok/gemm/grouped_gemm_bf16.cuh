@@ -653,8 +653,8 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
   store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
-  // h in batches of 16 elements (swiglu_n: see mok/swiglu.cuh for why batches), packed as the stores read it:
-  // word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
+  // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the stores
+  // read it: word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
   constexpr int kBatch = 8;
   uint32_t h_words[kAccPerThread / 2];
 #pragma unroll
