@@ -2,6 +2,7 @@
 // warp shuffles, launch-error plumbing. Torch-free: CPU CI compiles this for sm_90a with plain nvcc.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -119,5 +120,34 @@ MOK_DEVICE void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t byt
 }
 
 }  // namespace ptx
+
+// ---- launch ---------------------------------------------------------------------------------------------
+
+// Grid of a persistent kernel: as many CTAs as fit on the device at once, at most one per tile. The
+// shared-memory opt-in and the occupancy query run once per kernel and device and are cached, so a launch
+// inside a CUDA graph capture makes no such calls (every caller runs the op once before capturing).
+template <auto* kKernel>
+inline cudaError_t persistent_grid(int threads, int smem_bytes, int64_t num_tiles, unsigned* grid) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> resident_ctas[kMaxDevices];  // per device; 0 = not set up yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int resident = device < kMaxDevices ? resident_ctas[device].load() : 0;
+  if (resident == 0) {
+    int per_sm = 0, sms = 0;
+    if ((err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes)) ||
+        (err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared)) ||
+        (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes)) ||
+        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
+      return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    resident = per_sm * sms;
+    if (device < kMaxDevices) resident_ctas[device].store(resident);
+  }
+  *grid = static_cast<unsigned>(num_tiles < resident ? num_tiles : resident);
+  return cudaSuccess;
+}
 
 }  // namespace mok

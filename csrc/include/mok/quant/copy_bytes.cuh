@@ -105,20 +105,11 @@ inline cudaError_t launch_copy_bytes(const void* src, void* dst, int64_t nbytes,
       break;
     case 2: {
       constexpr int kSmem = 128 + kBulkStages * kBulkPieceBytes;
-      static int resident = 0;  // CTAs resident at once on the first device asked (a benchmark kernel)
-      if (resident == 0) {
-        int per_sm = 0, sms = 0, device = 0;
-        cudaError_t err;
-        if ((err = cudaGetDevice(&device)) ||
-            (err = cudaFuncSetAttribute(copy_bytes_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) ||
-            (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_bytes_bulk_kernel, kWarpSize, kSmem)) ||
-            (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
-          return err;
-        resident = per_sm * sms;
-      }
+      unsigned grid = 0;
       const int64_t pieces = ceil_div(nbytes, int64_t{kBulkPieceBytes});
-      copy_bytes_bulk_kernel<<<static_cast<unsigned>(pieces < resident ? pieces : resident), kWarpSize, kSmem,
-                               stream>>>(in, out, nbytes);
+      const cudaError_t err = persistent_grid<copy_bytes_bulk_kernel>(kWarpSize, kSmem, pieces, &grid);
+      if (err != cudaSuccess) return err;
+      copy_bytes_bulk_kernel<<<grid, kWarpSize, kSmem, stream>>>(in, out, nbytes);
       break;
     }
     default:

@@ -7,7 +7,6 @@
 // Bytes: per bf16 element, 2 read + 1 written (+ 1/32 for the scale); dual writes 2 + 2/32.
 #pragma once
 
-#include <atomic>
 
 #include "mok/quant/mxfp8.cuh"
 
@@ -307,33 +306,6 @@ inline cudaError_t launch_quantize_rowwise(const void* x, void* data, void* scal
     case 2: return launch(quantize_rowwise_kernel<8, kThreads>, 8);
     default: return cudaErrorInvalidValue;
   }
-}
-
-// Grid of a persistent kernel: as many CTAs as fit on the device at once, at most one per tile. The
-// shared-memory opt-in and the occupancy query run once per kernel and device and are cached, so a launch
-// inside a CUDA graph capture makes no such calls (every caller runs the op once before capturing).
-template <auto* kKernel>
-inline cudaError_t persistent_grid(int threads, int smem_bytes, int64_t num_tiles, unsigned* grid) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> resident_ctas[kMaxDevices];  // per device; 0 = not set up yet
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  int resident = device < kMaxDevices ? resident_ctas[device].load() : 0;
-  if (resident == 0) {
-    int per_sm = 0, sms = 0;
-    if ((err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes)) ||
-        (err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared)) ||
-        (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes)) ||
-        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)))
-      return err;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    resident = per_sm * sms;
-    if (device < kMaxDevices) resident_ctas[device].store(resident);
-  }
-  *grid = static_cast<unsigned>(num_tiles < resident ? num_tiles : resident);
-  return cudaSuccess;
 }
 
 template <int kWarps, int kNumStages, bool kDual>
