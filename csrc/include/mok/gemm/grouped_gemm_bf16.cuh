@@ -632,21 +632,11 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// Whether this thread's two rows of the warp's 16 (row0 + lane / 4, and + 8) are real routes; padding rows are
-// stored as zeros. Read before the task's mainloop, whose MMAs hide the load (read in the epilogue, it stalled
-// every task's first store).
-struct RealRows {
-  bool half[2];
-};
-MOK_DEVICE RealRows real_rows(const Params& p, int row0, uint32_t lane) {
-  return {{p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0}};
-}
-
 // kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
-// (0·Inf would be NaN).
+// (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
-                             const Outputs& o, Staging& st, RealRows rows, int row0, int n0, uint32_t lane) {
-  const bool* real = rows.half;
+                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
   store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
@@ -672,8 +662,8 @@ MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[k
 
 // kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
 MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                           const Outputs& o, Staging& st, RealRows rows, int row0, int n0, uint32_t lane) {
-  const bool* real = rows.half;
+                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
   const Output out{p.out, o.out, 0, p.n, kAllRows};
   store_tile(st, out, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
@@ -786,21 +776,21 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
-    const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
-    const int n0 = t.n_tile * T::kTaskN;
-    RealRows rows{{true, true}};  // kWeightGrad: rows of dW, no padding
-    if constexpr (kGemm != Gemm::kWeightGrad) rows = real_rows(p, row0, lane);
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
     it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane);
+    const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
+
+    const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
+    const int n0 = t.n_tile * T::kTaskN;
     if constexpr (T::kSwiGLU) {
-      store_swiglu(acc0, acc1, p, outputs, staging, rows, row0, n0, lane);
+      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
     } else {
-      store_pair(acc0, acc1, p, outputs, staging, rows, row0, n0, lane);
+      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane);
     }
   }
   drain_stores(lane);
