@@ -24,12 +24,11 @@ static_assert(kSplitTileCols % kBlockSize == 0, "a tile row holds whole row-wise
 static_assert(kSplitRowBytes % 16 == 0, "stage rows stay 16-byte aligned for the bulk copies");
 
 // kGroups consumer groups and kStages shared-memory stages per CTA; a group is kRowWarps row warps (tile
-// rows split evenly among them) and kColWarps column warps (tile columns split evenly: 8 or 4 per lane).
-// Warp 0 produces; group g is warps 1 + g (kRowWarps + kColWarps) ..., its column warps last.
-template <int kGroups, int kStages, int kRowWarps, int kColWarps = 1>
+// rows split evenly among them) and one column warp. Warp 0 produces; group g is warps
+// 1 + g (kRowWarps + 1) ..., its column warp last.
+template <int kGroups, int kStages, int kRowWarps>
 struct SplitDual {
-  static constexpr int kGroupWarps = kRowWarps + kColWarps;
-  static constexpr int kColsPerLane = kSplitTileCols / kWarpSize / kColWarps;  // a column warp lane's columns
+  static constexpr int kGroupWarps = kRowWarps + 1;
   static constexpr int kWarps = 1 + kGroups * kGroupWarps;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kRowsPerRowWarp = kBlockSize / kRowWarps;
@@ -43,7 +42,6 @@ struct SplitDual {
   // f only after it consumed fill f - 1: a phase-parity wait never sees a phase two fills old.
   static_assert(kStages % kGroups == 0, "each stage always serves the same consumer group");
   static_assert(kBlockSize % kRowWarps == 0, "the row warps split the tile's 32 rows evenly");
-  static_assert(kColsPerLane == 8 || kColsPerLane == 4, "a column warp lane holds 8 or 4 columns");
   static_assert(kMinCtasPerSm >= 1, "the stages fit in one SM's shared memory (227 KB per CTA at most)");
 };
 
@@ -118,78 +116,55 @@ MOK_DEVICE void quantize_split_tile_rows(const uint8_t* src, int first_row, int6
   }
 }
 
-// kWords 32-bit words, aligned as one vector access (ld/st .v2, .v4), or one word.
-template <int kWords>
-struct alignas(4 * kWords) Words {
-  uint32_t w[kWords];
-};
-
-// Column warp: the column-wise half of kCols columns per lane (8: the whole tile; 4: half of it, two column
-// warps). A lane holds all 32 rows of its columns, so the block amax needs no shuffle: pass 1 reads the 32
-// rows for the amax, pass 2 reads them again to quantize (shared memory is cheap; keeping 32 chunks in
-// registers is not). Stores: the scale bytes, then per row 32 kCols contiguous E4M3 bytes.
-template <int kCols>
+// Column warp: the column-wise half. A lane holds all 32 rows of its 8 columns, so the block amax needs no
+// shuffle: pass 1 reads the 32 rows for the amax, pass 2 reads them again to quantize (shared memory is
+// cheap; keeping 32 chunks in registers is not). Stores: 256 contiguous scale bytes, then per row 256
+// contiguous E4M3 bytes.
 MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, int64_t row0, int64_t col, int64_t cols, bool valid,
                                          const TiledOut& out) {
-  using Chunk = Words<kCols / 2>;  // bf16 pairs: columns 2j, 2j + 1
-  using Bytes = Words<kCols / 4>;  // E4M3 or E8M0 bytes, column 4j + b in word j's byte b
-  const auto ld_row = [&](int r) { return *reinterpret_cast<const Chunk*>(src + r * kSplitRowBytes); };
-  Chunk acc{};
+  uint32_t acc[4] = {0u, 0u, 0u, 0u};  // column pairs (2k, 2k + 1)
 #pragma unroll 8
   for (int r = 0; r < kBlockSize; ++r) {
-    const Chunk v = ld_row(r);
-#pragma unroll
-    for (int j = 0; j < kCols / 2; ++j) acc.w[j] = amax2_acc(acc.w[j], v.w[j]);
+    const uint4 v = ld_stage(src, r);
+    acc[0] = amax2_acc(acc[0], v.x);
+    acc[1] = amax2_acc(acc[1], v.y);
+    acc[2] = amax2_acc(acc[2], v.z);
+    acc[3] = amax2_acc(acc[3], v.w);
   }
-  Scale cs[kCols];
-  Bytes scale_bytes{}, nan_mask{};  // nan_mask: 0xFF in the bytes of NaN/Inf columns
+  Scale cs[8];
+  float inv[8];
 #pragma unroll
-  for (int k = 0; k < kCols; ++k) {
-    cs[k] = scale_from_amax_bits(k % 2 == 0 ? acc.w[k / 2] & 0xFFFFu : acc.w[k / 2] >> 16);
-    scale_bytes.w[k / 4] |= cs[k].byte << (8 * (k % 4));
-    nan_mask.w[k / 4] |= (cs[k].finite ? 0u : 0xFFu) << (8 * (k % 4));
+  for (int k = 0; k < 8; ++k) {
+    cs[k] = scale_from_amax_bits(k % 2 == 0 ? acc[k / 2] & 0xFFFFu : acc[k / 2] >> 16);
+    inv[k] = cs[k].inv;
   }
+  const uint2 nan_mask = nan_byte_mask(cs);
   if (!valid) return;
-  *reinterpret_cast<Bytes*>(out.scales_col + (row0 / kBlockSize) * cols + col) = scale_bytes;  // [row0 / 32, col..]
+  st_v2(out.scales_col + (row0 / kBlockSize) * cols + col, scale_bytes8(cs));  // [row0 / 32, col .. col + 8)
   uint8_t* data = out.data_col + row0 * cols + col;  // [row0, col]
 #pragma unroll 8
-  for (int r = 0; r < kBlockSize; ++r, data += cols) {
-    const Chunk v = ld_row(r);
-    Bytes q;
-#pragma unroll
-    for (int j = 0; j < kCols / 4; ++j) {
-      const uint32_t a = v.w[2 * j], b = v.w[2 * j + 1];
-      q.w[j] = f32x4_to_e4m3x4(bf16_lo_as_f32(a) * cs[4 * j].inv, bf16_hi_as_f32(a) * cs[4 * j + 1].inv,
-                               bf16_lo_as_f32(b) * cs[4 * j + 2].inv, bf16_hi_as_f32(b) * cs[4 * j + 3].inv);
-      q.w[j] = (q.w[j] & ~nan_mask.w[j]) | (kE4M3NaNx4 & nan_mask.w[j]);
-    }
-    *reinterpret_cast<Bytes*>(data) = q;
-  }
+  for (int r = 0; r < kBlockSize; ++r, data += cols) st_v2(data, quantize8(ld_stage(src, r), inv, nan_mask));
 }
 
-// One warp of group `group`: row warp `role` < kRowWarps, or column warp role - kRowWarps. It takes the CTA's
-// tiles k = group, group + kGroups, ... and releases each stage with one arrival.
-template <int kGroups, int kStages, int kRowWarps, int kColWarps>
+// One warp of group `group`: row warp `role` < kRowWarps, or the column warp (role == kRowWarps). It takes
+// the CTA's tiles k = group, group + kGroups, ... and releases each stage with one arrival.
+template <int kGroups, int kStages, int kRowWarps>
 MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint64_t* empty, const TiledOut& out,
                                     int64_t cols, uint32_t col_tiles, uint32_t num_tiles, int group, int role) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kColWarps>;
-  constexpr int kCols = Cfg::kColsPerLane;
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int lane = static_cast<int>(lane_id());
   uint32_t k = group;
   for (uint32_t tile = blockIdx.x + group * gridDim.x; tile < num_tiles; tile += kGroups * gridDim.x, k += kGroups) {
     const uint32_t stage = k % kStages;
     ptx::mbarrier_wait_parity(&full[stage], (k / kStages) & 1u);
-    const uint8_t* stage_tile = stages + stage * kSplitStageBytes;
+    const uint8_t* src = stages + stage * kSplitStageBytes + lane * 16;
     const int64_t row0 = static_cast<int64_t>(tile / col_tiles) * kBlockSize;
-    const int64_t col0 = static_cast<int64_t>(tile % col_tiles) * kSplitTileCols;
+    const int64_t col = static_cast<int64_t>(tile % col_tiles) * kSplitTileCols + lane * kChunkElems;
     if (role < kRowWarps) {  // warp-uniform
-      const int64_t col = col0 + lane * kChunkElems;
-      quantize_split_tile_rows<Cfg::kRowsPerRowWarp>(stage_tile + lane * 16, role * Cfg::kRowsPerRowWarp, row0,
-                                                     col, cols, col < cols, out);
+      quantize_split_tile_rows<Cfg::kRowsPerRowWarp>(src, role * Cfg::kRowsPerRowWarp, row0, col, cols, col < cols,
+                                                     out);
     } else {
-      const int first_col = (role - kRowWarps) * kWarpSize * kCols + lane * kCols;  // in the tile
-      quantize_split_tile_cols<kCols>(stage_tile + 2 * first_col, row0, col0 + first_col, cols,
-                                      col0 + first_col < cols, out);
+      quantize_split_tile_cols(src, row0, col, cols, col < cols, out);
     }
     __syncwarp();  // every lane's shared loads are done (their values are used above)
     if (lane == 0) ptx::mbarrier_arrive_expect_tx(&empty[stage], 0);  // a plain arrival: 0 bytes expected
@@ -197,11 +172,11 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
 }
 
 // ---- the kernel: a persistent grid, CTA b walks the tiles b, b + G, b + 2G, ... (G = gridDim.x) -----------
-template <int kGroups, int kStages, int kRowWarps, int kColWarps>
-__global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kColWarps>::kThreads,
-                                  SplitDual<kGroups, kStages, kRowWarps, kColWarps>::kMinCtasPerSm)
+template <int kGroups, int kStages, int kRowWarps>
+__global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThreads,
+                                  SplitDual<kGroups, kStages, kRowWarps>::kMinCtasPerSm)
     quantize_dual_split_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kColWarps>;
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // [kStages] the stage's tile landed (1 arrival + bytes)
   uint64_t* empty = full + kStages;                    // [kStages] its group is done (kGroupWarps arrivals)
@@ -224,8 +199,8 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kColWar
     produce_split_tiles<kStages>(x, stages, full, empty, cols, col_tiles, num_tiles);
   } else {
     const int group = (warp - 1) / Cfg::kGroupWarps, role = (warp - 1) % Cfg::kGroupWarps;
-    consume_split_tiles<kGroups, kStages, kRowWarps, kColWarps>(stages, full, empty, out, cols, col_tiles,
-                                                                num_tiles, group, role);
+    consume_split_tiles<kGroups, kStages, kRowWarps>(stages, full, empty, out, cols, col_tiles, num_tiles, group,
+                                                     role);
   }
 }
 
@@ -241,27 +216,24 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps, kColWar
 //  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
 //  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
 //  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM
-// Nsight Compute had 16's column warp ~88% busy against ~59% for its row warps (docs/mxfp8_kernels.md), so
-// 18-19 give a group two column warps, 4 columns per lane (x 2 column warps after the row warps; 17, the row
-// warps handing the column warp its amax, was no faster and is gone, c51e8f5):
-//  18: 1 x  2 ( 32 KB) x 2 x 2:  5 warps, 6 CTAs/SM
-//  19: 1 x  3 ( 48 KB) x 2 x 2:  5 warps, 4 CTAs/SM
-constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 19;
+constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 16;
 
 inline bool is_split_dual_variant(int variant) {
   return variant >= kFirstSplitDualVariant && variant <= kLastSplitDualVariant;
 }
 
-template <int kGroups, int kStages, int kRowWarps, int kColWarps = 1>
+template <int kGroups, int kStages, int kRowWarps>
 inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
                                               cudaStream_t stream) {
-  using Cfg = SplitDual<kGroups, kStages, kRowWarps, kColWarps>;
-  constexpr auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps, kColWarps>;
+  using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, kSplitTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
-  const cudaError_t err = persistent_grid<kernel>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
+  const cudaError_t err =
+      persistent_grid<quantize_dual_split_kernel<kGroups, kStages, kRowWarps>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                 tiles, &grid);
   if (err != cudaSuccess) return err;
+  const auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps>;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
 }
@@ -284,8 +256,6 @@ inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, voi
     case 14: return launch_quantize_dual_split<1, 2, 1>(in, out, rows, cols, stream);
     case 15: return launch_quantize_dual_split<1, 3, 1>(in, out, rows, cols, stream);
     case 16: return launch_quantize_dual_split<1, 2, 2>(in, out, rows, cols, stream);
-    case 18: return launch_quantize_dual_split<1, 2, 2, 2>(in, out, rows, cols, stream);
-    case 19: return launch_quantize_dual_split<1, 3, 2, 2>(in, out, rows, cols, stream);
     default: return cudaErrorInvalidValue;
   }
 }
