@@ -13,8 +13,8 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
                                             int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                             cudaStream_t stream) {
   gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
-  p.out2 = static_cast<uint16_t*>(gate);
-  p.out3 = static_cast<uint16_t*>(up);
+  p.gate = static_cast<uint16_t*>(gate);
+  p.up = static_cast<uint16_t*>(up);
   p.swiglu_limit = swiglu_limit;
   p.has_limit = has_limit ? 1 : 0;
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(w_gate, w_up, num_experts, p, num_sms, stream);
@@ -34,19 +34,12 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                            cudaStream_t stream) {
-  // out: d_gate (the SwiGLU backward in the epilogue), or d_h, overwritten in place with d_gate by the
-  // elementwise pass
-  gemm::Params p =
+  // out: d_h, overwritten in place with d_gate by the elementwise pass
+  const gemm::Params p =
       gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
-  p.out2 = static_cast<uint16_t*>(d_up);
-  p.out3 = static_cast<uint16_t*>(h);
-  p.gate = static_cast<const uint16_t*>(gate);
-  p.up = static_cast<const uint16_t*>(up);
-  p.swiglu_limit = swiglu_limit;
-  p.has_limit = has_limit ? 1 : 0;
   cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
                                                                             stream);
-  if (err || gemm::kDgradSwiGLU) return err;
+  if (err) return err;
   return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, real_num_rows, d_gate, d_up, h, num_rows,
                                           intermediate, swiglu_limit, has_limit, stream);
 }
@@ -76,11 +69,10 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(b_rows, b_rows, num_experts, p, num_sms, stream);
 }
 
-void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* dgrad_swiglu) {
+void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast) {
   *tma_store = gemm::kTmaStore ? 1 : 0;
   *num_stages = gemm::kNumStages;
   *multicast = gemm::kMulticastBuild ? 1 : 0;
-  *dgrad_swiglu = gemm::kDgradSwiGLU ? 1 : 0;
 }
 
 }  // namespace mok

@@ -12,8 +12,8 @@ cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, 
                                              int64_t intermediate, int64_t num_experts, float swiglu_limit,
                                              bool has_limit, int num_sms, cudaStream_t stream) {
   gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
-  p.out2 = static_cast<uint16_t*>(gate);
-  p.out3 = static_cast<uint16_t*>(up);
+  p.gate = static_cast<uint16_t*>(gate);
+  p.up = static_cast<uint16_t*>(up);
   p.swiglu_limit = swiglu_limit;
   p.has_limit = has_limit ? 1 : 0;
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMx>(w_gate, w_up, num_experts, p, num_sms, stream,

@@ -28,8 +28,7 @@ backward:
                                                mx: dequantize the saved gate/up
     grouped_gemm_bf16_dgrad_swiglu             kernels: d_h = dy·W_down (read transposed), then the SwiGLU
                                                backward in place (swiglu_backward_rows: d_gate, d_up, and h
-                                               recomputed from gate/up for d_w_down; MOK_GEMM_DGRAD_SWIGLU=1:
-                                               in the GEMM's epilogue)
+                                               recomputed from gate/up for d_w_down)
                                                mx: dual-quantize dy_rows (row-wise here, column-wise for
                                                d_w_down), dq both; q+dq w_down along hidden (dim -2)
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum

@@ -32,8 +32,7 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
 # st.global-epilogue, 3-stage and multicast variants (about a minute each) and requires their bits to equal the
 # default build's (`switches_mc`: the multicast one only); `parts_st`, `parts_s3` and `parts_mc` are `parts` on
-# those builds, an A/B against `parts` in the same run (`switches_dgrad`, `parts_dgrad`, `ab_dgrad`: the same for
-# MOK_GEMM_DGRAD_SWIGLU=1);
+# those builds, an A/B against `parts` in the same run;
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
@@ -59,8 +58,6 @@ step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 test
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
 step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
   -k "build_switches and MULTICAST"
-step switches_dgrad 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
-  -k "build_switches and DGRAD"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
@@ -85,10 +82,6 @@ step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python
   --out "$out/parts_multicast.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
   --out "$out/parts_st_global.csv"
-step parts_dgrad 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_DGRAD_SWIGLU=1 python -m mok.bench parts \
-  --out "$out/parts_dgrad_swiglu.csv"
-step ab_dgrad 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_DGRAD_SWIGLU=1 --passes bwd \
-  --out "$out/ab_dgrad_swiglu.csv"
 step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
   --out "$out/parts_stages3.csv"
 step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
@@ -104,19 +97,16 @@ step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-star
   -o "$1/stalls" python tools/profile_gemms.py "$2" && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
   >"$1/stalls_details.csv" && "$0" -i "$1/stalls.ncu-rep" --page source --csv --print-source sass \
   >"$1/stalls_sass.csv"; rm -f "$1/stalls.ncu-rep"; head -c 3000 "$1/stalls_details.csv"' "$ncu" "$logs" ${MOK_STALLS:-dsv4pro-rank 'Gemm\)(0|4)>' 3}
-# `ncu_dual`: the same profile (and SOL, memory, occupancy, DRAM and L2 bytes) of dual quantization on dsv4pro's
-# weights as one 2D tensor, then on the same bytes 4096 wide (faster: quant_shapes_0b51dea.csv); summarize either
-# page with tools/ncu_sass_summary.py.
-step ncu_dual 200 "profiling|PROF|rror" bash -c '"$0" --profile-from-start off -k regex:dual_split -c 2 \
+# `ncu_dual`: the same profile (and SOL, memory, occupancy) of dual quantization on dsv4pro's weights as one 2D tensor;
+# summarize either page with tools/ncu_sass_summary.py.
+step ncu_dual 200 "profiling|PROF|rror" bash -c '"$0" --profile-from-start off -k regex:dual_split -c 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SourceCounters \
-  --section Occupancy --section LaunchStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,\
-lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum -f -o "$1/dual" python -c "
+  --section Occupancy --section LaunchStats -f -o "$1/dual" python -c "
 import torch
 from mok import ops
-for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
-    x = torch.randn(shape, device=\"cuda\").bfloat16()
-    ops.mxfp8_quantize_dual(x)
-    torch.cuda.synchronize(); torch.cuda.profiler.start(); ops.mxfp8_quantize_dual(x); torch.cuda.profiler.stop()
+x = torch.randn(48 * 3072, 7168, device=\"cuda\").bfloat16()
+ops.mxfp8_quantize_dual(x)
+torch.cuda.synchronize(); torch.cuda.profiler.start(); ops.mxfp8_quantize_dual(x); torch.cuda.profiler.stop()
 " && "$0" -i "$1/dual.ncu-rep" --page details --csv >"$1/dual_details.csv" && "$0" -i "$1/dual.ncu-rep" \
   --page source --csv --print-source sass >"$1/dual_sass.csv"; rm -f "$1/dual.ncu-rep"' "$ncu" "$logs"
 step trace 150 "span|at " python tools/trace_passes.py

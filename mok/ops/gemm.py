@@ -148,11 +148,10 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     mok.reference.expert_backward): d_h = bf16(dy_rows[r]·w_down[e]), then
     (d_gate[r], d_up[r]) = bf16(swiglu_backward(gate[r], up[r], d_h, swiglu_limit)), and h[r] =
     bf16(swiglu(gate[r], up[r], swiglu_limit)) recomputed for d_w_down: the GEMM stores d_h, then an elementwise
-    kernel (mok/moe/swiglu_backward_rows.cuh) overwrites it in place with d_gate and writes d_up and h (built with
-    MOK_GEMM_DGRAD_SWIGLU=1: the GEMM's epilogue writes all three, the same bits); padding rows are zeros.
-    dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read transposed, no copy); gate, up
-    [num_rows, intermediate] as the forward saved them. Returns (d_gate, d_up, h), bf16 [num_rows, intermediate]
-    each."""
+    kernel (mok/moe/swiglu_backward_rows.cuh) overwrites it in place with d_gate and writes d_up and h;
+    padding rows are zeros. dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read
+    transposed, no copy); gate, up [num_rows, intermediate] as the forward saved them. Returns
+    (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
     _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")

@@ -8,8 +8,7 @@
 //                 (x rows gathered through row_to_token: the dispatch is fused)
 //   kDown         out[r] = bf16(a[r]·W[e]ᵀ)                          (the down projection, or any NT GEMM)
 //   kDownDgrad    d_h[r] = bf16(dy[r]·Wd[e])  (Wd [E, H, I] read MN-major; the SwiGLU backward runs after it
-//                 as an elementwise kernel, mok/moe/swiglu_backward_rows.cuh, or with MOK_GEMM_DGRAD_SWIGLU=1
-//                 in the epilogue: (d_gate[r], d_up[r], h[r]) = bf16(swiglu_backward_n(gate[r], up[r], d_h)))
+//                 as an elementwise kernel, mok/moe/swiglu_backward_rows.cuh: see the note there)
 //   kGateUpDgrad  dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e])      (one fp32 sum over K = 2·I, MN-major B)
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's real rows,
 //                 rounded up to 64 within the segment's zero padding rows; both operands MN-major; d_w_down
@@ -77,12 +76,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
-// MOK_GEMM_DGRAD_SWIGLU=1: the down-projection dgrad (kDownDgrad) runs the SwiGLU backward in its epilogue: it
-// reads the forward's saved gate/up at its accumulators' positions and stores d_gate, d_up and h, so d_h never
-// goes to memory and no elementwise pass follows. 0 (default): it stores d_h, and swiglu_backward_rows follows.
-#ifndef MOK_GEMM_DGRAD_SWIGLU
-#define MOK_GEMM_DGRAD_SWIGLU 0
-#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -93,7 +86,6 @@ constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
-constexpr bool kDgradSwiGLU = MOK_GEMM_DGRAD_SWIGLU != 0;
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
@@ -208,11 +200,9 @@ struct Params {
   const uint16_t* a2;              // kGateUpDgrad: d_up rows (A of the second half of K; a = d_gate)
   const int32_t* row_to_token;     // [num_rows], -1 = padding (GEMM1 gathers through it)
   const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
-  uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h (kDgradSwiGLU: d_gate) or dx
-  uint16_t* out2;                  // kGateUp: gate; kDownDgrad with kDgradSwiGLU: d_up  [num_rows, n]
-  uint16_t* out3;                  // kGateUp: up; kDownDgrad with kDgradSwiGLU: h       [num_rows, n]
-  const uint16_t* gate;            // kDownDgrad with kDgradSwiGLU: the forward's saved gate [num_rows, n]
-  const uint16_t* up;              // ... and up [num_rows, n]
+  uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h or dx
+  uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
+  uint16_t* up;                    // kGateUp: up out [num_rows, n]
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   const int32_t* expert_rows;      // kWeightGrad: [num_experts] each segment's real rows (its tokens)
   const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of BLOCK_M),
@@ -275,9 +265,6 @@ struct Tile {
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
                 "the register budgets fit the CTA's launch registers (setmaxnreg takes multiples of 8)");
   static constexpr uint32_t kBHalfBytes = kBTileBytes / 2;  // MN-major: one 64-column box
-  // The epilogue's outputs: out, and (kSwiGLU: gate, up; the fused SwiGLU backward: d_up, h) out2, out3.
-  static constexpr bool kSwiGLUBackward = kGemm == Gemm::kDownDgrad && kDgradSwiGLU;
-  static constexpr bool kThreeOutputs = kSwiGLU || kSwiGLUBackward;
 };
 
 // k-blocks of one task; kGateUpDgrad runs both halves of K (d_gate·Wg, then d_up·Wu) one after the other.
@@ -642,7 +629,7 @@ MOK_DEVICE void drain_stores(uint32_t lane) {
 // The output tensor maps of the TMA path (kernel parameters; unused by the st.global path), boxes of
 // kStoreBoxCols × kStoreBoxRows: dims (n, num_rows, 1), kWeightGrad's out (n, m, num_experts).
 struct Outputs {
-  const CUtensorMap *out, *out2, *out3;  // out2, out3: Tile::kThreeOutputs only
+  const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
 // kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
@@ -650,10 +637,10 @@ struct Outputs {
 MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
                              const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
   const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile(st, {p.out2, o.out2, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
   });
-  store_tile(st, {p.out3, o.out3, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
     return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
   });
   // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the stores
@@ -685,67 +672,6 @@ MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerTh
     store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
       return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
     });
-}
-
-// kDownDgrad with kDgradSwiGLU: d_h as bf16x2 words (the accumulators rounded, as the unfused path stores them),
-// word j = 2i + h of a 128-column half at row row0 + lane / 4 + 8h, columns col0 + 8i + 2(lane % 4) + {0, 1}.
-constexpr int kWords = kAccPerThread / 2;
-
-// One half: the saved gate/up words at d_h's positions, loaded all at once (one memory latency, not one per word
-// behind a store), then swiglu_backward_n in batches of 4 (mok/swiglu.cuh: the elementwise pass's bits) gives
-// d_gate (out), d_up (out2) and h (out3). Padding rows and columns past n are never read; padding rows are
-// stored as zeros.
-MOK_DEVICE void store_swiglu_backward_half(const uint32_t (&d_h)[kWords], const Params& p, const Outputs& o,
-                                           Staging& st, const bool (&real)[2], int row0, int col0, uint32_t lane) {
-  const int64_t at0 = static_cast<int64_t>(row0 + static_cast<int>(lane / 4)) * p.n + col0 + 2 * (lane % 4);
-  uint32_t g[kWords], u[kWords];
-#pragma unroll
-  for (int j = 0; j < kWords; ++j) {
-    const int i = j / 2, h = j % 2;
-    const int64_t at = at0 + 8 * h * static_cast<int64_t>(p.n) + 8 * i;
-    const bool in = real[h] && col0 + 8 * i < p.n;  // n % 8 == 0: a word is all in or all out
-    g[j] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.gate + at)) : 0u;
-    u[j] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.up + at)) : 0u;
-  }
-  constexpr int kBatch = 4;  // elements: 2 words (8 spilled 112 bytes, 4 spill 32)
-  uint32_t d_gate[kWords], d_up[kWords], h_words[kWords];
-#pragma unroll
-  for (int b = 0; b < kWords; b += kBatch / 2) {
-    float gf[kBatch], uf[kBatch], df[kBatch];
-#pragma unroll
-    for (int w = 0; w < kBatch / 2; ++w) {
-      gf[2 * w] = bf16_lo_as_f32(g[b + w]), gf[2 * w + 1] = bf16_hi_as_f32(g[b + w]);
-      uf[2 * w] = bf16_lo_as_f32(u[b + w]), uf[2 * w + 1] = bf16_hi_as_f32(u[b + w]);
-      df[2 * w] = bf16_lo_as_f32(d_h[b + w]), df[2 * w + 1] = bf16_hi_as_f32(d_h[b + w]);
-    }
-    swiglu_backward_n(gf, uf, df, p.swiglu_limit, p.has_limit != 0);  // -> d_gate, d_up, h
-#pragma unroll
-    for (int w = 0; w < kBatch / 2; ++w) {
-      d_gate[b + w] = pack_bf16x2(gf[2 * w], gf[2 * w + 1]);
-      d_up[b + w] = pack_bf16x2(uf[2 * w], uf[2 * w + 1]);
-      h_words[b + w] = pack_bf16x2(df[2 * w], df[2 * w + 1]);
-    }
-  }
-  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, col0, lane,
-             [&](int i, int h) { return real[h] ? d_gate[2 * i + h] : 0u; });
-  store_tile(st, {p.out2, o.out2, 0, p.n, kAllRows}, row0, col0, lane,
-             [&](int i, int h) { return real[h] ? d_up[2 * i + h] : 0u; });
-  store_tile(st, {p.out3, o.out3, 0, p.n, kAllRows}, row0, col0, lane,
-             [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
-}
-
-// Both halves' d_h are rounded first: half the registers of the accumulators while the gate/up words are in flight.
-MOK_DEVICE void store_swiglu_backward(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                                      const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
-  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  uint32_t d_h0[kWords], d_h1[kWords];
-#pragma unroll
-  for (int j = 0; j < kWords; ++j) {
-    d_h0[j] = pack_bf16x2(acc0[2 * j], acc0[2 * j + 1]);
-    d_h1[j] = pack_bf16x2(acc1[2 * j], acc1[2 * j + 1]);
-  }
-  store_swiglu_backward_half(d_h0, p, o, st, real, row0, n0, lane);
-  if (n0 + BLOCK_N_B < p.n) store_swiglu_backward_half(d_h1, p, o, st, real, row0, n0 + BLOCK_N_B, lane);
 }
 
 // kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
@@ -861,8 +787,6 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (T::kSwiGLU) {
       store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
-    } else if constexpr (T::kSwiGLUBackward) {
-      store_swiglu_backward(acc0, acc1, p, outputs, staging, row0, n0, lane);
     } else if constexpr (kGemm == Gemm::kWeightGrad) {
       store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
     } else {
@@ -881,8 +805,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                              const __grid_constant__ CUtensorMap tmap_s0,  // MXFP8 kinds: B0's scales
                              const __grid_constant__ CUtensorMap tmap_s1,  // MXFP8 kinds: B1's scales
                              const __grid_constant__ CUtensorMap tmap_out,
-                             const __grid_constant__ CUtensorMap tmap_out2,  // kThreeOutputs, TMA stores only
-                             const __grid_constant__ CUtensorMap tmap_out3,  // kThreeOutputs, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
@@ -916,8 +840,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::prefetch_tensor_map(&tmap_b1);
     if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
     if constexpr (kTmaStore) ptx::prefetch_tensor_map(&tmap_out);
-    if constexpr (kTmaStore && T::kThreeOutputs)
-      ptx::prefetch_tensor_map(&tmap_out2), ptx::prefetch_tensor_map(&tmap_out3);
+    if constexpr (kTmaStore && T::kSwiGLU)
+      ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
   }
   // NOTE: the last block-wide barrier: roles split below and may exit independently. Multicast kinds sync the
   // cluster instead: no CTA arrives on, or copies into, its peer before the peer's barriers are initialized.
@@ -934,7 +858,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_out2, &tmap_out3}, smem, full, empty, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
   // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
   if constexpr (T::kMulticast) ptx::cluster_sync();
@@ -994,14 +918,14 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
   // past m (dims (n, m, E): never into the next expert's dW).
-  CUtensorMap tmap_out{}, tmap_out2{}, tmap_out3{};
+  CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
   if constexpr (kTmaStore) {
     const auto encode_out = [&](CUtensorMap* map, const void* out) {
       return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)
                          : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
     };
     if ((err = encode_out(&tmap_out, p.out))) return err;
-    if (T::kThreeOutputs && ((err = encode_out(&tmap_out2, p.out2)) || (err = encode_out(&tmap_out3, p.out3))))
+    if (T::kSwiGLU && ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
       return err;
   }
   const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
@@ -1014,7 +938,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   if constexpr (!T::kMulticast) {
     const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                                                      tmap_out2, tmap_out3, p);
+                                                      tmap_gate, tmap_up, p);
     return cudaGetLastError();
   } else {  // whole clusters: one per pair unit at most, no more than fit at once, at least one
     cudaLaunchConfig_t config{};
@@ -1040,7 +964,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>({num_units, num_sms / kClusterSize, resident}));
     config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
     return cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                              tmap_out2, tmap_out3, p);
+                              tmap_gate, tmap_up, p);
   }
 }
 
