@@ -97,16 +97,19 @@ step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-star
   -o "$1/stalls" python tools/profile_gemms.py "$2" && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
   >"$1/stalls_details.csv" && "$0" -i "$1/stalls.ncu-rep" --page source --csv --print-source sass \
   >"$1/stalls_sass.csv"; rm -f "$1/stalls.ncu-rep"; head -c 3000 "$1/stalls_details.csv"' "$ncu" "$logs" ${MOK_STALLS:-dsv4pro-rank 'Gemm\)(0|4)>' 3}
-# `ncu_dual`: the same profile (and SOL, memory, occupancy) of dual quantization on dsv4pro's weights as one 2D tensor;
-# summarize either page with tools/ncu_sass_summary.py.
-step ncu_dual 200 "profiling|PROF|rror" bash -c '"$0" --profile-from-start off -k regex:dual_split -c 1 \
+# `ncu_dual`: the same profile (and SOL, memory, occupancy, DRAM and L2 bytes) of dual quantization on dsv4pro's
+# weights as one 2D tensor, then on the same bytes 4096 wide (faster: quant_shapes_0b51dea.csv); summarize either
+# page with tools/ncu_sass_summary.py.
+step ncu_dual 200 "profiling|PROF|rror" bash -c '"$0" --profile-from-start off -k regex:dual_split -c 2 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SourceCounters \
-  --section Occupancy --section LaunchStats -f -o "$1/dual" python -c "
+  --section Occupancy --section LaunchStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,\
+lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum -f -o "$1/dual" python -c "
 import torch
 from mok import ops
-x = torch.randn(48 * 3072, 7168, device=\"cuda\").bfloat16()
-ops.mxfp8_quantize_dual(x)
-torch.cuda.synchronize(); torch.cuda.profiler.start(); ops.mxfp8_quantize_dual(x); torch.cuda.profiler.stop()
+for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
+    x = torch.randn(shape, device=\"cuda\").bfloat16()
+    ops.mxfp8_quantize_dual(x)
+    torch.cuda.synchronize(); torch.cuda.profiler.start(); ops.mxfp8_quantize_dual(x); torch.cuda.profiler.stop()
 " && "$0" -i "$1/dual.ncu-rep" --page details --csv >"$1/dual_details.csv" && "$0" -i "$1/dual.ncu-rep" \
   --page source --csv --print-source sass >"$1/dual_sass.csv"; rm -f "$1/dual.ncu-rep"' "$ncu" "$logs"
 step trace 150 "span|at " python tools/trace_passes.py
