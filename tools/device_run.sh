@@ -129,5 +129,5 @@ step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 
 step qdual 150 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants ${MOK_QVARIANTS:-0} --out "$out/quant_dual.csv"
 # `qshape`: dual, row-wise and column-wise quantization on tensors of the same bytes as dsv4pro's weights but other
 # row lengths: does the 7168-column gap to the copy ceiling follow the row length?
-step qshape 120 "dual|rowwise|colwise" python -m mok.bench_quant --ops dual,rowwise,colwise --no-l0 --variants 0 \
+step qshape 120 "dual|rowwise|colwise" python -m mok.bench_quant --ops dual,rowwise,colwise --no-l0 --variants ${MOK_QVARIANTS:-0} \
   --shapes 147456x7168,258048x4096,516096x2048,73728x14336 --out "$out/quant_shapes.csv"
