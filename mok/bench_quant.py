@@ -42,7 +42,7 @@ OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise", "fake
 # docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
 # the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
 VARIANTS = {"rowwise": (0, 1, 2, 3, 4), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
-            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21)}
+            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16)}
 # The copy kernels (mok/quant/copy_bytes.cuh): 0 the same-size ceiling, 1 twice the bytes in flight, 2 bulk
 # copies both ways, 3 one read stream into two half-size write streams.
 COPY_VARIANTS = (0, 1, 2, 3)

@@ -45,45 +45,16 @@ struct SplitDual {
   static_assert(kMinCtasPerSm >= 1, "the stages fit in one SM's shared memory (227 KB per CTA at most)");
 };
 
-// ---- the CTA's tiles -------------------------------------------------------------------------------------
-// Tile t covers rows 32 (t / col_tiles) .. + 32 and columns 256 (t % col_tiles) .. + 256. The CTA's k-th tile
-// (k = 0, 1, ...), or num_tiles past its last, by kOrder:
-//   kStrided: tiles b, b + G, b + 2G, ... (b = blockIdx.x, G = gridDim.x): neighbouring CTAs take neighbouring
-//             tiles of the same rows, and the grid sweeps the tensor row block by row block;
-//   kRange: one contiguous range of tiles per CTA (G ranges): each CTA walks along its rows on its own;
-//   kColumnMajor: kStrided over the tiles numbered column by column (neighbouring CTAs take tiles one under the
-//             other).
-// NOTE: dual on 147456 x 7168 ran at 73% of DRAM bandwidth where the same bytes 4096 wide ran at 78%, with
-// exactly the ideal DRAM bytes both ways (data/profile/ncu_dual_shapes_a58e282.csv): 20 and 21 ask whether
-// the order in which the grid walks the tiles is what the row length changes.
-enum TileOrder { kStrided, kRange, kColumnMajor };
-
-template <int kOrder>
-MOK_DEVICE uint32_t split_tile(uint32_t k, uint32_t num_tiles, uint32_t col_tiles) {
-  if constexpr (kOrder == kRange) {
-    const uint64_t first = uint64_t{blockIdx.x} * num_tiles / gridDim.x;
-    const uint64_t end = uint64_t{blockIdx.x + 1} * num_tiles / gridDim.x;
-    return first + k < end ? static_cast<uint32_t>(first + k) : num_tiles;
-  } else {
-    const uint64_t s = blockIdx.x + uint64_t{k} * gridDim.x;
-    if (s >= num_tiles) return num_tiles;
-    if constexpr (kOrder == kColumnMajor) {
-      const uint32_t row_tiles = num_tiles / col_tiles;
-      return static_cast<uint32_t>((s % row_tiles) * col_tiles + s / row_tiles);
-    }
-    return static_cast<uint32_t>(s);
-  }
-}
-
 // ---- producer: warp 0 -----------------------------------------------------------------------------------
-// Fills stage k % kStages with the CTA's k-th tile (split_tile) once all warps of its group released the
-// stage's previous fill. Lane r copies tile row r; a partial last column tile
+// Fills stage k % kStages with the CTA's k-th tile (global tile blockIdx.x + k gridDim.x) once all warps
+// of its group released the stage's previous fill. Lane r copies tile row r; a partial last column tile
 // copies only its columns (cols % 32 == 0: a multiple of 64 bytes), the rest of the stage is stale.
-template <int kStages, int kOrder>
+template <int kStages>
 MOK_DEVICE void produce_split_tiles(const uint8_t* x, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                     int64_t cols, uint32_t col_tiles, uint32_t num_tiles) {
   const int lane = static_cast<int>(lane_id());
-  for (uint32_t k = 0, tile; (tile = split_tile<kOrder>(k, num_tiles, col_tiles)) < num_tiles; ++k) {
+  uint32_t k = 0;
+  for (uint32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++k) {
     const uint32_t stage = k % kStages, fill = k / kStages;
     if (fill > 0) ptx::mbarrier_wait_parity(&empty[stage], (fill - 1) & 1u);
     const int64_t row = static_cast<int64_t>(tile / col_tiles) * kBlockSize + lane;
@@ -177,12 +148,13 @@ MOK_DEVICE void quantize_split_tile_cols(const uint8_t* src, int64_t row0, int64
 
 // One warp of group `group`: row warp `role` < kRowWarps, or the column warp (role == kRowWarps). It takes
 // the CTA's tiles k = group, group + kGroups, ... and releases each stage with one arrival.
-template <int kGroups, int kStages, int kRowWarps, int kOrder>
+template <int kGroups, int kStages, int kRowWarps>
 MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint64_t* empty, const TiledOut& out,
                                     int64_t cols, uint32_t col_tiles, uint32_t num_tiles, int group, int role) {
   using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
   const int lane = static_cast<int>(lane_id());
-  for (uint32_t k = group, tile; (tile = split_tile<kOrder>(k, num_tiles, col_tiles)) < num_tiles; k += kGroups) {
+  uint32_t k = group;
+  for (uint32_t tile = blockIdx.x + group * gridDim.x; tile < num_tiles; tile += kGroups * gridDim.x, k += kGroups) {
     const uint32_t stage = k % kStages;
     ptx::mbarrier_wait_parity(&full[stage], (k / kStages) & 1u);
     const uint8_t* src = stages + stage * kSplitStageBytes + lane * 16;
@@ -199,8 +171,8 @@ MOK_DEVICE void consume_split_tiles(const uint8_t* stages, uint64_t* full, uint6
   }
 }
 
-// ---- the kernel: a persistent grid, each CTA walking its tiles in kOrder -----------------------------------
-template <int kGroups, int kStages, int kRowWarps, int kOrder>
+// ---- the kernel: a persistent grid, CTA b walks the tiles b, b + G, b + 2G, ... (G = gridDim.x) -----------
+template <int kGroups, int kStages, int kRowWarps>
 __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThreads,
                                   SplitDual<kGroups, kStages, kRowWarps>::kMinCtasPerSm)
     quantize_dual_split_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
@@ -224,11 +196,11 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThrea
 
   const int warp = static_cast<int>(threadIdx.x / kWarpSize);
   if (warp == 0) {
-    produce_split_tiles<kStages, kOrder>(x, stages, full, empty, cols, col_tiles, num_tiles);
+    produce_split_tiles<kStages>(x, stages, full, empty, cols, col_tiles, num_tiles);
   } else {
     const int group = (warp - 1) / Cfg::kGroupWarps, role = (warp - 1) % Cfg::kGroupWarps;
-    consume_split_tiles<kGroups, kStages, kRowWarps, kOrder>(stages, full, empty, out, cols, col_tiles, num_tiles,
-                                                             group, role);
+    consume_split_tiles<kGroups, kStages, kRowWarps>(stages, full, empty, out, cols, col_tiles, num_tiles, group,
+                                                     role);
   }
 }
 
@@ -244,24 +216,24 @@ __global__ void __launch_bounds__(SplitDual<kGroups, kStages, kRowWarps>::kThrea
 //  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
 //  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
 //  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM
-// 20, 21: 16 with the tiles in kRange and kColumnMajor order (split_tile; 17-19 were tried and are gone:
-// docs/mxfp8_kernels.md).
-constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 21;
+constexpr int kFirstSplitDualVariant = 9, kLastSplitDualVariant = 16;
 
 inline bool is_split_dual_variant(int variant) {
   return variant >= kFirstSplitDualVariant && variant <= kLastSplitDualVariant;
 }
 
-template <int kGroups, int kStages, int kRowWarps, int kOrder = kStrided>
+template <int kGroups, int kStages, int kRowWarps>
 inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
                                               cudaStream_t stream) {
   using Cfg = SplitDual<kGroups, kStages, kRowWarps>;
-  constexpr auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps, kOrder>;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, kSplitTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
-  const cudaError_t err = persistent_grid<kernel>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
+  const cudaError_t err =
+      persistent_grid<quantize_dual_split_kernel<kGroups, kStages, kRowWarps>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                 tiles, &grid);
   if (err != cudaSuccess) return err;
+  const auto kernel = quantize_dual_split_kernel<kGroups, kStages, kRowWarps>;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
 }
@@ -284,8 +256,6 @@ inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, voi
     case 14: return launch_quantize_dual_split<1, 2, 1>(in, out, rows, cols, stream);
     case 15: return launch_quantize_dual_split<1, 3, 1>(in, out, rows, cols, stream);
     case 16: return launch_quantize_dual_split<1, 2, 2>(in, out, rows, cols, stream);
-    case 20: return launch_quantize_dual_split<1, 2, 2, kRange>(in, out, rows, cols, stream);
-    case 21: return launch_quantize_dual_split<1, 2, 2, kColumnMajor>(in, out, rows, cols, stream);
     default: return cudaErrorInvalidValue;
   }
 }
