@@ -23,7 +23,7 @@ from mok.torch_native import route_grads
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
            "grouped_gemm_mxfp8_nt_contiguous", "combine_rows", "gather_rows_cuda",
-           "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
+           "make_schedule_cuda", "routed_forward_bf16", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
            "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
 
 
@@ -125,6 +125,15 @@ def make_schedule_cuda(topk_idx, num_experts, block_m=128, sync=True):
     to max_num_rows, as the kernel leaves it (bad ids raise here, at once: make_schedule's check)."""
     sched = make_schedule(topk_idx, num_experts, block_m=block_m)
     return sched if sync else sched.extended(max_num_rows(*topk_idx.shape, num_experts, block_m))
+
+
+def routed_forward_bf16(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
+                        num_sms=None):
+    """(sched, y_rows, gate, up, out): the four twins the binding call stands for, chained as it chains them."""
+    sched = make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=128, sync=False)
+    h, gate, up = grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit)  # [R, I] each
+    y_rows = grouped_gemm_bf16_nt_contiguous(h, w_down, sched)  # [R, H]
+    return sched, y_rows, gate, up, combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)
 
 
 def route_grads_prep(d_out, topk_weights, y_rows, sched):

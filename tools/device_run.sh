@@ -59,6 +59,7 @@ step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_op
 step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
   -k "build_switches and MULTICAST"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
+  tests/test_ops_routed_forward.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
