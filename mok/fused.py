@@ -93,6 +93,9 @@ MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
 MX_WEIGHTS = ("dequantize", "mainloop")
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
+# BF16: the routed steps from one binding call (ops.routed_forward_bf16); False: the four calls it stands for (the
+# same bits; tools/forward_order_ab.py times both in one process)
+ROUTED_ONE_CALL = True
 
 
 @dataclass(eq=False)
@@ -243,7 +246,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
     # BF16: the schedule, both GEMMs and the combine in one binding call (no host time between the launches)
     routed = None
-    if precision == "bf16":
+    if precision == "bf16" and ROUTED_ONE_CALL:
         routed = ops.routed_forward_bf16(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit,
                                          num_sms)
     gate_mx, up_mx = None, None

@@ -288,6 +288,20 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
 
 
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_fused_wiring_with_the_routed_steps_as_four_calls_is_l0(monkeypatch, shape):
+    """ROUTED_ONE_CALL = False (the A/B partner of ops.routed_forward_bf16): L0's bits still."""
+    _use_twins(monkeypatch)
+    monkeypatch.setattr(fused, "ROUTED_ONE_CALL", False)
+    seed = fresh_seed()
+    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
+    out0, grads0 = run_level(L0, inputs, precision="bf16", swiglu_limit=0.7)
+    out, grads = run_level(fused, inputs, precision="bf16", swiglu_limit=0.7)
+    assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name} (seed {seed})"
+
+
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
     """MOK_MX_WEIGHTS=mainloop: the forward hands quantized weights to the MXFP8 GEMMs (twins: the BF16 GEMM
     on their dequantization), L0's mxfp8 bits still."""

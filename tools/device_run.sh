@@ -91,8 +91,8 @@ step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grou
 # `stalls`: Nsight Compute's warp-state and per-instruction stall samples of dsv4pro's GEMM1 (both launches: routed,
 # shared) and first weight gradient, or of MOK_STALLS="SHAPE KERNEL_REGEX COUNT"; `trace`: whole passes under
 # torch.profiler (tools/trace_passes.py); `host`: each call's host time in a pass (tools/host_time.py); `order_ab`:
-# the forward's shared expert first against last, and from an idle GPU against back to back
-# (tools/forward_order_ab.py).
+# the forward's shared expert first against last, its routed steps from one binding call against four, and from
+# an idle GPU against back to back (tools/forward_order_ab.py).
 step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-start off --kernel-name-base demangled \
   -k "regex:$3" -c "$4" --section WarpStateStats --section SourceCounters --section SpeedOfLight -f \
   -o "$1/stalls" python tools/profile_gemms.py "$2" && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
@@ -115,7 +115,7 @@ for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
   --page source --csv --print-source sass >"$1/dual_sass.csv"; rm -f "$1/dual.ncu-rep"' "$ncu" "$logs"
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
-step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
+step order_ab 200 "shared_first|one_call|idle" python tools/forward_order_ab.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
 step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
