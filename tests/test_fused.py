@@ -268,6 +268,18 @@ def _use_twins(monkeypatch) -> None:
 # ---- CPU -----------------------------------------------------------------------------------------------
 
 
+def _assert_twin_level_is_l0(shape: str, precision: str, limit) -> None:
+    """The level (its kernels already twins) on fresh wide-range inputs of `shape` gives L0's bits: out and every
+    gradient."""
+    seed = fresh_seed()
+    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
+    out0, grads0 = run_level(L0, inputs, precision=precision, swiglu_limit=limit)
+    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=limit)
+    assert bitwise_equal(out, out0), f"{shape} {precision}: out (seed {seed})"
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape} {precision}: {name} (seed {seed})"
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
@@ -278,13 +290,7 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
     kernels themselves are held to their twins on the GPU (tests/test_ops_gemm.py, test_ops_combine.py,
     test_ops_quant.py)."""
     _use_twins(monkeypatch)
-    seed = fresh_seed()
-    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
-    out0, grads0 = run_level(L0, inputs, precision=precision, swiglu_limit=limit)
-    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=limit)
-    assert bitwise_equal(out, out0), f"{shape} {precision}: out (seed {seed})"
-    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
-        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape} {precision}: {name} (seed {seed})"
+    _assert_twin_level_is_l0(shape, precision, limit)
 
 
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
@@ -292,13 +298,7 @@ def test_fused_wiring_with_the_routed_steps_as_four_calls_is_l0(monkeypatch, sha
     """ROUTED_ONE_CALL = False (the A/B partner of ops.routed_forward_bf16): L0's bits still."""
     _use_twins(monkeypatch)
     monkeypatch.setattr(fused, "ROUTED_ONE_CALL", False)
-    seed = fresh_seed()
-    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
-    out0, grads0 = run_level(L0, inputs, precision="bf16", swiglu_limit=0.7)
-    out, grads = run_level(fused, inputs, precision="bf16", swiglu_limit=0.7)
-    assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
-    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
-        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name} (seed {seed})"
+    _assert_twin_level_is_l0(shape, "bf16", 0.7)
 
 
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
@@ -307,13 +307,7 @@ def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
     on their dequantization), L0's mxfp8 bits still."""
     _use_twins(monkeypatch)
     monkeypatch.setenv(fused.MX_WEIGHTS_ENV, "mainloop")
-    seed = fresh_seed()
-    inputs = _wide_range(make_inputs(TINY_SHAPES[shape], seed=seed), seed)
-    out0, grads0 = run_level(L0, inputs, precision="mxfp8", swiglu_limit=0.7)
-    out, grads = run_level(fused, inputs, precision="mxfp8", swiglu_limit=0.7)
-    assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
-    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
-        assert (g is None and g0 is None) or bitwise_equal(g, g0), f"{shape}: {name} (seed {seed})"
+    _assert_twin_level_is_l0(shape, "mxfp8", 0.7)
 
 
 @pytest.mark.parametrize("name", twins.KERNELS)
