@@ -40,9 +40,10 @@ from mok.config import STANDARD_SHAPES
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
 OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise", "fake_rowwise", "fake_colwise", "fake_dual")
 # docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
-# the alias target is left out. Dual 9-13: warp-specialized (row and column warps share a shared-memory tile).
+# the alias target is left out. Dual 9-16, 22-23: warp-specialized (row and column warps share a shared-memory
+# tile; 22-23 with tiles of 512 columns).
 VARIANTS = {"rowwise": (0, 1, 2, 3, 4), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
-            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16)}
+            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 22, 23)}
 # The copy kernels (mok/quant/copy_bytes.cuh): 0 the same-size ceiling, 1 twice the bytes in flight, 2 bulk
 # copies both ways, 3 one read stream into two half-size write streams.
 COPY_VARIANTS = (0, 1, 2, 3)

@@ -131,13 +131,14 @@ def test_pipelined_variants_match_l0(shape):
             _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
 
 
-# Variants 9-16: dual only, warp-specialized (a producer warp streams 32 x 256 tiles into shared-memory
-# stages, row and column warps quantize them; docs/mxfp8_kernels.md). 65536 x 288: 4096 tiles, so every
-# stage is filled at least twice in every variant (>= 2.6 fills per stage on 132 SMs: 31 tiles per CTA over
-# 12 stages for variant 10, 5 over 2 for 14 and 16), and 288 = 256 + 32 leaves a partial last column tile
-# (32 of 256 columns); 3D folds experts into rows (1056 = 4 x 256 + 32); 32 x 32 is one partial tile;
-# 64 x 7168 has fewer tiles than CTAs.
-SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13, 14, 15, 16)
+# Variants 9-16, 22-23: dual only, warp-specialized (a producer warp streams 32 x 256 tiles, 32 x 512 in 22-23,
+# into shared-memory stages, row and column warps quantize them; docs/mxfp8_kernels.md). 65536 x 288: 4096
+# tiles (2048 of 512 columns), so every stage is filled at least twice in every variant (>= 2.6 fills per stage
+# on 132 SMs: 31 tiles per CTA over 12 stages for variant 10, 5 over 2 for 14 and 16, 5 over 2 for 22-23 at 3
+# CTAs per SM), and 288 = 256 + 32 leaves a partial last column tile (32 of 256 columns; in 22-23 a second
+# span of 32 valid columns); 3D folds experts into rows (1056 = 4 x 256 + 32 = 2 x 512 + 32); 32 x 32 is one
+# partial tile (22-23: a second span wholly past the end); 64 x 7168 has fewer tiles than CTAs.
+SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13, 14, 15, 16, 22, 23)
 
 
 @pytest.mark.gpu

@@ -116,6 +116,8 @@ for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
 step order_ab 200 "shared_first|one_call|idle" python tools/forward_order_ab.py
+# `launch`: each launch's host time on the forward's path, through the raw bindings (tools/launch_cost.py).
+step launch 120 " us$" python tools/launch_cost.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
 step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
@@ -124,7 +126,7 @@ step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sani
   python tools/sanitize.py bf16
 step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
   python tools/sanitize.py mainloop
-step quant 60 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
+step quant 90 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
 # `qdual`: dual quantization alone (its default, or the variants MOK_QVARIANTS="0,18") beside the copy kernels' 4 GiB rows, a quick A/B of dual's ceiling.
 step qdual 150 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants ${MOK_QVARIANTS:-0} --out "$out/quant_dual.csv"
