@@ -21,9 +21,10 @@ cudaError_t mxfp8_quantize_colwise(const void* x, void* data, void* scales, int6
 cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col,
                                 void* scales_col, int64_t rows, int64_t cols, int variant,
                                 cudaStream_t stream) {
-  // 0 = the default: split variant 16 (one consumer group per CTA, 2 stages, 2 row warps),
-  // 0.86-0.90 of copy on the large shapes vs 0.81-0.84 for the tiled 8 (docs/mxfp8_kernels.md).
-  if (variant == 0) variant = 16;
+  // 0 = the default: split variant 23 (32 x 512 tiles, one consumer group per CTA, 2 stages, one row warp and
+  // one column warp per 256-column span), 0.87-0.90 of copy on the large shapes against 0.84-0.88 for 16, the
+  // 32 x 256 default before it (docs/mxfp8_kernels.md, "Tiles of 512 columns").
+  if (variant == 0) variant = 23;
   if (mxfp8::is_split_dual_variant(variant))  // warp-specialized, dual only
     return mxfp8::launch_quantize_dual_split(x, data_row, scales_row, data_col, scales_col, rows, cols, variant,
                                              stream);

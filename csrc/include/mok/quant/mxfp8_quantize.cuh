@@ -347,10 +347,10 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
   //   8: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
   // 5-7 pipelined (shared-memory stages, persistent grid; 4 row lanes): warps per CTA x stages.
   //   5: 8 x 3 (32 KB tiles, 96 KB)    6: 4 x 4 (16 KB tiles, 64 KB)    7: 8 x 2 (32 KB tiles, 64 KB)
-  // 0 (default): 8 for row- and column-wise; dual's default is split variant 16 (quant_mxfp8.cu). The
+  // 0 (default): 8 for row- and column-wise; dual's default is split variant 23 (quant_mxfp8.cu). The
   // pipelined 5-7 are bit-exact but measured slower (dual 0.816 vs 0.826 of copy on the >1 GB weights,
   // data/bench/quant_pipelined_48bf4dd.csv; docs/mxfp8_kernels.md).
-  // 9-16 (dual only, warp-specialized) are launch_quantize_dual_split's (mxfp8_quantize_split.cuh).
+  // 9-16, 22-23 (dual only, warp-specialized) are launch_quantize_dual_split's (mxfp8_quantize_split.cuh).
   if (variant == 0) variant = 8;
   switch (variant * 2 + (dual ? 1 : 0)) {
     case 16: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);

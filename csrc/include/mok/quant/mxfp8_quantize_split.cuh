@@ -1,9 +1,9 @@
 // BF16 -> MXFP8 dual quantization (row-wise + column-wise from one read of x), warp-specialized. In each
-// CTA a producer warp streams 32 x 256 tiles of x into a ring of shared-memory stages with the bulk copy
-// engine; consumer warps come in groups, one group per tile: row warps write the row-wise half, a column
-// warp the column-wise half, all from the same shared tile. Same numerics helpers as
-// the other quantizers (mxfp8.cuh), so the same bits as L0. Why this layout, and the measurement:
-// docs/mxfp8_kernels.md, "Dual, warp-specialized (variants 9-13)".
+// CTA a producer warp streams 32 x 256 or 32 x 512 tiles of x into a ring of shared-memory stages with the bulk
+// copy engine; consumer warps come in groups, one group per tile: row warps write the row-wise half, column
+// warps the column-wise half, all from the same shared tile. Same numerics helpers as the other quantizers
+// (mxfp8.cuh), so the same bits as L0. Why this layout, and the measurements: docs/mxfp8_kernels.md, "Dual,
+// warp-specialized (variants 9-13)" and "Tiles of 512 columns".
 //
 // Bytes: per bf16 element 2 read + 2 written (+ 2/32 for the scales); no byte of x is read twice from HBM.
 #pragma once
@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm)
 //  13: 2 x  4 ( 64 KB) x 2:  7 warps, 3 CTAs/SM
 //  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
 //  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
-//  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM (the default dual)
+//  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM (the default dual until 51cc0c5)
 //  22: 1 x  2 ( 64 KB) x 2, 512 columns:  7 warps, 3 CTAs/SM (16 with 1 KB per row and copy)
-//  23: 1 x  2 ( 64 KB) x 1, 512 columns:  5 warps, 3 CTAs/SM
+//  23: 1 x  2 ( 64 KB) x 1, 512 columns:  5 warps, 3 CTAs/SM (the default dual)
 // 17-21 were measured and removed (docs/mxfp8_kernels.md); their numbers stay unused.
 inline bool is_split_dual_variant(int variant) { return (variant >= 9 && variant <= 16) || variant == 22 || variant == 23; }
 
