@@ -302,49 +302,6 @@ std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_ex
   return v;
 }
 
-// The routed experts' BF16 forward in one call (mok.ops.routed_forward_bf16): make_schedule (sync=False, GEMM
-// views), GEMM1 (gather + SwiGLU), GEMM2 and combine_rows, launched back to back on the current stream, each
-// output allocated just before its launch. From Python the same four calls spent ~90 us of host time between the
-// schedule's kernels and GEMM1 (the GPU idle, 6% of qwen3-30b's forward: docs/l2_fused.md). Returns
-// make_schedule's arrays, then gate, up, y_rows and out. The schedule's row count is max_num_rows.
-std::vector<at::Tensor> routed_forward_bf16(const at::Tensor& x, const at::Tensor& topk_idx,
-                                            const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                                            const at::Tensor& w_up, const at::Tensor& w_down,
-                                            const std::optional<at::Tensor>& shared, int64_t max_num_rows,
-                                            double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(x, "x"), check_arg(topk_weights, "topk_weights"), check_arg(w_gate, "w_gate");
-  check_arg(w_up, "w_up"), check_arg(w_down, "w_down");
-  if (shared) check_arg(*shared, "shared");
-  const int64_t num_experts = w_gate.size(0), intermediate = w_gate.size(1), hidden = x.size(1);
-  std::vector<at::Tensor> v = make_schedule(topk_idx, num_experts, mok::kGemmBlockM, max_num_rows, true);
-  const int32_t *row_to_token = v[12].data_ptr<int32_t>(), *tile_to_expert = v[13].data_ptr<int32_t>();
-  const int32_t* counts = v[11].data_ptr<int32_t>();
-  const at::Tensor& route_to_row = v[4];  // int64 [num_tokens, num_topk]
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto rows_of = [&](int64_t n, int64_t cols) { return at::empty({n, cols}, x.options()); };
-  const at::Tensor h = rows_of(max_num_rows, intermediate), gate = rows_of(max_num_rows, intermediate),
-                   up = rows_of(max_num_rows, intermediate);
-  check_cuda(mok::grouped_gemm_bf16_swiglu_gather(x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token,
-                                                  tile_to_expert, counts, h.data_ptr(), gate.data_ptr(), up.data_ptr(),
-                                                  max_num_rows, hidden, intermediate, num_experts,
-                                                  static_cast<float>(swiglu_limit), has_limit,
-                                                  static_cast<int>(num_sms), stream),
-             "routed_forward_bf16 (GEMM1)");
-  const at::Tensor y_rows = rows_of(max_num_rows, hidden);
-  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(h.data_ptr(), w_down.data_ptr(), row_to_token, tile_to_expert, counts,
-                                                  y_rows.data_ptr(), max_num_rows, hidden, intermediate, num_experts,
-                                                  static_cast<int>(num_sms), stream),
-             "routed_forward_bf16 (GEMM2)");
-  const at::Tensor out = rows_of(x.size(0), hidden);
-  check_cuda(mok::combine_rows(y_rows.data_ptr(), route_to_row.data_ptr(), true, topk_weights.data_ptr<float>(),
-                               shared ? shared->data_ptr() : nullptr, out.data_ptr(), route_to_row.size(0),
-                               route_to_row.size(1), max_num_rows, hidden, stream),
-             "routed_forward_bf16 (combine)");
-  v.insert(v.end(), {gate, up, y_rows, out});  // h is GEMM2's alone: freed here, reused only after it on the stream
-  return v;
-}
-
 void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const at::Tensor& y_rows,
                  const at::Tensor& route_to_row, const at::Tensor& tile_num_rows,
                  const std::optional<at::Tensor>& counts, at::Tensor& dy_rows, at::Tensor& d_topk_weights,
@@ -393,9 +350,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather, "x, row_to_token (int32), out");
   m.def("make_schedule", &make_schedule,
         "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
-  m.def("routed_forward_bf16", &routed_forward_bf16,
-        "x, topk_idx, topk_weights, w_gate, w_up, w_down, shared (or None), max_num_rows, swiglu_limit, has_limit, "
-        "num_sms -> the schedule's arrays, gate, up, y_rows, out");
   m.def("route_grads_prep", &route_grads,
         "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
 }

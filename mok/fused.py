@@ -10,7 +10,6 @@ forward:
                                                token order (row t = token t), weights viewed as [1, ...];
                                                BF16 in every precision (DESIGN §4); first: its schedule is
                                                cached, so its GEMMs run while the host prepares the routed ones
-    (bf16: the next four steps are one binding call, ops.routed_forward_bf16: no host time between launches)
     make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
                        sync=False)             have max_num_rows rows, the kernels read the real count on the
                                                device (sched.counts) and never touch the spare rows; bad ids
@@ -93,9 +92,6 @@ MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
 MX_WEIGHTS = ("dequantize", "mainloop")
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
-# BF16: the routed steps from one binding call (ops.routed_forward_bf16); False: the four calls it stands for (the
-# same bits; tools/forward_order_ab.py times both in one process)
-ROUTED_ONE_CALL = True
 
 
 @dataclass(eq=False)
@@ -244,22 +240,15 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
         shared_rows = rows[1:]
 
-    # BF16: the schedule, both GEMMs and the combine in one binding call (no host time between the launches)
-    routed = None
-    if precision == "bf16" and ROUTED_ONE_CALL:
-        routed = ops.routed_forward_bf16(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, swiglu_limit,
-                                         num_sms)
+    # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
+    sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
+    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
     gate_mx, up_mx = None, None
-    if routed is not None:
-        sched, y_rows, gate, up, out = routed  # Schedule, [R, H], [R, I] x2, [T, H]
-    else:
-        # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
-        sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
-        y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
-        if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
-            gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
-            gate, up = None, None
-        out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
+    if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
+        gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
+        gate, up = None, None
+
+    out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
     # The bad-id bookkeeping after every launch (from an idle GPU its ~50 us of host time came before GEMM1).
     # Earlier calls' counts first: this call's own may land at once on a small problem, and a forward must
     # not raise on its own ids some of the time (the same step's backward does, every time).

@@ -19,14 +19,12 @@ from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
 from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
 
-# the mok.ops kernels that have a twin here (the names tests patch); COMPOSITES make their calls through mok.ops
+# the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
            "grouped_gemm_mxfp8_nt_contiguous", "combine_rows", "gather_rows_cuda",
-           "make_schedule_cuda", "routed_forward_bf16", "route_grads_prep", "mxfp8_quantize_rowwise",
-           "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
-           "mxfp8_fake_quantize_dual")
-COMPOSITES = ("routed_forward_bf16",)
+           "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
+           "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -127,20 +125,6 @@ def make_schedule_cuda(topk_idx, num_experts, block_m=128, sync=True):
     to max_num_rows, as the kernel leaves it (bad ids raise here, at once: make_schedule's check)."""
     sched = make_schedule(topk_idx, num_experts, block_m=block_m)
     return sched if sync else sched.extended(max_num_rows(*topk_idx.shape, num_experts, block_m))
-
-
-def routed_forward_bf16(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, swiglu_limit=None,
-                        num_sms=None):
-    """(sched, y_rows, gate, up, out): the four calls the binding stands for, chained as it chains them, through
-    mok.ops (where a test has put their twins, each call is seen as the level's own)."""
-    from mok import ops  # at call time: the module a test patched
-
-    sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=128, sync=False)
-    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=swiglu_limit,
-                                                      num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, w_down, sched, num_sms=num_sms)  # [R, H]
-    out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
-    return sched, y_rows, gate, up, out
 
 
 def route_grads_prep(d_out, topk_weights, y_rows, sched):

@@ -126,9 +126,8 @@ def _recorder(log: list, name: str, fn):
 def twin_calls(monkeypatch) -> list:
     """Every mok.ops kernel replaced by its L0 twin and the level's torch glue kept; each call is logged."""
     log = []
-    for name in twins.KERNELS:  # a composite is logged as the calls it makes
-        twin = getattr(twins, name)
-        monkeypatch.setattr(ops, name, twin if name in twins.COMPOSITES else _recorder(log, name, twin))
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, _recorder(log, name, getattr(twins, name)))
     for name in ("gather_x_rows", "pad_rows"):
         monkeypatch.setattr(fused, name, _recorder(log, name, getattr(fused, name)))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)

@@ -294,14 +294,6 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
 
 
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
-def test_fused_wiring_with_the_routed_steps_as_four_calls_is_l0(monkeypatch, shape):
-    """ROUTED_ONE_CALL = False (the A/B partner of ops.routed_forward_bf16): L0's bits still."""
-    _use_twins(monkeypatch)
-    monkeypatch.setattr(fused, "ROUTED_ONE_CALL", False)
-    _assert_twin_level_is_l0(shape, "bf16", 0.7)
-
-
-@pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
     """MOK_MX_WEIGHTS=mainloop: the forward hands quantized weights to the MXFP8 GEMMs (twins: the BF16 GEMM
     on their dequantization), L0's mxfp8 bits still."""

@@ -59,7 +59,6 @@ step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_op
 step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
   -k "build_switches and MULTICAST"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
-  tests/test_ops_routed_forward.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
@@ -91,8 +90,8 @@ step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grou
 # `stalls`: Nsight Compute's warp-state and per-instruction stall samples of dsv4pro's GEMM1 (both launches: routed,
 # shared) and first weight gradient, or of MOK_STALLS="SHAPE KERNEL_REGEX COUNT"; `trace`: whole passes under
 # torch.profiler (tools/trace_passes.py); `host`: each call's host time in a pass (tools/host_time.py); `order_ab`:
-# the forward's shared expert first against last, its routed steps from one binding call against four, and from
-# an idle GPU against back to back (tools/forward_order_ab.py).
+# the forward's shared expert first against last, and from an idle GPU against back to back
+# (tools/forward_order_ab.py).
 step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-start off --kernel-name-base demangled \
   -k "regex:$3" -c "$4" --section WarpStateStats --section SourceCounters --section SpeedOfLight -f \
   -o "$1/stalls" python tools/profile_gemms.py "$2" && "$0" -i "$1/stalls.ncu-rep" --page details --csv \
@@ -115,7 +114,7 @@ for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
   --page source --csv --print-source sass >"$1/dual_sass.csv"; rm -f "$1/dual.ncu-rep"' "$ncu" "$logs"
 step trace 150 "span|at " python tools/trace_passes.py
 step host 120 "host|at " python tools/host_time.py
-step order_ab 200 "shared_first|one_call|idle" python tools/forward_order_ab.py
+step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 # `launch`: each launch's host time on the forward's path, through the raw bindings (tools/launch_cost.py).
 step launch 120 " us$" python tools/launch_cost.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).

@@ -2,12 +2,9 @@
 time on the path to GEMM1"):
 
 1. The shared expert's GEMMs first (mok.fused.forward) against last (`routed_first` below: the order before
-   78e54ea, the same kernels and bits), both with the routed steps as four calls (fused.ROUTED_ONE_CALL =
-   False), in 7 alternating rounds of mok.bench.time_ms; the median of the rounds' ratios. Shapes with a
-   shared expert only.
-2. The routed steps from one binding call (ops.routed_forward_bf16, the default) against the four calls it
-   stands for, the same way.
-3. The forward timed from an idle GPU (mok.bench.time_ms: what `bench moe` reports) against back to back (20
+   78e54ea, the same kernels and bits), in 7 alternating rounds of mok.bench.time_ms; the median of the
+   rounds' ratios. Shapes with a shared expert only.
+2. The forward timed from an idle GPU (mok.bench.time_ms: what `bench moe` reports) against back to back (20
    forwards queued without a sync: the host runs ahead, so its time is hidden); the difference is the host
    time a pass exposes when it starts from an idle GPU.
 
@@ -52,37 +49,19 @@ def back_to_back_ms(fn, n: int = 20) -> float:
     return start.elapsed_time(end) / n
 
 
-def with_one_call(one_call: bool, fn):
-    """fn with fused.ROUTED_ONE_CALL set to one_call while it runs."""
-    def run():
-        saved, fused.ROUTED_ONE_CALL = fused.ROUTED_ONE_CALL, one_call
-        try:
-            return fn()
-        finally:
-            fused.ROUTED_ONE_CALL = saved
-    return run
-
-
-def alternate(name: str, a: tuple, b: tuple, rounds: int = 7) -> None:
-    """Print a's and b's median mok.bench.time_ms over `rounds` rounds (which goes first alternates) and the
-    median of the rounds' ratios a / b. a, b: (label, fn)."""
-    times = {a[0]: [], b[0]: []}
-    for r in range(rounds):
-        for label, fn in (a, b)[:: 1 if r % 2 == 0 else -1]:
-            times[label].append(bench.time_ms(fn, 20))
-    ratio = statistics.median(x / y for x, y in zip(times[a[0]], times[b[0]]))
-    print(f"{name}: {a[0]} {statistics.median(times[a[0]]):.3f} ms, {b[0]} {statistics.median(times[b[0]]):.3f} ms, "
-          f"median ratio of rounds {ratio:.3f}", flush=True)
-
-
 def main(shapes: list[str]) -> None:
     for name in shapes:
         args = moe_args(make_inputs(get_shape(name), device="cuda", draw_on="cuda"))
         new = lambda: fused.forward(*args)  # noqa: E731, B023 (used within the iteration)
-        four_calls = with_one_call(False, new)
         if args[6] is not None:  # w_shared_gate
-            alternate(name, ("shared_first", four_calls), ("routed_first", lambda: routed_first(*args)))  # noqa: B023
-        alternate(name, ("one_call", new), ("four_calls", four_calls))
+            old = lambda: routed_first(*args)  # noqa: E731, B023
+            times = {"shared_first": [], "routed_first": []}
+            for r in range(7):  # alternate which goes first
+                for label, fn in (("shared_first", new), ("routed_first", old))[:: 1 if r % 2 == 0 else -1]:
+                    times[label].append(bench.time_ms(fn, 20))
+            ratio = statistics.median(a / b for a, b in zip(times["shared_first"], times["routed_first"]))
+            print(f"{name}: shared_first {statistics.median(times['shared_first']):.3f} ms, routed_first "
+                  f"{statistics.median(times['routed_first']):.3f} ms, median ratio of rounds {ratio:.3f}", flush=True)
         idle = statistics.median(bench.time_ms(new, 20) for _ in range(3))
         queued = statistics.median(back_to_back_ms(new) for _ in range(3))
         print(f"{name}: forward from idle {idle:.3f} ms, back to back {queued:.3f} ms", flush=True)

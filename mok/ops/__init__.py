@@ -7,8 +7,7 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
     moe    the fixed-order combine (combine_rows), the row gather (gather_rows_cuda), the device schedule
-           (make_schedule_cuda), the routed forward in one call (routed_forward_bf16) and the backward's
-           routed-gradient prep (route_grads_prep)
+           (make_schedule_cuda) and the backward's routed-gradient prep (route_grads_prep)
 
 Every op checks its arguments first (errors name the argument, the expectation and the actual value),
 then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
@@ -38,7 +37,6 @@ from mok.ops.moe import (
     gather_rows_cuda,
     make_schedule_cuda,
     route_grads_prep,
-    routed_forward_bf16,
 )
 from mok.ops.quant import (
     BLOCK_SIZE,
@@ -59,5 +57,5 @@ __all__ = [
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
     "mxfp8_fake_quantize_dual", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
-    "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep", "routed_forward_bf16",
+    "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
 ]

@@ -7,17 +7,7 @@ import torch
 
 from mok.checks import check_int, fail
 from mok.ops.core import load_extension
-from mok.ops.gemm import (
-    GEMM_BLOCK_M,
-    GEMM_K_ALIGN,
-    _check_devices,
-    _check_gemm_dim,
-    _check_limit,
-    _check_num_sms,
-    _check_shape,
-    gemm_schedule_tensors,
-    real_num_rows,
-)
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
 from mok.routing import check_topk_idx
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
@@ -169,12 +159,6 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
             v[name] = v[name][:n]
         v["gemm_row_to_token"] = v["gemm_row_to_token"][:num_rows]
         v["gemm_tile_to_expert"] = v["gemm_tile_to_expert"][:num_rows // GEMM_BLOCK_M]
-    return _schedule_of(v, num_tokens, num_topk, num_experts, block_m, num_rows, gemm)
-
-
-def _schedule_of(v: dict, num_tokens: int, num_topk: int, num_experts: int, block_m: int, num_rows: int,
-                 gemm: bool) -> Schedule:
-    """The Schedule of the binding's arrays (_SCHEDULE_ARRAYS name -> tensor), with its GEMM views if `gemm`."""
     sched = Schedule(
         num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
         tokens_per_expert=v["tokens_per_expert"], padded_per_expert=v["padded_per_expert"],
@@ -185,54 +169,6 @@ def _schedule_of(v: dict, num_tokens: int, num_topk: int, num_experts: int, bloc
     if gemm:
         sched.gemm_tensors = (v["gemm_row_to_token"], v["gemm_tile_to_expert"])
     return sched
-
-
-# ---- the routed forward in one call (csrc/bindings.cpp, routed_forward_bf16) ------------------------------
-
-
-def routed_forward_bf16(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
-                        w_up: torch.Tensor, w_down: torch.Tensor, shared: torch.Tensor | None = None,
-                        swiglu_limit: float | None = None, num_sms: int | None = None):
-    """The routed experts' BF16 forward as one binding call: make_schedule_cuda(topk_idx, E, block_m=128,
-    sync=False), grouped_gemm_bf16_swiglu_gather, grouped_gemm_bf16_nt_contiguous, then combine_rows(y_rows,
-    route_to_row, topk_weights, shared, check_rows=False): the same kernels with the same arguments, launched back
-    to back from C++ (from Python, the host's time between the schedule and GEMM1 left the GPU idle: 93 of
-    qwen3-30b's 1466 µs forward, docs/l2_fused.md). Returns (sched, y_rows [R, H], gate [R, I], up [R, I], out
-    [T, H]) with the four calls' bits, or None beyond make_schedule_cuda's kernels (it would sync there). x bf16
-    [T, H]; topk_idx int64 [T, K]; topk_weights fp32 [T, K]; w_gate, w_up bf16 [E, I, H]; w_down bf16 [E, H, I];
-    shared bf16 [T, H] or None (added last, as combine_rows does). Ids outside [0, E) are counted in
-    sched.counts[1], not raised (make_schedule_cuda, sync=False)."""
-    _check_shape("w_gate", w_gate, (None, None, None), "[num_experts, intermediate, hidden]")
-    num_experts, intermediate, hidden = w_gate.shape
-    _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
-    _check_topk_idx_layout(topk_idx, num_experts)
-    num_tokens, num_topk = topk_idx.shape
-    _check_shape("x", x, (num_tokens, hidden), "[num_tokens, hidden] (topk_idx's tokens, w_gate's hidden)")
-    _check_gemm_dim("x", hidden, "hidden (dim 1)")
-    _check_shape("w_up", w_up, (num_experts, intermediate, hidden), "[num_experts, intermediate, hidden]")
-    _check_shape("w_down", w_down, (num_experts, hidden, intermediate), "[num_experts, hidden, intermediate]")
-    _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
-                           "[num_tokens, num_topk] (topk_idx's)")
-    if shared is not None:
-        _check_shape("shared", shared, (num_tokens, hidden), "[num_tokens, hidden]")
-    _check_limit(swiglu_limit)
-    sms = _check_num_sms(num_sms)
-    _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                   **({} if shared is None else {"shared": shared}))
-    _check_on_device("topk_weights", topk_weights, x.device, False)
-    if topk_idx.device != x.device:
-        fail("topk_idx", f"device {x.device} (x's)", topk_idx.device)
-    rows = max_num_rows(num_tokens, num_topk, num_experts, GEMM_BLOCK_M)
-    if num_experts > SCHEDULE_MAX_EXPERTS or rows >= 2**31:
-        return None
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    arrays = load_extension().routed_forward_bf16(x, topk_idx.contiguous(), topk_weights, w_gate, w_up, w_down,
-                                                  shared, rows, limit, swiglu_limit is not None, sms)
-    num_arrays = len(_SCHEDULE_ARRAYS)
-    sched = _schedule_of(dict(zip(_SCHEDULE_ARRAYS, arrays[:num_arrays])), num_tokens, num_topk, num_experts,
-                         GEMM_BLOCK_M, rows, True)
-    gate, up, y_rows, out = arrays[num_arrays:]
-    return sched, y_rows, gate, up, out
 
 
 # ---- routed-gradient prep (csrc/include/mok/moe/route_grads.cuh) -----------------------------------------

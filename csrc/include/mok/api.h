@@ -44,7 +44,6 @@ cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, 
 // results are bitwise the same for any value). num_rows is the row buffers' size; real_num_rows (int32 [1],
 // a multiple of 128, written on the device by the schedule; null: num_rows) is the schedule's real padded
 // row count: the row-wise kernels run its tiles only, so rows past it are never read or written.
-constexpr int64_t kGemmBlockM = 128;  // rows per tile (BLOCK_M of mok/gemm/grouped_gemm_bf16.cuh)
 
 // GEMM1 with fused dispatch and SwiGLU: x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate,
 // hidden]; h, gate, up [num_rows, intermediate] (zeros in padding rows).
