@@ -2,8 +2,9 @@
 allocated (docs/l2_fused.md, "Next" 1d: what the ~70 µs between the schedule's kernels and GEMM1 is made of).
 Each call is timed alone with perf_counter while the GPU works through the queue (a sync every 25 calls keeps
 the queue short), so a call's time is its host time: argument checks, tensor maps, cudaFuncSetAttribute, the
-launch. Beside them: the mok.ops wrapper of GEMM1 (its checks and three allocations on top), three
-torch.empty of GEMM1's outputs, and the one-call forward's binding.
+launch. Beside them: the mok.ops wrapper of GEMM1 (its checks and three allocations on top) and three
+torch.empty of GEMM1's outputs. Measured at 51cc0c5 (data/profile/launch_cost_51cc0c5.txt, with the one-call
+forward's binding that was then removed).
 
     python tools/launch_cost.py [SHAPE ...] [--calls 200]
 
@@ -64,10 +65,6 @@ def time_shape(name: str, calls: int) -> None:
         "combine (binding)": lambda: ext.combine_rows(y_rows, route_to_row, topk_weights, None, out),
         "3 x torch.empty [rows, intermediate]": lambda: [torch.empty(rows, inter, dtype=x.dtype, device=x.device)
                                                          for _ in range(3)],
-        "routed_forward_bf16 (binding)": lambda: ext.routed_forward_bf16(
-            x, topk_idx, topk_weights, w_gate, w_up, w_down, None, rows, 0.0, False, sms),
-        "routed_forward_bf16 (mok.ops)": lambda: ops.routed_forward_bf16(x, topk_idx, topk_weights, w_gate, w_up,
-                                                                        w_down),
     }
     for label, fn in cases.items():
         print(f"{name}: {label:40s} {host_us(fn, calls):7.1f} us", flush=True)
