@@ -96,6 +96,32 @@ def test_gather_rows_token_past_the_end_is_a_nan_row():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("corrupt", ["route_to_row", "row_to_token"])
+def test_gather_rows_disagreeing_views_are_nan_rows(corrupt):
+    """The kernel copies token-major (each token's row into its routes' rows) and fills the rows no route owns;
+    a row whose route_to_row and row_to_token/row_to_k disagree must come out NaN, written once, never a
+    neighbour's copy or poison."""
+    x, topk_idx = _problem(37, 72, 16, 8, False, seed=fresh_seed())
+    x = x.cuda()
+    sched = make_schedule(topk_idx.cuda(), 16)
+    row = int(sched.route_to_row[5, 2])  # the row of token 5's third route
+    if corrupt == "route_to_row":  # the route points elsewhere: its row is nobody's
+        sched.route_to_row = sched.route_to_row.clone()
+        sched.route_to_row[5, 2] = int(sched.route_to_row[6, 0])
+    else:  # the row names another real token
+        row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
+        bad = row_to_token.clone()
+        bad[row] = 6
+        sched.gemm_tensors = (bad, tile_to_expert)
+    poison_allocator(4 * sched.num_rows * x.shape[1] * 2)
+    out = ops.gather_rows_cuda(x, sched)
+    assert out[row].isnan().all()
+    others = torch.arange(out.shape[0], device=out.device) != row
+    assert bitwise_equal(out[others], gather_rows(x, sched)[others])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 def test_gather_rows_no_tokens():
     sched = make_schedule(torch.zeros(0, 2, dtype=torch.int64, device="cuda"), 4)
     out = ops.gather_rows_cuda(torch.zeros(0, 64, dtype=BF16, device="cuda"), sched)

@@ -83,7 +83,9 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
 def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """mok.schedule.gather_rows on the GPU, bit for bit (a copy): x bf16 [num_tokens, hidden] (hidden % 8 == 0)
     -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding and spare rows (their
-    row_to_token is -1). No host sync; the schedule is trusted (a token id past num_tokens gives a NaN row)."""
+    row_to_token is -1). Token-major: each token's row is read once and stored into its routes' rows. No host
+    sync; the schedule is trusted, never followed blindly: a token id past num_tokens, or a row whose
+    route_to_row and row_to_token/row_to_k disagree, gives a NaN row."""
     if not isinstance(sched, Schedule):
         fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
     _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
@@ -92,8 +94,10 @@ def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
         fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
     _check_on_device("x", x, x.device, True)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows]
+    row_to_k = sched.row_to_k.to(x.device).contiguous()  # int64 [num_rows]
+    route_to_row = sched.route_to_row.to(x.device).contiguous()  # int64 [num_tokens, num_topk]
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    load_extension().gather_rows(x, row_to_token, out)
+    load_extension().gather_rows(x, row_to_token, row_to_k, route_to_row, out)
     return out
 
 

@@ -1,55 +1,114 @@
 // Dispatch of token rows into the schedule's rows (mok.schedule.gather_rows, bit for bit: a copy):
 //   out[r] = x[row_to_token[r]], and zeros where row_to_token[r] < 0 (padding and spare rows).
-// The backward's weight gradients read x in this order (docs/l2_fused.md). A row_to_token entry at or past
-// num_tokens reads nothing and gives a NaN row: never a stray read, never silent.
+// The backward's weight gradients read x in this order (docs/l2_fused.md).
 //
-// Bytes: 2·hidden read per real row (each token's row once per route), 2·hidden written per row. A pure
-// copy, so the limit is bytes in flight: each thread keeps kGatherVecs 16-byte loads in flight (the combine
-// kernel with one route per row kept 2 and ran at a third of copy speed, `bench parts` gather_x).
+// Token-major: each token's row is read from HBM once and stored into its K rows (route_to_row), so x's bytes
+// are read once, not K times (a row-major gather re-read a token's row for each of its routes, long after L2
+// had dropped it: 1.6x the bytes of this kernel at qwen3-30b). Every row is written by exactly one warp:
+//   * token warps: token t, slot k stores row r = route_to_row[t, k] iff row_to_token[r] == t and
+//     row_to_k[r] == k (the schedule's two views of the route agree);
+//   * row warps: every other row, zeros where row_to_token[r] < 0, NaN otherwise (a token id past num_tokens,
+//     or views that disagree): the schedule is trusted, but never read past x, and never silently wrong.
+//
+// Bytes: 2·hidden read per token, 2·hidden written per row.
 #pragma once
 
 #include "mok/common.cuh"
 
 namespace mok::moe {
 
-constexpr int kGatherThreads = 256;
-constexpr int kGatherVecs = 4;  // 16-byte vectors per thread, all loaded before any is stored
-constexpr int64_t kGatherBlockVecs = static_cast<int64_t>(kGatherThreads) * kGatherVecs;
+constexpr int kGatherWarps = 8;  // warps per CTA
+constexpr int kGatherThreads = kGatherWarps * kWarpSize;
+constexpr int kGatherVecs = 4;  // 16-byte loads in flight per lane, all issued before any store
+constexpr int kGatherRowsPerWarp = kWarpSize;  // row warps: one row's index data per lane
 
-// Block b owns the vectors [b · kGatherBlockVecs, (b + 1) · kGatherBlockVecs) of out (row-major, 8 bf16 each);
-// thread t the vectors t, t + 256, ...: every warp load and store instruction covers 512 contiguous bytes.
-__global__ void __launch_bounds__(kGatherThreads)
-    gather_rows_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ row_to_token, uint4* __restrict__ out,
-                       int64_t num_tokens, int64_t num_vecs, int64_t vecs_per_row) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGatherBlockVecs + threadIdx.x;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u), nan = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
-  uint4 v[kGatherVecs];
+struct GatherRows {
+  const uint4* x;               // [num_tokens, vecs_per_row]
+  const int32_t* row_to_token;  // [num_rows]
+  const int64_t* row_to_k;      // [num_rows]
+  const int64_t* route_to_row;  // [num_tokens, num_topk]
+  uint4* out;                   // [num_rows, vecs_per_row]
+  int64_t num_tokens, num_topk, num_rows, vecs_per_row;
+};
+
+// Token warp: copies token t's row into the rows of its routes, 32 routes per pass. Lane l loads the row of
+// route k0 + l; a warp store covers 512 contiguous bytes of one row.
+MOK_DEVICE void gather_token(const GatherRows& g, int64_t t) {
+  const int lane = static_cast<int>(lane_id());
+  const uint4* src = g.x + t * g.vecs_per_row;
+  for (int64_t k0 = 0; k0 < g.num_topk; k0 += kWarpSize) {
+    const int64_t k = k0 + lane;
+    int64_t row = k < g.num_topk ? g.route_to_row[t * g.num_topk + k] : -1;
+    const bool mine = row >= 0 && row < g.num_rows && g.row_to_token[row] == t && g.row_to_k[row] == k;
+    const uint32_t routes = __ballot_sync(kFullMask, mine);
+    for (int64_t v0 = 0; v0 < g.vecs_per_row; v0 += kWarpSize * kGatherVecs) {
+      uint4 v[kGatherVecs];
 #pragma unroll
-  for (int i = 0; i < kGatherVecs; ++i) {
-    const int64_t vec = first + i * kGatherThreads;
-    const int64_t row = vec / vecs_per_row;
-    const int64_t token = vec < num_vecs ? row_to_token[row] : -1;
-    const int64_t col = vec - row * vecs_per_row;
-    v[i] = token < 0 ? zero : token >= num_tokens ? nan : ld_stream_v4(x + token * vecs_per_row + col);
-  }
+      for (int i = 0; i < kGatherVecs; ++i) {
+        const int64_t vec = v0 + i * kWarpSize + lane;
+        if (vec < g.vecs_per_row) v[i] = ld_stream_v4(src + vec);
+      }
+      for (uint32_t left = routes; left != 0; left &= left - 1) {
+        const int64_t r = __shfl_sync(kFullMask, row, __ffs(left) - 1);
 #pragma unroll
-  for (int i = 0; i < kGatherVecs; ++i) {
-    const int64_t vec = first + i * kGatherThreads;
-    if (vec < num_vecs) st_v4(out + vec, v[i]);
+        for (int i = 0; i < kGatherVecs; ++i) {
+          const int64_t vec = v0 + i * kWarpSize + lane;
+          if (vec < g.vecs_per_row) st_v4(g.out + r * g.vecs_per_row + vec, v[i]);
+        }
+      }
+    }
   }
 }
 
-// x bf16 [num_tokens, hidden]; row_to_token int32 [num_rows]; out bf16 [num_rows, hidden]; hidden % 8 == 0 and
-// both row buffers 16-byte aligned (checked in mok/ops/).
-inline cudaError_t launch_gather_rows(const void* x, const int32_t* row_to_token, void* out, int64_t num_tokens,
+// Row warp: rows [r0, r0 + 32): lane l reads row r0 + l's index data; the rows no token warp owns are filled
+// one after another by the whole warp.
+MOK_DEVICE void fill_unowned_rows(const GatherRows& g, int64_t r0) {
+  const int lane = static_cast<int>(lane_id());
+  const int64_t r = r0 + lane;
+  bool unowned = false, zero = false;
+  if (r < g.num_rows) {
+    const int64_t t = g.row_to_token[r], k = g.row_to_k[r];
+    const bool owned = t >= 0 && t < g.num_tokens && k >= 0 && k < g.num_topk &&
+                       g.route_to_row[t * g.num_topk + k] == r;
+    unowned = !owned;
+    zero = t < 0;
+  }
+  const uint32_t rows = __ballot_sync(kFullMask, unowned), zeros = __ballot_sync(kFullMask, zero);
+  const uint4 nan = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+  for (uint32_t left = rows; left != 0; left &= left - 1) {
+    const int j = __ffs(left) - 1;
+    const uint4 fill = (zeros >> j) & 1u ? make_uint4(0u, 0u, 0u, 0u) : nan;
+    uint4* dst = g.out + (r0 + j) * g.vecs_per_row;
+    for (int64_t vec = lane; vec < g.vecs_per_row; vec += kWarpSize) st_v4(dst + vec, fill);
+  }
+}
+
+// CTAs [0, token_ctas): one token per warp; the rest: 32 rows per warp.
+__global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(GatherRows g, int64_t token_ctas) {
+  const int64_t warp = static_cast<int64_t>(threadIdx.x) / kWarpSize;
+  if (blockIdx.x < token_ctas) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * kGatherWarps + warp;
+    if (t < g.num_tokens) gather_token(g, t);
+  } else {
+    const int64_t r0 = ((static_cast<int64_t>(blockIdx.x) - token_ctas) * kGatherWarps + warp) * kGatherRowsPerWarp;
+    if (r0 < g.num_rows) fill_unowned_rows(g, r0);
+  }
+}
+
+// x bf16 [num_tokens, hidden]; row_to_token int32 [num_rows]; row_to_k int64 [num_rows]; route_to_row int64
+// [num_tokens, num_topk]; out bf16 [num_rows, hidden]; hidden % 8 == 0 and both row buffers 16-byte aligned
+// (checked in mok/ops/).
+inline cudaError_t launch_gather_rows(const void* x, const int32_t* row_to_token, const int64_t* row_to_k,
+                                      const int64_t* route_to_row, void* out, int64_t num_tokens, int64_t num_topk,
                                       int64_t num_rows, int64_t hidden, cudaStream_t stream) {
-  if (hidden % 8 != 0) return cudaErrorInvalidValue;
-  const int64_t vecs_per_row = hidden / 8, num_vecs = num_rows * vecs_per_row;
-  if (num_vecs == 0) return cudaSuccess;
-  const int64_t num_blocks = ceil_div(num_vecs, kGatherBlockVecs);
-  if (num_blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  gather_rows_kernel<<<static_cast<unsigned>(num_blocks), kGatherThreads, 0, stream>>>(
-      static_cast<const uint4*>(x), row_to_token, static_cast<uint4*>(out), num_tokens, num_vecs, vecs_per_row);
+  if (hidden % 8 != 0 || num_topk < 0) return cudaErrorInvalidValue;
+  if (num_rows == 0 || hidden == 0) return cudaSuccess;
+  const GatherRows g{static_cast<const uint4*>(x), row_to_token, row_to_k, route_to_row, static_cast<uint4*>(out),
+                     num_tokens, num_topk, num_rows, hidden / 8};
+  const int64_t token_ctas = ceil_div(num_tokens, kGatherWarps);
+  const int64_t row_ctas = ceil_div(num_rows, static_cast<int64_t>(kGatherWarps) * kGatherRowsPerWarp);
+  if (token_ctas + row_ctas > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  gather_rows_kernel<<<static_cast<unsigned>(token_ctas + row_ctas), kGatherThreads, 0, stream>>>(g, token_ctas);
   return cudaGetLastError();
 }
 
