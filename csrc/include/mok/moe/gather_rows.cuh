@@ -20,6 +20,10 @@ namespace mok::moe {
 constexpr int kGatherWarps = 8;  // warps per CTA
 constexpr int kGatherThreads = kGatherWarps * kWarpSize;
 constexpr int kGatherVecs = 4;  // 16-byte loads in flight per lane, all issued before any store
+// A token warp copies one chunk of a row (2 KB): many warps per token keep every SM busy even when tokens are
+// few and rows long (one warp per whole row ran dsv4pro's 2048 tokens on 16 warps per SM, 1.2x slower than the
+// row-major gather).
+constexpr int64_t kGatherChunkVecs = kWarpSize * kGatherVecs;
 constexpr int kGatherRowsPerWarp = kWarpSize;  // row warps: one row's index data per lane
 
 struct GatherRows {
@@ -31,30 +35,27 @@ struct GatherRows {
   int64_t num_tokens, num_topk, num_rows, vecs_per_row;
 };
 
-// Token warp: copies token t's row into the rows of its routes, 32 routes per pass. Lane l loads the row of
-// route k0 + l; a warp store covers 512 contiguous bytes of one row.
-MOK_DEVICE void gather_token(const GatherRows& g, int64_t t) {
+// Token warp: copies vectors [v0, v0 + kGatherChunkVecs) of token t's row into the rows of its routes, 32 routes
+// per pass. Lane l looks up the row of route k0 + l; a warp store covers 512 contiguous bytes of one row.
+MOK_DEVICE void gather_token_chunk(const GatherRows& g, int64_t t, int64_t v0) {
   const int lane = static_cast<int>(lane_id());
   const uint4* src = g.x + t * g.vecs_per_row;
+  uint4 v[kGatherVecs];
+#pragma unroll
+  for (int i = 0; i < kGatherVecs; ++i) {
+    const int64_t vec = v0 + i * kWarpSize + lane;
+    if (vec < g.vecs_per_row) v[i] = ld_stream_v4(src + vec);
+  }
   for (int64_t k0 = 0; k0 < g.num_topk; k0 += kWarpSize) {
     const int64_t k = k0 + lane;
-    int64_t row = k < g.num_topk ? g.route_to_row[t * g.num_topk + k] : -1;
+    const int64_t row = k < g.num_topk ? g.route_to_row[t * g.num_topk + k] : -1;
     const bool mine = row >= 0 && row < g.num_rows && g.row_to_token[row] == t && g.row_to_k[row] == k;
-    const uint32_t routes = __ballot_sync(kFullMask, mine);
-    for (int64_t v0 = 0; v0 < g.vecs_per_row; v0 += kWarpSize * kGatherVecs) {
-      uint4 v[kGatherVecs];
+    for (uint32_t left = __ballot_sync(kFullMask, mine); left != 0; left &= left - 1) {
+      const int64_t r = __shfl_sync(kFullMask, row, __ffs(left) - 1);
 #pragma unroll
       for (int i = 0; i < kGatherVecs; ++i) {
         const int64_t vec = v0 + i * kWarpSize + lane;
-        if (vec < g.vecs_per_row) v[i] = ld_stream_v4(src + vec);
-      }
-      for (uint32_t left = routes; left != 0; left &= left - 1) {
-        const int64_t r = __shfl_sync(kFullMask, row, __ffs(left) - 1);
-#pragma unroll
-        for (int i = 0; i < kGatherVecs; ++i) {
-          const int64_t vec = v0 + i * kWarpSize + lane;
-          if (vec < g.vecs_per_row) st_v4(g.out + r * g.vecs_per_row + vec, v[i]);
-        }
+        if (vec < g.vecs_per_row) st_v4(g.out + r * g.vecs_per_row + vec, v[i]);
       }
     }
   }
@@ -83,12 +84,14 @@ MOK_DEVICE void fill_unowned_rows(const GatherRows& g, int64_t r0) {
   }
 }
 
-// CTAs [0, token_ctas): one token per warp; the rest: 32 rows per warp.
+// CTAs [0, token_ctas): one (token, chunk) per warp, chunks of a token in consecutive warps; the rest: 32 rows
+// per warp.
 __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(GatherRows g, int64_t token_ctas) {
   const int64_t warp = static_cast<int64_t>(threadIdx.x) / kWarpSize;
   if (blockIdx.x < token_ctas) {
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * kGatherWarps + warp;
-    if (t < g.num_tokens) gather_token(g, t);
+    const int64_t chunks = ceil_div(g.vecs_per_row, kGatherChunkVecs);
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kGatherWarps + warp, t = w / chunks;
+    if (t < g.num_tokens) gather_token_chunk(g, t, (w - t * chunks) * kGatherChunkVecs);
   } else {
     const int64_t r0 = ((static_cast<int64_t>(blockIdx.x) - token_ctas) * kGatherWarps + warp) * kGatherRowsPerWarp;
     if (r0 < g.num_rows) fill_unowned_rows(g, r0);
@@ -105,7 +108,7 @@ inline cudaError_t launch_gather_rows(const void* x, const int32_t* row_to_token
   if (num_rows == 0 || hidden == 0) return cudaSuccess;
   const GatherRows g{static_cast<const uint4*>(x), row_to_token, row_to_k, route_to_row, static_cast<uint4*>(out),
                      num_tokens, num_topk, num_rows, hidden / 8};
-  const int64_t token_ctas = ceil_div(num_tokens, kGatherWarps);
+  const int64_t token_ctas = ceil_div(num_tokens * ceil_div(hidden / 8, kGatherChunkVecs), kGatherWarps);
   const int64_t row_ctas = ceil_div(num_rows, static_cast<int64_t>(kGatherWarps) * kGatherRowsPerWarp);
   if (token_ctas + row_ctas > 0x7FFFFFFF) return cudaErrorInvalidValue;
   gather_rows_kernel<<<static_cast<unsigned>(token_ctas + row_ctas), kGatherThreads, 0, stream>>>(g, token_ctas);
