@@ -67,7 +67,8 @@ MOK_DEVICE void gather_token_chunk(const GatherRows& g, int64_t t, int64_t v0) {
 MOK_DEVICE void fill_unowned_row(const GatherRows& g, int64_t r) {
   const int64_t t = g.row_to_token[r], k = g.row_to_k[r];
   if (t >= 0 && t < g.num_tokens && k >= 0 && k < g.num_topk && g.route_to_row[t * g.num_topk + k] == r) return;
-  const uint4 fill = t < 0 ? make_uint4(0u, 0u, 0u, 0u) : make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+  const uint32_t word = t < 0 ? 0u : 0x7FC07FC0u;  // +0, or two bf16 NaNs
+  const uint4 fill = make_uint4(word, word, word, word);
   uint4* dst = g.out + r * g.vecs_per_row;
   for (int64_t vec = lane_id(); vec < g.vecs_per_row; vec += kWarpSize) st_v4(dst + vec, fill);
 }

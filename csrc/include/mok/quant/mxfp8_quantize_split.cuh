@@ -225,7 +225,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm)
 //  22: 1 x  2 ( 64 KB) x 2, 512 columns:  7 warps, 3 CTAs/SM (16 with 1 KB per row and copy)
 //  23: 1 x  2 ( 64 KB) x 1, 512 columns:  5 warps, 3 CTAs/SM (the default dual)
 // 17-21 were measured and removed (docs/mxfp8_kernels.md); their numbers stay unused.
-inline bool is_split_dual_variant(int variant) { return (variant >= 9 && variant <= 16) || variant == 22 || variant == 23; }
+inline bool is_split_dual_variant(int variant) {
+  return (variant >= 9 && variant <= 16) || variant == 22 || variant == 23;
+}
 
 template <typename Cfg>
 inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
@@ -233,7 +235,8 @@ inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& 
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, Cfg::kTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
-  const cudaError_t err = persistent_grid<quantize_dual_split_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
+  const cudaError_t err =
+      persistent_grid<quantize_dual_split_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
   if (err != cudaSuccess) return err;
   quantize_dual_split_kernel<Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
   return cudaGetLastError();
