@@ -127,7 +127,8 @@ step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$saniti
   python tools/sanitize.py mainloop
 step quant 90 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
-# `qdual`: dual quantization alone (its default, or the variants MOK_QVARIANTS="0,18") beside the copy kernels' 4 GiB rows, a quick A/B of dual's ceiling.
+# `qdual`: dual quantization alone (its default, or the variants MOK_QVARIANTS="16,22,23") beside the copy kernels'
+# 4 GiB rows, a quick A/B of dual's ceiling.
 step qdual 150 "dual|copy" python -m mok.bench_quant --ops dual --no-l0 --variants ${MOK_QVARIANTS:-0} --out "$out/quant_dual.csv"
 # `qshape`: dual, row-wise and column-wise quantization on tensors of the same bytes as dsv4pro's weights but other
 # row lengths: does the 7168-column gap to the copy ceiling follow the row length?

@@ -781,9 +781,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
     it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane);
-    const int group_row0 = t.m_tile * BLOCK_M + group * WG_M;
-
-    const int row0 = group_row0 + 16 * warp;  // this warp's 16 rows
+    const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     const int n0 = t.n_tile * T::kTaskN;
     if constexpr (T::kSwiGLU) {
       store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);

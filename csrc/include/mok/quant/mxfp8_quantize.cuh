@@ -7,7 +7,6 @@
 // Bytes: per bf16 element, 2 read + 1 written (+ 1/32 for the scale); dual writes 2 + 2/32.
 #pragma once
 
-
 #include "mok/quant/mxfp8.cuh"
 
 namespace mok::mxfp8 {
