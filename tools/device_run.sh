@@ -69,6 +69,11 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=1 --out "$out/ab_multicast.csv"
+# `ab` and `parts_sw`: the same for the switch MOK_SWITCH (NAME=VALUE), e.g. MOK_SWITCH=MOK_GEMM_DEFER_EPILOGUE=0;
+# `switches_sw` its bits against the default build's.
+step ab 300 "shape|bf16|wrote" python -m mok.bench ab "${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}" --out "$out/ab.csv"
+step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
+  -k "build_switches and ${MOK_SWITCH%%=*}"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
@@ -78,6 +83,8 @@ step parts_base 240 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then
   git worktree add -f /tmp/mok_base "$1" >/dev/null && cd /tmp/mok_base; fi &&
   MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
   python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}"
+step parts_sw 240 "whole|steps|gemm|wgrad|dgrad" env "${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}" python -m mok.bench parts \
+  --out "$out/parts_switch.csv"
 step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
   --out "$out/parts_multicast.csv"
 step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
