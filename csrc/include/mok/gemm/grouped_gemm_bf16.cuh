@@ -76,11 +76,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
-// MOK_GEMM_DEFER_EPILOGUE=1: a consumer keeps its finished tile in registers as bf16 and stores it during the next
-// task's first k-blocks, under their MMAs (`Deferred` below); 0: it stores the tile before the next task starts.
-#ifndef MOK_GEMM_DEFER_EPILOGUE
-#define MOK_GEMM_DEFER_EPILOGUE 1
-#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -91,7 +86,6 @@ constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
-constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
@@ -591,11 +585,11 @@ MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col
 // sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy, and lane 0
 // issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
 // rest: a partial box writes only columns < n and rows < num_rows).
-template <int kFirstBox = 0, int kEndBox = BLOCK_N_B / kStoreBoxCols, typename Values>
+template <typename Values>
 MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
-  for (int b = kFirstBox; b < kEndBox; ++b) {
+  for (int b = 0; b < BLOCK_N_B / kStoreBoxCols; ++b) {
     const int col = col0 + b * kStoreBoxCols;
     if (col >= out.n || row0 >= out.num_rows) break;  // warp-uniform
     uint8_t* box = st.smem + st.box * kStoreBoxBytes;
@@ -638,81 +632,58 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// The epilogue of one task in one consumer warp: the tile's 16 × 128 pieces from the accumulators (kGateUp: gate,
-// up, then h = swiglu(gate, up) on the bf16-rounded values; the others: columns n0.., then n0 + 128..). Padding
-// rows of the schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
-// MOK_GEMM_DEFER_EPILOGUE: the last piece's second box (16 rows × 64 columns: 16 bf16x2 words per lane, word
-// 2(i - 8) + h for stmatrix's column pair i, row half h) is held in registers and stored by store_held after the
-// next task's first wgmmas are issued, under their MMAs. Only where the 16 registers fit: ptxas (CUDA 13.0) spilled
-// in kDown and both dgrads, in kWeightGrad with 3 stages, and with a whole piece held (32 words) in every kind.
-template <Gemm kGemm>
-struct Epilogue {
-  using T = Tile<kGemm>;
-  static constexpr bool kDefer = kDeferEpilogue && kTmaStore && kNumStages == 4 &&
-                                 (kGemm == Gemm::kGateUp || kGemm == Gemm::kWeightGrad);
-  static constexpr int kHeldWords = kAccPerThread / 4;
-  uint32_t held[kHeldWords];
-  int row0, col0, expert;  // this warp's 16 rows, the held box's piece's first column, kWeightGrad's dW[expert]
-  bool real[2];            // row halves l/4 and l/4 + 8 are routes (row-wise kinds)
-  bool holding = false;
-
-  MOK_DEVICE Output output(const Params& p, uint16_t* ptr, const CUtensorMap* tmap) const {
-    if constexpr (kGemm == Gemm::kWeightGrad)
-      return {p.out + static_cast<int64_t>(expert) * p.m * p.n, tmap, expert, p.n, p.m};
-    return {ptr, tmap, 0, p.n, kAllRows};
-  }
-
-  MOK_DEVICE void finish(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
-                         const Outputs& o, Staging& st, int row0_, int n0, int expert_, uint32_t lane) {
-    row0 = row0_, expert = expert_;
-    real[0] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4] >= 0;
-    real[1] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4 + 8] >= 0;
-    const auto words_of = [&](const float (&acc)[kAccPerThread]) {
-      return [&](int i, int h) { return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u; };
-    };
-    if constexpr (T::kSwiGLU) {
-      store_tile(st, output(p, p.gate, o.gate), row0, n0, lane, words_of(acc0));
-      store_tile(st, output(p, p.up, o.up), row0, n0, lane, words_of(acc1));
-      // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
-      // stores read it: word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
-      constexpr int kBatch = 8;
-      uint32_t h_words[kAccPerThread / 2];
+// kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
+// (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
+MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
+                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
+  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+    return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
+  });
+  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
+    return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
+  });
+  // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the stores
+  // read it: word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
+  constexpr int kBatch = 8;
+  uint32_t h_words[kAccPerThread / 2];
 #pragma unroll
-      for (int b = 0; b < kAccPerThread; b += kBatch) {
-        float g[kBatch], u[kBatch];
+  for (int b = 0; b < kAccPerThread; b += kBatch) {
+    float g[kBatch], u[kBatch];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) g[j] = round_bf16(acc0[b + j]), u[j] = round_bf16(acc1[b + j]);
-        swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
+    for (int j = 0; j < kBatch; ++j) g[j] = round_bf16(acc_gate[b + j]), u[j] = round_bf16(acc_up[b + j]);
+    swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
 #pragma unroll
-        for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
-      }
-      store_last(p, o, st, n0, lane, [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
-    } else {
-      store_tile(st, output(p, p.out, o.out), row0, n0, lane, words_of(acc0));
-      if (n0 + BLOCK_N_B < p.n) store_last(p, o, st, n0 + BLOCK_N_B, lane, words_of(acc1));
-    }
+    for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
   }
+  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+             [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
+}
 
-  // The last piece (into `out`): whole, or its first box now and the second one held.
-  template <typename Values>
-  MOK_DEVICE void store_last(const Params& p, const Outputs& o, Staging& st, int col, uint32_t lane, Values values) {
-    if constexpr (!kDefer) {
-      store_tile(st, output(p, p.out, o.out), row0, col, lane, values);
-    } else {
-      store_tile_tma<0, 1>(st, output(p, p.out, o.out), row0, col, lane, values);
-#pragma unroll
-      for (int w = 0; w < kHeldWords; ++w) held[w] = values(8 + w / 2, w % 2);
-      col0 = col, holding = true;
-    }
-  }
+// kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
+MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
+                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
+  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
+  const Output out{p.out, o.out, 0, p.n, kAllRows};
+  store_tile(st, out, row0, n0, lane, [&](int i, int h) {
+    return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
+  });
+  if (n0 + BLOCK_N_B < p.n)
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
+      return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
+    });
+}
 
-  MOK_DEVICE void store_held(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
-    if (!kDefer || !holding) return;
-    store_tile_tma<1, 2>(st, output(p, p.out, o.out), row0, col0, lane,
-                         [&](int i, int h) { return held[2 * (i - 8) + h]; });
-    holding = false;
-  }
-};
+// kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
+MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
+                                  const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane) {
+  const Output out{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m};
+  store_tile(st, out, row0, n0, lane,
+             [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); });
+  if (n0 + BLOCK_N_B < p.n)
+    store_tile(st, out, row0, n0 + BLOCK_N_B, lane,
+               [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); });
+}
 
 // ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
 
@@ -734,15 +705,13 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 }
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
-// group in flight and release the previous stage. `under_mma()` runs once, after the first k-block's wgmmas are
-// issued and before their wait (the previous task's held piece): that k-block is peeled off the loop so what
-// under_mma keeps live (32 registers) is free in the loop. Returns the position in the stage sequence after it.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, typename UnderMma>
+// group in flight and release the previous stage. Returns the position in the stage sequence after it.
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
-                                 uint32_t lane, UnderMma under_mma) {
+                                 uint32_t lane) {
   uint32_t prev_stage = 0;
-  const auto k_block = [&](int kb, auto&& under) {
+  for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
@@ -770,15 +739,11 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
       ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
-    under();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
     if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
     prev_stage = stage;
-    ++it;
-  };
-  if (num_k_blocks > 0) k_block(0, under_mma);
-  for (int kb = 1; kb < num_k_blocks; ++kb) k_block(kb, [] {});
+  }
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc0, acc1);
   if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
@@ -796,14 +761,12 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  Epilogue<kGemm> epilogue;
   uint32_t it = 0;
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      epilogue.store_held(p, outputs, staging, lane);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
@@ -817,22 +780,17 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
     it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
-        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-        [&] { epilogue.store_held(p, outputs, staging, lane); });
-    epilogue.store_held(p, outputs, staging, lane);  // a task without k-blocks
-#ifdef MOK_GEMM_SKIP_EPILOGUE
-    if (MOK_GEMM_SKIP_EPILOGUE) {  // keep the MMAs: ptxas drops wgmmas whose results are unused
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kAccPerThread; ++i) sum += acc0[i] + acc1[i];
-      if (sum == 1.2345e-30f) p.out[threadIdx.x] = 1;
-      continue;
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane);
+    const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
+    const int n0 = t.n_tile * T::kTaskN;
+    if constexpr (T::kSwiGLU) {
+      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
+    } else if constexpr (kGemm == Gemm::kWeightGrad) {
+      store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
+    } else {
+      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane);
     }
-#endif
-    epilogue.finish(acc0, acc1, p, outputs, staging, t.m_tile * BLOCK_M + group * WG_M + 16 * warp,
-                    t.n_tile * T::kTaskN, t.expert, lane);
   }
-  epilogue.store_held(p, outputs, staging, lane);
   drain_stores(lane);
 }
 
