@@ -930,7 +930,8 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
   if (num_sms <= 0) {
     int device = 0;
-    if ((err = cudaGetDevice(&device)) || (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device)))
+    if ((err = cudaGetDevice(&device)) ||
+        (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device)))
       return err;
   }
   if constexpr (!T::kMulticast) {
