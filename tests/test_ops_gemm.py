@@ -350,7 +350,8 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
 # variant its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5
 # staging boxes per warp instead of 2), and B multicast over 2-CTA clusters must store the same bits in the same
 # places.
-SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1}]
+SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
+                   {"MOK_GEMM_DEFER_EPILOGUE": 0}]
 
 
 @pytest.mark.gpu
@@ -366,7 +367,8 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     sched = sched.to("cuda")
     default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0}
+    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
+                "MOK_GEMM_DEFER_EPILOGUE": 1}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit

@@ -94,9 +94,11 @@ MOK_DEVICE uint64_t global_timer_ns() {
 constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
 
 // Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible),
-// or traps after kWaitTimeoutNs (the launch fails with "unspecified launch failure") instead of hanging
-// forever (DESIGN §9: device spin-waits carry a timeout).
-// NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510).
+// or faults after kWaitTimeoutNs (a store to address 8: the launch fails with "an illegal memory access was
+// encountered") instead of hanging forever (DESIGN §9: device spin-waits carry a timeout).
+// NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510). And no __trap():
+// with a trap reachable, ptxas (CUDA 13.0) kept every warp of a kernel within its launch registers, so the GEMM
+// consumers got 168 of the 224 their setmaxnreg grants (ptxas -v: spills past that, docs/l2_fused.md).
 MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   uint64_t start = 0;
@@ -109,7 +111,8 @@ MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
                  : "memory");
     if (done) return;
     if (spins == 0) start = global_timer_ns();
-    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs) __trap();
+    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs)
+      *reinterpret_cast<volatile uint32_t*>(uintptr_t{8}) = 1u;  // the null page: faults, never returns
   }
 }
 

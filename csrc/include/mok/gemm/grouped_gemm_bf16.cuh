@@ -76,6 +76,11 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
+// MOK_GEMM_DEFER_EPILOGUE=1: a consumer holds its finished tile in registers as bf16 and stores it during the next
+// task's first k-blocks, under their MMAs (`HeldTile` below); 0: it stores the tile before the next task starts.
+#ifndef MOK_GEMM_DEFER_EPILOGUE
+#define MOK_GEMM_DEFER_EPILOGUE 1
+#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -86,6 +91,7 @@ constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
+constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
@@ -258,8 +264,10 @@ struct Tile {
   static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kMx ? 0 : 2 * kBTileBytes);
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
-  // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere.
-  static constexpr int kProducerRegs = kMx ? 120 : 56, kConsumerRegs = kMx ? 192 : 224;
+  // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere. A producer that only issues TMA
+  // (one thread) needs few: 40 leaves the consumers 232 for the held tile.
+  static constexpr int kProducerRegs = kMx ? 120 : kGather ? 56 : 40;
+  static constexpr int kConsumerRegs = kMx ? 192 : kGather ? 224 : 232;
   static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
                     kNumThreads * kLaunchRegs &&
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
@@ -632,58 +640,102 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// kGateUp: gate, up (rounded) and h = swiglu(gate, up); padding rows are zeros whatever the weights hold
-// (0·Inf would be NaN). `real[h]`: whether row half h is a real route.
-MOK_DEVICE void store_swiglu(float (&acc_gate)[kAccPerThread], float (&acc_up)[kAccPerThread], const Params& p,
-                             const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
-  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  store_tile(st, {p.gate, o.gate, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
-    return real[h] ? pack_bf16x2(acc_gate[4 * i + 2 * h], acc_gate[4 * i + 2 * h + 1]) : 0u;
-  });
-  store_tile(st, {p.up, o.up, 0, p.n, kAllRows}, row0, n0, lane, [&](int i, int h) {
-    return real[h] ? pack_bf16x2(acc_up[4 * i + 2 * h], acc_up[4 * i + 2 * h + 1]) : 0u;
-  });
-  // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the stores
-  // read it: word k = elements 2k, 2k + 1, and values(i, half) = word 2i + half
-  constexpr int kBatch = 8;
-  uint32_t h_words[kAccPerThread / 2];
+// A finished task's output tile in one consumer warp's registers, as packed bf16: word w of an accumulator is
+// pack_bf16x2(acc[2w], acc[2w + 1]), so stmatrix's values(i, h) (column pair i, row half h) is word 2i + h. Two
+// 16 × 128 pieces: kGateUp gate and up (hold computes h = swiglu(gate, up) from the accumulators and stores it
+// at once), the others columns n0.. and n0 + 128... Padding rows of the schedule's outputs are stored as zeros
+// whatever the weights hold (0·Inf would be NaN).
+// MOK_GEMM_DEFER_EPILOGUE: the consumer holds the pieces while the next task's first two k-blocks multiply and
+// stores one after each of their wgmma commits, so the tensor cores keep working through most of the epilogue.
+// The 64 words beside 128 accumulators fit the consumers' 224 (GEMM1) or 232 registers (ptxas -v, CUDA 13.0);
+// GEMM1's SwiGLU in the mainloop as well did not (372 bytes spilled), nor the st.global stores' path. Without
+// kDefer the pieces are stored at once (kGateUp: gate and up before h, from the accumulators, which then die as h
+// is computed: kGateUpMx's 192 registers hold no more).
+template <Gemm kGemm, bool kDefer>
+struct HeldTile {
+  using T = Tile<kGemm>;
+  static constexpr int kWords = kAccPerThread / 2;
+  static constexpr int kPieces = 2;
+  uint32_t words[kPieces][kWords];  // acc0, acc1 (kGateUp: gate, up)
+  int row0, n0, expert;             // this warp's 16 rows, the tile's first column, kWeightGrad's dW[expert]
+  bool real[2];                     // row halves l/4 and l/4 + 8 are routes (always, in kWeightGrad)
+  int next = kPieces;               // the piece to store next; kPieces: nothing held
+
+  MOK_DEVICE void hold(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
+                       const Outputs& o, Staging& st, int row0_, int n0_, int expert_, uint32_t lane) {
+    row0 = row0_, n0 = n0_, expert = expert_, next = 0;
+    real[0] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4] >= 0;
+    real[1] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4 + 8] >= 0;
+    if constexpr (T::kSwiGLU && !kDefer) {  // gate and up first: computing h then frees the accumulators
+      store_piece_from(p, o, st, lane, 0, acc_values(acc0));
+      store_piece_from(p, o, st, lane, 1, acc_values(acc1));
+    }
+    if constexpr (T::kSwiGLU) {
+      // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
+      // stores read it: word k = elements 2k, 2k + 1
+      constexpr int kBatch = 8;
+      uint32_t h_words[kWords];
 #pragma unroll
-  for (int b = 0; b < kAccPerThread; b += kBatch) {
-    float g[kBatch], u[kBatch];
+      for (int b = 0; b < kAccPerThread; b += kBatch) {
+        float g[kBatch], u[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) g[j] = round_bf16(acc_gate[b + j]), u[j] = round_bf16(acc_up[b + j]);
-    swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
+        for (int j = 0; j < kBatch; ++j) g[j] = round_bf16(acc0[b + j]), u[j] = round_bf16(acc1[b + j]);
+        swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
 #pragma unroll
-    for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
+        for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
+      }
+      store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+                 [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
+    }
+    if constexpr (T::kSwiGLU && !kDefer) {
+      next = kPieces;  // all stored
+    } else {
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        words[0][w] = pack_bf16x2(acc0[2 * w], acc0[2 * w + 1]);
+        words[1][w] = pack_bf16x2(acc1[2 * w], acc1[2 * w + 1]);
+      }
+    }
   }
-  store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
-             [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
-}
 
-// kDown, kDownDgrad, kGateUpDgrad: columns n0.. from acc0, n0 + 128.. from acc1; padding rows are zeros.
-MOK_DEVICE void store_pair(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                           const Outputs& o, Staging& st, int row0, int n0, uint32_t lane) {
-  const bool real[2] = {p.row_to_token[row0 + lane / 4] >= 0, p.row_to_token[row0 + lane / 4 + 8] >= 0};
-  const Output out{p.out, o.out, 0, p.n, kAllRows};
-  store_tile(st, out, row0, n0, lane, [&](int i, int h) {
-    return real[h] ? pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]) : 0u;
-  });
-  if (n0 + BLOCK_N_B < p.n)
-    store_tile(st, out, row0, n0 + BLOCK_N_B, lane, [&](int i, int h) {
-      return real[h] ? pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]) : 0u;
-    });
-}
+  // The next piece, if one is held (each branch names its piece at compile time: the words stay registers).
+  MOK_DEVICE void store_next(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
+    if (next == 0) {
+      store_piece<0>(p, o, st, lane);
+    } else if (next == 1) {
+      store_piece<1>(p, o, st, lane);
+    }
+    if (next < kPieces) ++next;
+  }
 
-// kWeightGrad: dW[e] rows row0.. (< m), columns n0.. from acc0 and n0 + 128.. from acc1, no padding rows.
-MOK_DEVICE void store_weight_grad(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], const Params& p,
-                                  const Outputs& o, Staging& st, int expert, int row0, int n0, uint32_t lane) {
-  const Output out{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m};
-  store_tile(st, out, row0, n0, lane,
-             [&](int i, int h) { return pack_bf16x2(acc0[4 * i + 2 * h], acc0[4 * i + 2 * h + 1]); });
-  if (n0 + BLOCK_N_B < p.n)
-    store_tile(st, out, row0, n0 + BLOCK_N_B, lane,
-               [&](int i, int h) { return pack_bf16x2(acc1[4 * i + 2 * h], acc1[4 * i + 2 * h + 1]); });
-}
+  MOK_DEVICE void store_rest(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
+    while (next < kPieces) store_next(p, o, st, lane);
+  }
+
+  template <int kPiece>
+  MOK_DEVICE void store_piece(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
+    store_piece_from(p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
+  }
+
+  MOK_DEVICE auto acc_values(const float (&acc)[kAccPerThread]) const {
+    return [&](int i, int h) { return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u; };
+  }
+
+  // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n).
+  template <typename Values>
+  MOK_DEVICE void store_piece_from(const Params& p, const Outputs& o, Staging& st, uint32_t lane, int piece,
+                                   Values values) const {
+    if constexpr (T::kSwiGLU) {
+      store_tile(st, {piece == 0 ? p.gate : p.up, piece == 0 ? o.gate : o.up, 0, p.n, kAllRows}, row0, n0, lane,
+                 values);
+    } else if (piece == 0 || n0 + BLOCK_N_B < p.n) {
+      const Output out = kGemm == Gemm::kWeightGrad
+                             ? Output{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m}
+                             : Output{p.out, o.out, 0, p.n, kAllRows};
+      store_tile(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
+    }
+  }
+};
 
 // ---- consumers: warpgroups 1 and 2 ---------------------------------------------------------------------
 
@@ -705,11 +757,12 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 }
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
-// group in flight and release the previous stage. Returns the position in the stage sequence after it.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster>
+// group in flight and release the previous stage; `under_mma()` runs after each k-block's wgmmas are issued,
+// before the wait (a held tile's next piece). Returns the position in the stage sequence after it.
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, typename UnderMma>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
-                                 uint32_t lane) {
+                                 uint32_t lane, UnderMma under_mma) {
   uint32_t prev_stage = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
@@ -739,6 +792,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
       ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
+    under_mma();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
     if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
@@ -761,12 +815,16 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
+  // Nothing held in the MXFP8-weight kinds (their consumers have 192 registers) nor on the st.global path.
+  constexpr bool kDefer = kDeferEpilogue && kTmaStore && !T::kMx;
+  HeldTile<kGemm, kDefer> held;
   uint32_t it = 0;
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
+      held.store_rest(p, outputs, staging, lane);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
@@ -780,17 +838,15 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
     it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
-        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane);
-    const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
-    const int n0 = t.n_tile * T::kTaskN;
-    if constexpr (T::kSwiGLU) {
-      store_swiglu(acc0, acc1, p, outputs, staging, row0, n0, lane);
-    } else if constexpr (kGemm == Gemm::kWeightGrad) {
-      store_weight_grad(acc0, acc1, p, outputs, staging, t.expert, row0, n0, lane);
-    } else {
-      store_pair(acc0, acc1, p, outputs, staging, row0, n0, lane);
-    }
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane, [&] {
+          if constexpr (kDefer) held.store_next(p, outputs, staging, lane);
+        });
+    if constexpr (kDefer) held.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
+    held.hold(acc0, acc1, p, outputs, staging, t.m_tile * BLOCK_M + group * WG_M + 16 * warp, t.n_tile * T::kTaskN,
+              t.expert, lane);
+    if constexpr (!kDefer) held.store_rest(p, outputs, staging, lane);
   }
+  held.store_rest(p, outputs, staging, lane);
   drain_stores(lane);
 }
 
