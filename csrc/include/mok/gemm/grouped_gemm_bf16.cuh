@@ -646,7 +646,8 @@ struct Outputs {
 // at once), the others columns n0.. and n0 + 128... Padding rows of the schedule's outputs are stored as zeros
 // whatever the weights hold (0·Inf would be NaN).
 // MOK_GEMM_DEFER_EPILOGUE: the consumer holds the pieces while the next task's first two k-blocks multiply and
-// stores one after each of their wgmma commits, so the tensor cores keep working through most of the epilogue.
+// stores one after each of their wgmma commits (mma_k_blocks), so the tensor cores keep working through most of
+// the epilogue.
 // The 64 words beside 128 accumulators fit the consumers' 224 (GEMM1) or 232 registers (ptxas -v, CUDA 13.0);
 // GEMM1's SwiGLU in the mainloop as well did not (372 bytes spilled), nor the st.global stores' path. Without
 // kDefer the pieces are stored at once (kGateUp: gate and up before h, from the accumulators, which then die as h
@@ -757,14 +758,16 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 }
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
-// group in flight and release the previous stage; `under_mma()` runs after each k-block's wgmmas are issued,
-// before the wait (a held tile's next piece). Returns the position in the stage sequence after it.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, typename UnderMma>
+// group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
+// wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, which stays
+// as small as without them (GEMMs of long K ran 5-17% slower with the stores' code inside the loop: H200, parts at
+// 30c30b5). Returns the position in the stage sequence after the task.
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, int kUnderMma, typename UnderMma>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane, UnderMma under_mma) {
   uint32_t prev_stage = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
+  const auto k_block = [&](int kb, auto&& under) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
     ptx::mbarrier_wait_parity(&full[stage], phase);  // A and B have landed
     // A gathered by cp.async (generic proxy) is read by wgmma through the async proxy.
@@ -792,12 +795,17 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
       ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
     }
     ptx::wgmma_commit_group();
-    under_mma();
+    under();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
     if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
     prev_stage = stage;
-  }
+    ++it;
+  };
+#pragma unroll
+  for (int kb = 0; kb < kUnderMma; ++kb)
+    if (kb < num_k_blocks) k_block(kb, under_mma);
+  for (int kb = kUnderMma; kb < num_k_blocks; ++kb) k_block(kb, [] {});
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc0, acc1);
   if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
@@ -817,7 +825,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
                   0};
   // Nothing held in the MXFP8-weight kinds (their consumers have 192 registers) nor on the st.global path.
   constexpr bool kDefer = kDeferEpilogue && kTmaStore && !T::kMx;
-  HeldTile<kGemm, kDefer> held;
+  using Held = HeldTile<kGemm, kDefer>;
+  Held held;
   uint32_t it = 0;
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
@@ -837,10 +846,9 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast>(
-        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane, [&] {
-          if constexpr (kDefer) held.store_next(p, outputs, staging, lane);
-        });
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Held::kPieces : 0>(
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
+        [&] { held.store_next(p, outputs, staging, lane); });
     if constexpr (kDefer) held.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
     held.hold(acc0, acc1, p, outputs, staging, t.m_tile * BLOCK_M + group * WG_M + 16 * warp, t.n_tile * T::kTaskN,
               t.expert, lane);
