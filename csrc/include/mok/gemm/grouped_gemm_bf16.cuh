@@ -76,8 +76,9 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
-// MOK_GEMM_DEFER_EPILOGUE=1: a consumer holds its finished tile in registers as bf16 and stores it during the next
-// task's first k-blocks, under their MMAs (`HeldTile` below); 0: it stores the tile before the next task starts.
+// MOK_GEMM_DEFER_EPILOGUE=1: the weight gradients' consumers hold a finished tile in registers as bf16 and store it
+// during the next task's first k-blocks, under their MMAs (`HeldTile` below); 0: they store it before the next
+// task starts, as the other kinds always do.
 #ifndef MOK_GEMM_DEFER_EPILOGUE
 #define MOK_GEMM_DEFER_EPILOGUE 1
 #endif
@@ -640,38 +641,34 @@ struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
 };
 
-// A finished task's output tile in one consumer warp's registers, as packed bf16: word w of an accumulator is
-// pack_bf16x2(acc[2w], acc[2w + 1]), so stmatrix's values(i, h) (column pair i, row half h) is word 2i + h. Two
-// 16 × 128 pieces: kGateUp gate and up (hold computes h = swiglu(gate, up) from the accumulators and stores it
-// at once), the others columns n0.. and n0 + 128... Padding rows of the schedule's outputs are stored as zeros
-// whatever the weights hold (0·Inf would be NaN).
-// MOK_GEMM_DEFER_EPILOGUE: the consumer holds the pieces while the next task's first two k-blocks multiply and
-// stores one after each of their wgmma commits (mma_k_blocks), so the tensor cores keep working through most of
-// the epilogue.
-// The 64 words beside 128 accumulators fit the consumers' 224 (GEMM1) or 232 registers (ptxas -v, CUDA 13.0);
-// GEMM1's SwiGLU in the mainloop as well did not (372 bytes spilled), nor the st.global stores' path. Without
-// kDefer the pieces are stored at once (kGateUp: gate and up before h, from the accumulators, which then die as h
-// is computed: kGateUpMx's 192 registers hold no more).
+// The epilogue of one consumer warp: its 16 rows of a finished task's tile. kGateUp stores gate, up and h =
+// swiglu(gate, up) from the accumulators at once (gate and up first: the accumulators then die as h is computed,
+// which kGateUpMx's 192 registers need). The others pack the tile as bf16, two 16 × 128 pieces (columns n0.. and
+// n0 + 128..; word w of an accumulator is pack_bf16x2(acc[2w], acc[2w + 1]), so stmatrix's values(i, h), column
+// pair i and row half h, is word 2i + h), and store them at once or, with kDefer (the weight gradients), hold them
+// while the next task's first two k-blocks multiply and store one after each of their wgmma commits
+// (mma_k_blocks): the tensor cores keep working through most of the epilogue. 64 words beside the 128 accumulator
+// floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the
+// schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
 template <Gemm kGemm, bool kDefer>
 struct HeldTile {
   using T = Tile<kGemm>;
+  static_assert(!(kDefer && T::kSwiGLU), "kGateUp stores its tile at once");
   static constexpr int kWords = kAccPerThread / 2;
   static constexpr int kPieces = 2;
-  uint32_t words[kPieces][kWords];  // acc0, acc1 (kGateUp: gate, up)
+  uint32_t words[kPieces][kWords];  // acc0, acc1 packed
   int row0, n0, expert;             // this warp's 16 rows, the tile's first column, kWeightGrad's dW[expert]
   bool real[2];                     // row halves l/4 and l/4 + 8 are routes (always, in kWeightGrad)
   int next = kPieces;               // the piece to store next; kPieces: nothing held
 
   MOK_DEVICE void hold(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
                        const Outputs& o, Staging& st, int row0_, int n0_, int expert_, uint32_t lane) {
-    row0 = row0_, n0 = n0_, expert = expert_, next = 0;
+    row0 = row0_, n0 = n0_, expert = expert_;
     real[0] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4] >= 0;
     real[1] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4 + 8] >= 0;
-    if constexpr (T::kSwiGLU && !kDefer) {  // gate and up first: computing h then frees the accumulators
+    if constexpr (T::kSwiGLU) {
       store_piece_from(p, o, st, lane, 0, acc_values(acc0));
       store_piece_from(p, o, st, lane, 1, acc_values(acc1));
-    }
-    if constexpr (T::kSwiGLU) {
       // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
       // stores read it: word k = elements 2k, 2k + 1
       constexpr int kBatch = 8;
@@ -687,15 +684,13 @@ struct HeldTile {
       }
       store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
                  [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
-    }
-    if constexpr (T::kSwiGLU && !kDefer) {
-      next = kPieces;  // all stored
     } else {
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         words[0][w] = pack_bf16x2(acc0[2 * w], acc0[2 * w + 1]);
         words[1][w] = pack_bf16x2(acc1[2 * w], acc1[2 * w + 1]);
       }
+      next = 0;
     }
   }
 
@@ -718,8 +713,8 @@ struct HeldTile {
     store_piece_from(p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
   }
 
-  MOK_DEVICE auto acc_values(const float (&acc)[kAccPerThread]) const {
-    return [&](int i, int h) { return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u; };
+  MOK_DEVICE auto acc_values(const float* acc) const {  // stmatrix's values of an accumulator, packed as read
+    return [acc, this](int i, int h) { return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u; };
   }
 
   // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n).
@@ -823,8 +818,11 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Nothing held in the MXFP8-weight kinds (their consumers have 192 registers) nor on the st.global path.
-  constexpr bool kDefer = kDeferEpilogue && kTmaStore && !T::kMx;
+  // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
+  // are short (K = one expert's rows), and they ran 5-9% faster holding it at three of the four shapes in two runs,
+  // where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
+  // slower (H200, parts at 30c30b5 and d9d7179 against MOK_GEMM_DEFER_EPILOGUE=0, docs/l2_fused.md).
+  constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
   using Held = HeldTile<kGemm, kDefer>;
   Held held;
   uint32_t it = 0;
