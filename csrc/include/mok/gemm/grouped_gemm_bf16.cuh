@@ -714,7 +714,9 @@ struct HeldTile {
   }
 
   MOK_DEVICE auto acc_values(const float* acc) const {  // stmatrix's values of an accumulator, packed as read
-    return [acc, this](int i, int h) { return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u; };
+    return [acc, this](int i, int h) {
+      return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u;
+    };
   }
 
   // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n).
@@ -754,9 +756,9 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
 // group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
-// wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, which stays
-// as small as without them (GEMMs of long K ran 5-17% slower with the stores' code inside the loop: H200, parts at
-// 30c30b5). Returns the position in the stage sequence after the task.
+// wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, so the loop
+// is the code it is without a held tile and the held words are dead in it. Returns the position in the stage
+// sequence after the task.
 template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, int kUnderMma, typename UnderMma>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
@@ -819,9 +821,9 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
   // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
-  // are short (K = one expert's rows), and they ran 5-9% faster holding it at three of the four shapes in two runs,
-  // where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
-  // slower (H200, parts at 30c30b5 and d9d7179 against MOK_GEMM_DEFER_EPILOGUE=0, docs/l2_fused.md).
+  // are short (K = one expert's rows), and they ran 4-10% faster holding it at three of the four shapes in three
+  // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
+  // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
   constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
   using Held = HeldTile<kGemm, kDefer>;
   Held held;
