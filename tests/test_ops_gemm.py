@@ -346,10 +346,10 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     return {name: t.cpu().view(torch.int16) for name, t in outs.items()}
 
 
-# The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task), each
-# variant its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5
-# staging boxes per warp instead of 2), and B multicast over 2-CTA clusters must store the same bits in the same
-# places.
+# The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, the weight
+# gradients' tile held into the next task), each variant its own extension (built here on first use, about a minute
+# each): the st.global epilogue, 3 stages (5 staging boxes per warp instead of 2), B multicast over 2-CTA clusters
+# and every tile stored at once must store the same bits in the same places.
 SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
                    {"MOK_GEMM_DEFER_EPILOGUE": 0}]
 
