@@ -821,7 +821,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
   // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
-  // are short (K = one expert's rows), and they ran 4-10% faster holding it at three of the four shapes in three
+  // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
   // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
   // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
   constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
