@@ -25,19 +25,20 @@ ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
+switch=${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}  # the build switch of the steps switches_sw, parts_sw and ab
 # Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139), and
 # the crash left torch's build lock behind, on which every later build of that machine waited until killed.
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
-# Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds the
-# st.global-epilogue, 3-stage and multicast variants (about a minute each) and requires their bits to equal the
-# default build's (`switches_mc`: the multicast one only); `parts_st`, `parts_s3` and `parts_mc` are `parts` on
-# those builds, an A/B against `parts` in the same run;
+# Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds every
+# variant (about a minute each) and requires its bits to equal the default build's; for one switch MOK_SWITCH
+# (NAME=VALUE, default MOK_GEMM_MULTICAST=1), `switches_sw` does that for it alone, `parts_sw` is `parts` on its
+# build (an A/B against `parts` in the same run), and `ab` times the layer's passes on the default build and on it,
+# interleaved in one process (mok/bench_ab.py);
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `ab_mc` times the layer's passes on the default build and on B multicast
-# (MOK_GEMM_MULTICAST=1), interleaved in one process (mok/bench_ab.py); `ncu` profiles every GEMM once
+# round trips reused across calls); `ncu` profiles every GEMM once
 # (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
@@ -56,8 +57,8 @@ step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/
 step gemm 240 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=10 tests/test_ops_gemm.py \
   tests/test_ops_gemm_mxfp8.py -k "not build_switches"
 step switches 420 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k build_switches
-step switches_mc 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
-  -k "build_switches and MULTICAST"
+step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
+  -k "build_switches and ${switch%%=*}"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
@@ -68,12 +69,7 @@ step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench mo
 step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
-step ab_mc 300 "shape|bf16|wrote" python -m mok.bench ab MOK_GEMM_MULTICAST=1 --out "$out/ab_multicast.csv"
-# `ab` and `parts_sw`: the same for the switch MOK_SWITCH (NAME=VALUE), e.g. MOK_SWITCH=MOK_GEMM_DEFER_EPILOGUE=0;
-# `switches_sw` its bits against the default build's.
-step ab 300 "shape|bf16|wrote" python -m mok.bench ab "${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}" --out "$out/ab.csv"
-step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py \
-  -k "build_switches and ${MOK_SWITCH%%=*}"
+step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" --out "$out/ab.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
@@ -83,14 +79,7 @@ step parts_base 240 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then
   git worktree add -f /tmp/mok_base "$1" >/dev/null && cd /tmp/mok_base; fi &&
   MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
   python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}"
-step parts_sw 240 "whole|steps|gemm|wgrad|dgrad" env "${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}" python -m mok.bench parts \
-  --out "$out/parts_switch.csv"
-step parts_mc 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_MULTICAST=1 python -m mok.bench parts \
-  --out "$out/parts_multicast.csv"
-step parts_st 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_TMA_STORE=0 python -m mok.bench parts \
-  --out "$out/parts_st_global.csv"
-step parts_s3 240 "whole|steps|gemm|wgrad|dgrad" env MOK_GEMM_NUM_STAGES=3 python -m mok.bench parts \
-  --out "$out/parts_stages3.csv"
+step parts_sw 240 "whole|steps|gemm|wgrad|dgrad" env "$switch" python -m mok.bench parts --out "$out/parts_switch.csv"
 step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
   --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
