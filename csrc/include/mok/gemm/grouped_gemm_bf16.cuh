@@ -77,7 +77,7 @@ namespace mok::gemm {
 #define MOK_GEMM_MULTICAST 0
 #endif
 // MOK_GEMM_DEFER_EPILOGUE=1: the weight gradients' consumers hold a finished tile in registers as bf16 and store it
-// during the next task's first k-blocks, under their MMAs (`HeldTile` below); 0: they store it before the next
+// during the next task's first k-blocks, under their MMAs (`Epilogue` below); 0: they store it before the next
 // task starts, as the other kinds always do.
 #ifndef MOK_GEMM_DEFER_EPILOGUE
 #define MOK_GEMM_DEFER_EPILOGUE 1
@@ -651,7 +651,7 @@ struct Outputs {
 // floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the
 // schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
 template <Gemm kGemm, bool kDefer>
-struct HeldTile {
+struct Epilogue {
   using T = Tile<kGemm>;
   static_assert(!(kDefer && T::kSwiGLU), "kGateUp stores its tile at once");
   static constexpr int kWords = kAccPerThread / 2;
@@ -661,7 +661,7 @@ struct HeldTile {
   bool real[2];                     // row halves l/4 and l/4 + 8 are routes (always, in kWeightGrad)
   int next = kPieces;               // the piece to store next; kPieces: nothing held
 
-  MOK_DEVICE void hold(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
+  MOK_DEVICE void finish(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
                        const Outputs& o, Staging& st, int row0_, int n0_, int expert_, uint32_t lane) {
     row0 = row0_, n0 = n0_, expert = expert_;
     real[0] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4] >= 0;
@@ -825,15 +825,15 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
   // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
   constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
-  using Held = HeldTile<kGemm, kDefer>;
-  Held held;
+  using Epi = Epilogue<kGemm, kDefer>;
+  Epi epilogue;
   uint32_t it = 0;
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      held.store_rest(p, outputs, staging, lane);
+      epilogue.store_rest(p, outputs, staging, lane);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
@@ -846,15 +846,15 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Held::kPieces : 0>(
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-        [&] { held.store_next(p, outputs, staging, lane); });
-    if constexpr (kDefer) held.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
-    held.hold(acc0, acc1, p, outputs, staging, t.m_tile * BLOCK_M + group * WG_M + 16 * warp, t.n_tile * T::kTaskN,
-              t.expert, lane);
-    if constexpr (!kDefer) held.store_rest(p, outputs, staging, lane);
+        [&] { epilogue.store_next(p, outputs, staging, lane); });
+    if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
+    const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
+    epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
+    if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
   }
-  held.store_rest(p, outputs, staging, lane);
+  epilogue.store_rest(p, outputs, staging, lane);
   drain_stores(lane);
 }
 
