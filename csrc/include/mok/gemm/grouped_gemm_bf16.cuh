@@ -650,9 +650,6 @@ struct Outputs {
 // (mma_k_blocks): the tensor cores keep working through most of the epilogue. 64 words beside the 128 accumulator
 // floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the
 // schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
-#ifndef MOK_GEMM1_SWIGLU_BATCH
-#define MOK_GEMM1_SWIGLU_BATCH 16
-#endif
 template <Gemm kGemm, bool kDefer>
 struct Epilogue {
   using T = Tile<kGemm>;
@@ -674,7 +671,7 @@ struct Epilogue {
       store_piece_from(p, o, st, lane, 1, acc_values(acc1));
       // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
       // stores read it: word k = elements 2k, 2k + 1
-      constexpr int kBatch = T::kMx ? 16 : MOK_GEMM1_SWIGLU_BATCH;
+      constexpr int kBatch = 8;
       uint32_t h_words[kWords];
 #pragma unroll
       for (int b = 0; b < kAccPerThread; b += kBatch) {
