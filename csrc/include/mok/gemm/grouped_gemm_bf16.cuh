@@ -718,21 +718,6 @@ struct Epilogue {
     if constexpr (kPart < kParts) {
       if (next != kPart) return store_part<kPart + 1>(p, o, st, lane);
       constexpr int kBox = kPart * kBoxesPerPart, kPiece = kBox / kBoxesPerTile;
-      if constexpr (kDefer && MOK_GEMM_DEFER_EPILOGUE == 2) {  // EXPERIMENT: 4-byte st.global, no staging/fence
-        uint16_t* out = p.out + static_cast<int64_t>(expert) * p.m * p.n;
-        const int col0 = n0 + kPiece * BLOCK_N_B + (kBox % kBoxesPerTile) * kStoreBoxCols + 2 * (lane % 4);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + lane / 4 + 8 * h;
-#pragma unroll
-          for (int c = 0; c < kStoreBoxCols / 8; ++c) {
-            const int i = (kBox % kBoxesPerTile) * (kStoreBoxCols / 8) + c, col = col0 + 8 * c;
-            if (row < p.m && col < p.n)
-              *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * p.n + col) = words[kPiece][2 * i + h];
-          }
-        }
-        return;
-      }
       store_piece_from<kBox % kBoxesPerTile, kBoxesPerPart>(
           p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
     }
