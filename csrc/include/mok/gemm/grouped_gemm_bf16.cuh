@@ -593,13 +593,12 @@ MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col
 // writes the 8 column groups with the 128-byte swizzle the tensor map reads (the box is 1024-aligned, so
 // sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy, and lane 0
 // issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
-// rest: a partial box writes only columns < n and rows < num_rows). Boxes [kBox0, kBox0 + kNumBoxes) only.
-constexpr int kBoxesPerTile = BLOCK_N_B / kStoreBoxCols;
-template <int kBox0, int kNumBoxes, typename Values>
+// rest: a partial box writes only columns < n and rows < num_rows).
+template <typename Values>
 MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
-  for (int b = kBox0; b < kBox0 + kNumBoxes; ++b) {
+  for (int b = 0; b < BLOCK_N_B / kStoreBoxCols; ++b) {
     const int col = col0 + b * kStoreBoxCols;
     if (col >= out.n || row0 >= out.num_rows) break;  // warp-uniform
     uint8_t* box = st.smem + st.box * kStoreBoxBytes;
@@ -621,14 +620,12 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
   }
 }
 
-// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected; on the TMA
-// path, only the 64-column boxes [kBox0, kBox0 + kNumBoxes) of them.
-template <int kBox0 = 0, int kNumBoxes = kBoxesPerTile, typename Values>
+// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
+template <typename Values>
 MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   if constexpr (kTmaStore) {
-    store_tile_tma<kBox0, kNumBoxes>(st, out, row0, col0, lane, values);
+    store_tile_tma(st, out, row0, col0, lane, values);
   } else {
-    static_assert(kBox0 == 0 && kNumBoxes == kBoxesPerTile, "the st.global path stores whole 16 × 128 tiles");
     store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
   }
 }
@@ -649,25 +646,20 @@ struct Outputs {
 // which kGateUpMx's 192 registers need). The others pack the tile as bf16, two 16 × 128 pieces (columns n0.. and
 // n0 + 128..; word w of an accumulator is pack_bf16x2(acc[2w], acc[2w + 1]), so stmatrix's values(i, h), column
 // pair i and row half h, is word 2i + h), and store them at once or, with kDefer (the weight gradients), hold them
-// while the next task's first four k-blocks multiply and store one 64-column box after each of their wgmma commits
-// (mma_k_blocks): the tensor cores keep working through most of the epilogue. A box per k-block, not a piece:
-// a piece's two boxes took longer than a k-block's MMAs (Nsight Compute's samples at 149961a: the two held
-// k-blocks 2.3× a plain one). 64 words beside the 128 accumulator floats fit the consumers' 232 registers
-// (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the schedule's outputs are stored as zeros
-// whatever the weights hold (0·Inf would be NaN).
+// while the next task's first two k-blocks multiply and store one after each of their wgmma commits
+// (mma_k_blocks): the tensor cores keep working through most of the epilogue. 64 words beside the 128 accumulator
+// floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the
+// schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
 template <Gemm kGemm, bool kDefer>
 struct Epilogue {
   using T = Tile<kGemm>;
   static_assert(!(kDefer && T::kSwiGLU), "kGateUp stores its tile at once");
   static constexpr int kWords = kAccPerThread / 2;
   static constexpr int kPieces = 2;
-  // What one store_next stores: a box of a held tile, a whole piece otherwise.
-  static constexpr int kBoxesPerPart = kDefer ? 1 : kBoxesPerTile;
-  static constexpr int kParts = kPieces * kBoxesPerTile / kBoxesPerPart;
   uint32_t words[kPieces][kWords];  // acc0, acc1 packed
   int row0, n0, expert;             // this warp's 16 rows, the tile's first column, kWeightGrad's dW[expert]
   bool real[2];                     // row halves l/4 and l/4 + 8 are routes (always, in kWeightGrad)
-  int next = kParts;                // the part to store next; kParts: nothing held
+  int next = kPieces;               // the piece to store next; kPieces: nothing held
 
   MOK_DEVICE void finish(const float (&acc0)[kAccPerThread], const float (&acc1)[kAccPerThread], const Params& p,
                        const Outputs& o, Staging& st, int row0_, int n0_, int expert_, uint32_t lane) {
@@ -702,25 +694,23 @@ struct Epilogue {
     }
   }
 
-  // The next part, if one is held.
+  // The next piece, if one is held (each branch names its piece at compile time: the words stay registers).
   MOK_DEVICE void store_next(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
-    store_part<0>(p, o, st, lane);
-    if (next < kParts) ++next;
+    if (next == 0) {
+      store_piece<0>(p, o, st, lane);
+    } else if (next == 1) {
+      store_piece<1>(p, o, st, lane);
+    }
+    if (next < kPieces) ++next;
   }
 
   MOK_DEVICE void store_rest(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
-    while (next < kParts) store_next(p, o, st, lane);
+    while (next < kPieces) store_next(p, o, st, lane);
   }
 
-  // Part `next`, found by a chain of branches that each name their part at compile time: the words stay registers.
-  template <int kPart>
-  MOK_DEVICE void store_part(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
-    if constexpr (kPart < kParts) {
-      if (next != kPart) return store_part<kPart + 1>(p, o, st, lane);
-      constexpr int kBox = kPart * kBoxesPerPart, kPiece = kBox / kBoxesPerTile;
-      store_piece_from<kBox % kBoxesPerTile, kBoxesPerPart>(
-          p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
-    }
+  template <int kPiece>
+  MOK_DEVICE void store_piece(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
+    store_piece_from(p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
   }
 
   MOK_DEVICE auto acc_values(const float* acc) const {  // stmatrix's values of an accumulator, packed as read
@@ -729,9 +719,8 @@ struct Epilogue {
     };
   }
 
-  // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n);
-  // its boxes [kBox0, kBox0 + kNumBoxes).
-  template <int kBox0 = 0, int kNumBoxes = kBoxesPerTile, typename Values>
+  // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n).
+  template <typename Values>
   MOK_DEVICE void store_piece_from(const Params& p, const Outputs& o, Staging& st, uint32_t lane, int piece,
                                    Values values) const {
     if constexpr (T::kSwiGLU) {
@@ -741,7 +730,7 @@ struct Epilogue {
       const Output out = kGemm == Gemm::kWeightGrad
                              ? Output{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m}
                              : Output{p.out, o.out, 0, p.n, kAllRows};
-      store_tile<kBox0, kNumBoxes>(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
+      store_tile(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
     }
   }
 };
@@ -857,10 +846,10 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 
     // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
     // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kParts : 0>(
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
         [&] { epilogue.store_next(p, outputs, staging, lane); });
-    if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than parts
+    if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
