@@ -73,7 +73,7 @@ void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* mult
   *tma_store = gemm::kTmaStore ? 1 : 0;
   *num_stages = gemm::kNumStages;
   *multicast = gemm::kMulticastBuild ? 1 : 0;
-  *defer_epilogue = MOK_GEMM_DEFER_EPILOGUE;
+  *defer_epilogue = gemm::kDeferEpilogue ? 1 : 0;
 }
 
 }  // namespace mok

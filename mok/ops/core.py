@@ -32,7 +32,7 @@ BUILD_SWITCHES = {
     "MOK_GEMM_TMA_STORE": (0, 1),  # 1 (default): GEMM epilogues store by TMA; 0: by 16-byte st.global
     "MOK_GEMM_NUM_STAGES": (3, 4),  # GEMM shared-memory stages (default 4; 3 gives the TMA staging 5 boxes a warp)
     "MOK_GEMM_MULTICAST": (0, 1),  # 1: GEMM2 and the dgrads on 2-CTA clusters sharing B by TMA multicast (default 0)
-    "MOK_GEMM_DEFER_EPILOGUE": (0, 1, 2),  # 1 (default): weight gradients store a tile under the next task's MMAs
+    "MOK_GEMM_DEFER_EPILOGUE": (0, 1),  # 1 (default): weight gradients store a tile under the next task's MMAs
 }
 
 

@@ -710,43 +710,7 @@ struct Epilogue {
 
   template <int kPiece>
   MOK_DEVICE void store_piece(const Params& p, const Outputs& o, Staging& st, uint32_t lane) {
-    if constexpr (kDefer && MOK_GEMM_DEFER_EPILOGUE == 2) return store_piece_direct<kPiece>(p, lane);
     store_piece_from(p, o, st, lane, kPiece, [&](int i, int h) { return real[h] ? words[kPiece][2 * i + h] : 0u; });
-  }
-
-  // EXPERIMENT (MOK_GEMM_DEFER_EPILOGUE=2): the piece straight from registers to global memory, no staging and
-  // no proxy fence. The 4 lanes of a quad hold the 4 words of each 16-byte chunk (columns 8i .. 8i + 7 of their
-  // row); a 4 × 4 transpose over chunks i0 .. i0 + 3 (two butterfly stages, xor 2 then xor 1) gives lane q all of
-  // chunk i0 + q, stored with one 16-byte st.global: 8 rows × 64 contiguous bytes per warp instruction.
-  template <int kPiece>
-  MOK_DEVICE void store_piece_direct(const Params& p, uint32_t lane) const {
-    if (kPiece == 1 && n0 + BLOCK_N_B >= p.n) return;
-    uint16_t* out = p.out + static_cast<int64_t>(expert) * p.m * p.n;
-    const uint32_t q = lane % 4;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + static_cast<int>(lane / 4) + 8 * h;
-#pragma unroll
-      for (int i0 = 0; i0 < BLOCK_N_B / 8; i0 += 4) {
-        uint32_t w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w[j] = words[kPiece][2 * (i0 + j) + h];  // word q of chunk i0 + j
-#pragma unroll
-        for (int stage = 2; stage >= 1; stage /= 2) {  // swap the words whose index bit differs from q's
-          const bool high = (q & stage) != 0;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if ((j & stage) != 0) continue;  // pairs (j, j + stage): send one, keep the other
-            const uint32_t send = high ? w[j] : w[j + stage];
-            const uint32_t got = __shfl_xor_sync(0xffffffffu, send, stage);
-            if (high) w[j] = got; else w[j + stage] = got;
-          }
-        }
-        const int col = n0 + kPiece * BLOCK_N_B + 8 * (i0 + static_cast<int>(q));
-        if (row < p.m && col < p.n)
-          st_v4(out + static_cast<int64_t>(row) * p.n + col, make_uint4(w[0], w[1], w[2], w[3]));
-      }
-    }
   }
 
   MOK_DEVICE auto acc_values(const float* acc) const {  // stmatrix's values of an accumulator, packed as read
