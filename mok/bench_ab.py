@@ -7,24 +7,32 @@ each pass is timed in rounds, the two builds back to back within a round and the
 rounds, so drift hits both alike. One row per (shape, pass, build, round); the printed table is the medians
 over rounds and variant / default.
 
+With --parts, the same for every kernel of both passes (the steps of mok.bench_parts, bf16), one row per
+(shape, step, build, round): a kernel change behind a switch, measured against its own default in one process.
+Both builds' kernels are timed on one set of intermediates, made by the default build (every switch stores the
+same bits: tests/test_ops_gemm.py).
+
     python -m mok.bench ab MOK_GEMM_MULTICAST=1 [--shapes ...] [--passes ...] [--rounds 7] [--out data/bench/ab.csv]
+    python -m mok.bench ab MOK_GEMM_MULTICAST=1 --parts [--shapes ...] [--rounds 3] [--out data/bench/ab_parts.csv]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from mok import bench
+from mok import bench, bench_parts, fused
 from mok.checks import fail
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig
 from mok.ops.core import BUILD_SWITCHES, build_switches, built_with
-from mok.testing import make_inputs
+from mok.testing import make_inputs, moe_args
 
 KEY = ["shape", "precision", "pass", "build", "round"]
+PARTS_KEY = ["shape", "pass", "step", "build", "round"]
 DEFAULT = "default"
 
 
@@ -36,13 +44,17 @@ def parse_switch(text: str) -> dict:
     return dict(build_switches({name: value}))
 
 
+def _builds(switch: dict) -> dict:
+    """Build name -> switches: the headers' defaults, and `switch`."""
+    return {DEFAULT: {}, ",".join(f"{k}={v}" for k, v in switch.items()): switch}
+
+
 def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, precision="bf16", level="fused",
              device="cuda", time_fn=bench.time_ms, seed: int = 0) -> list[dict]:
     """Rows for one shape: each pass of `level`, on the default build and on `switch`, `rounds` times.
     time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own)."""
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
-    variant = ",".join(f"{k}={v}" for k, v in switch.items())
-    builds = {DEFAULT: {}, variant: switch}
+    builds = _builds(switch)
     fns = {}
     for build, switches in builds.items():
         with built_with(switches):  # a bwd fn runs its forward now: each build saves its own state
@@ -59,9 +71,39 @@ def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, prec
     return rows
 
 
+def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device="cuda", time_fn=bench.time_ms,
+                   seed: int = 0) -> list[dict]:
+    """Rows for one shape: every step of mok.bench_parts, on the default build and on `switch`, `rounds` times,
+    interleaved as ab_shape interleaves passes. time_fn(fn, iters) -> ms (tests inject their own)."""
+    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
+    builds = _builds(switch)
+    with built_with({}):
+        _, saved = fused.forward(*moe_args(inputs))
+        steps = bench_parts.steps_of(saved)
+        states = {"fwd": bench_parts.forward_state(inputs), "bwd": bench_parts.backward_state(inputs, saved)}
+        for pass_, state in states.items():  # the intermediates every timing reads
+            bench_parts.run_steps([s for s in steps if s.pass_ == pass_], state)
+    for switches in builds.values():  # each build's JIT build and first launches, before any timing
+        with built_with(switches):
+            for step in steps:
+                step.run(states[step.pass_])
+    rows = []
+    for r in range(rounds):
+        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
+        for step in steps:
+            for build in order:
+                with built_with(builds[build]):
+                    ms = time_fn(functools.partial(step.run, states[step.pass_]), iters)
+                rows.append({"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r,
+                             "time_ms": ms})
+    return rows
+
+
 def ab_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Median time per (shape, precision, pass, build) over rounds, one column per build, and variant / default."""
-    med = rows.pivot_table(index=["shape", "precision", "pass"], columns="build", values="time_ms", aggfunc="median")
+    """Median time per (shape, precision or step, pass, build) over rounds, one column per build, and variant /
+    default."""
+    index = [c for c in ("shape", "precision", "pass", "step") if c in rows.columns]
+    med = rows.pivot_table(index=index, columns="build", values="time_ms", aggfunc="median", sort=False)
     (variant,) = [c for c in med.columns if c != DEFAULT]
     med["ratio"] = med[variant] / med[DEFAULT]
     return med.reset_index()
@@ -74,21 +116,28 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    p.add_argument("--rounds", type=int, default=7, help="timings of each pass and build (the median is kept)")
+    p.add_argument("--parts", action="store_true", help="every kernel of both passes instead of the passes")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timings of each pass (default 7) or kernel (default 3) and build; the median is kept")
     p.add_argument("--iters", type=int, default=20, help="timed runs per forward timing (half, ≥ 10, with backward)")
-    p.add_argument("--out", type=Path, default=bench.DATA / "ab.csv")
+    p.add_argument("--out", type=Path, default=None, help="default data/bench/ab.csv, with --parts ab_parts.csv")
     args = p.parse_args(argv)
     try:
         switch = parse_switch(args.switch)
     except ValueError as e:
         p.error(str(e))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    rounds = args.rounds or (3 if args.parts else 7)
+    out = args.out or bench.DATA / ("ab_parts.csv" if args.parts else "ab.csv")
 
     def rows_of(cfg):
-        rows = ab_shape(cfg, switch, args.passes, args.rounds, args.iters, args.precision, device=device)
+        if args.parts:
+            rows = ab_parts_shape(cfg, switch, rounds, args.iters, device=device)
+        else:
+            rows = ab_shape(cfg, switch, args.passes, rounds, args.iters, args.precision, device=device)
         return [{**r, "iters": args.iters, **bench.provenance()} for r in rows]
 
-    all_rows = bench.sweep(args.shapes, rows_of, args.out, KEY)
+    all_rows = bench.sweep(args.shapes, rows_of, out, PARTS_KEY if args.parts else KEY)
     print(ab_table(pd.DataFrame(all_rows)).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0

@@ -1,12 +1,13 @@
 """The in-process A/B of a build switch (mok.bench_ab, mok.ops.core.built_with) on the CPU: which build each
-timing runs under, the interleaving, and the table of medians."""
+timing runs under, the interleaving, and the table of medians, for whole passes and kernel by kernel."""
 
 import pandas as pd
 import pytest
 
-from mok import bench_ab
+from mok import bench_ab, bench_parts, fused, ops, twins
 from mok.config import TINY_SHAPES
 from mok.ops import core
+from mok.testing import make_inputs, moe_args
 
 
 @pytest.fixture
@@ -73,5 +74,36 @@ def test_ab_interleaves_builds_and_tables_medians():
     assert timed[:4] == [(), mc0, (), mc0] and timed[4:8] == [mc0, (), mc0, ()]  # rounds 0 and 1
     assert all(r["build"] == ("default" if t == () else "MOK_GEMM_MULTICAST=0") for r, t in zip(rows, timed))
     table = bench_ab.ab_table(pd.DataFrame(rows))
-    assert list(table["pass"]) == ["bwd", "fwd"] and (table["ratio"] == 2.0).all()
+    assert list(table["pass"]) == ["fwd", "bwd"] and (table["ratio"] == 2.0).all()  # in the order timed
     assert (table["default"] == 1.0).all()  # the outliers are not the median
+
+
+@pytest.fixture
+def kernel_twins(monkeypatch):
+    """Every mok.ops kernel replaced by its L0 twin, so the fused level runs on the CPU."""
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, getattr(twins, name))
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
+def test_ab_parts_times_every_step_under_both_builds(kernel_twins, shape):
+    """Every step of mok.bench_parts, each timed under both builds in every round, in alternating order; the
+    intermediates come from the default build, and the table has one row per step with variant / default."""
+    timed = []
+
+    def time_fn(fn, iters):
+        timed.append(core._active)
+        fn()  # the step runs on the intermediates it was given
+        return 3.0 if core._active else 1.5
+
+    cfg = TINY_SHAPES[shape]
+    steps = [s.name for s in bench_parts.steps_of(fused.forward(*moe_args(make_inputs(cfg, device="cpu")))[1])]
+    rows = bench_ab.ab_parts_shape(cfg, {"MOK_GEMM_TMA_STORE": 0}, rounds=2, iters=2, device="cpu", time_fn=time_fn)
+    st0 = (("MOK_GEMM_TMA_STORE", 0),)
+    assert len(rows) == 2 * 2 * len(steps) == len(timed)
+    assert [r["step"] for r in rows[:2 * len(steps):2]] == steps  # the level's order, each step twice in a row
+    assert timed[:2] == [(), st0] and timed[2 * len(steps):2 * len(steps) + 2] == [st0, ()]  # round 1 reversed
+    assert all(r["build"] == ("default" if t == () else "MOK_GEMM_TMA_STORE=0") for r, t in zip(rows, timed))
+    table = bench_ab.ab_table(pd.DataFrame(rows))
+    assert list(table["step"]) == steps and (table["ratio"] == 2.0).all()

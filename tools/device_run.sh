@@ -33,8 +33,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds every
 # variant (about a minute each) and requires its bits to equal the default build's; for one switch MOK_SWITCH
 # (NAME=VALUE, default MOK_GEMM_MULTICAST=1), `switches_sw` does that for it alone, `parts_sw` is `parts` on its
-# build (an A/B against `parts` in the same run), and `ab` times the layer's passes on the default build and on it,
-# interleaved in one process (mok/bench_ab.py);
+# build (an A/B against `parts` in the same run), `ab` times the layer's passes on the default build and on it,
+# interleaved in one process (mok/bench_ab.py), and `ab_parts` does that kernel by kernel (`ab --parts`);
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
@@ -70,6 +70,7 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" --out "$out/ab.csv"
+step ab_parts 420 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts --out "$out/ab_parts.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
