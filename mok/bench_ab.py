@@ -49,6 +49,18 @@ def _builds(switch: dict) -> dict:
     return {DEFAULT: {}, ",".join(f"{k}={v}" for k, v in switch.items()): switch}
 
 
+def _interleaved(builds: dict, rounds: int, items, timing):
+    """(round, item, build, ms) for each item under every build in every round, the builds' order alternating
+    between rounds; timing(item, build) -> ms runs inside built_with(builds[build])."""
+    for r in range(rounds):
+        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
+        for item in items:
+            for build in order:
+                with built_with(builds[build]):
+                    ms = timing(item, build)
+                yield r, item, build, ms
+
+
 def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, precision="bf16", level="fused",
              device="cuda", time_fn=bench.time_ms, seed: int = 0) -> list[dict]:
     """Rows for one shape: each pass of `level`, on the default build and on `switch`, `rounds` times.
@@ -59,16 +71,10 @@ def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, prec
     for build, switches in builds.items():
         with built_with(switches):  # a bwd fn runs its forward now: each build saves its own state
             fns[build] = {pass_: bench.level_pass_fn(level, inputs, precision, pass_) for pass_ in passes}
-    rows = []
-    for r in range(rounds):
-        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
-        for pass_ in passes:
-            for build in order:
-                with built_with(builds[build]):
-                    ms = time_fn(fns[build][pass_], bench.timings(pass_, iters))
-                rows.append({"shape": cfg.name, "precision": precision, "pass": pass_, "build": build, "round": r,
-                             "time_ms": ms})
-    return rows
+    timings = _interleaved(builds, rounds, passes, lambda pass_, build: time_fn(fns[build][pass_],
+                                                                                bench.timings(pass_, iters)))
+    return [{"shape": cfg.name, "precision": precision, "pass": pass_, "build": build, "round": r, "time_ms": ms}
+            for r, pass_, build, ms in timings]
 
 
 def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device="cuda", time_fn=bench.time_ms,
@@ -87,16 +93,10 @@ def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device
         with built_with(switches):
             for step in steps:
                 step.run(states[step.pass_])
-    rows = []
-    for r in range(rounds):
-        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
-        for step in steps:
-            for build in order:
-                with built_with(builds[build]):
-                    ms = time_fn(functools.partial(step.run, states[step.pass_]), iters)
-                rows.append({"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r,
-                             "time_ms": ms})
-    return rows
+    timings = _interleaved(builds, rounds, steps, lambda step, build: time_fn(
+        functools.partial(step.run, states[step.pass_]), iters))
+    return [{"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r, "time_ms": ms}
+            for r, step, build, ms in timings]
 
 
 def ab_table(rows: pd.DataFrame) -> pd.DataFrame:
