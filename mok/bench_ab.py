@@ -126,6 +126,9 @@ def main(argv=None) -> int:
         switch = parse_switch(args.switch)
     except ValueError as e:
         p.error(str(e))
+    if args.parts and (args.precision != "bf16" or args.passes != list(PASSES)):
+        p.error(f"--parts times the bf16 kernels of both passes: expected no --precision or --passes, got "
+                f"--precision {args.precision} --passes {' '.join(args.passes)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rounds = args.rounds or (3 if args.parts else 7)
     out = args.out or bench.DATA / ("ab_parts.csv" if args.parts else "ab.csv")

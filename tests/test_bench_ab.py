@@ -107,3 +107,9 @@ def test_ab_parts_times_every_step_under_both_builds(kernel_twins, shape):
     assert all(r["build"] == ("default" if t == () else "MOK_GEMM_TMA_STORE=0") for r, t in zip(rows, timed))
     table = bench_ab.ab_table(pd.DataFrame(rows))
     assert list(table["step"]) == steps and (table["ratio"] == 2.0).all()
+
+
+def test_ab_parts_rejects_what_it_would_ignore(capsys):
+    with pytest.raises(SystemExit):
+        bench_ab.main(["MOK_GEMM_TMA_STORE=0", "--parts", "--precision", "mxfp8"])
+    assert "--parts times the bf16 kernels of both passes" in capsys.readouterr().err
