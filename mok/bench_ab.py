@@ -87,12 +87,11 @@ def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device
         _, saved = fused.forward(*moe_args(inputs))
         steps = bench_parts.steps_of(saved)
         states = {"fwd": bench_parts.forward_state(inputs), "bwd": bench_parts.backward_state(inputs, saved)}
-        for pass_, state in states.items():  # the intermediates every timing reads
+        for pass_, state in states.items():  # the intermediates every timing reads (and the default's warm-up)
             bench_parts.run_steps([s for s in steps if s.pass_ == pass_], state)
-    for switches in builds.values():  # each build's JIT build and first launches, before any timing
-        with built_with(switches):
-            for step in steps:
-                step.run(states[step.pass_])
+    with built_with(switch):  # the variant's JIT build and first launches, before any timing
+        for step in steps:
+            step.run(states[step.pass_])
     timings = _interleaved(builds, rounds, steps, lambda step, build: time_fn(
         functools.partial(step.run, states[step.pass_]), iters))
     return [{"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r, "time_ms": ms}
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
         p.error(f"--parts times the bf16 kernels of both passes: expected no --precision or --passes, got "
                 f"--precision {args.precision} --passes {' '.join(args.passes)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rounds = args.rounds or (3 if args.parts else 7)
+    rounds = args.rounds if args.rounds is not None else 3 if args.parts else 7
     out = args.out or bench.DATA / ("ab_parts.csv" if args.parts else "ab.csv")
 
     def rows_of(cfg):
