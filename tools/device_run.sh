@@ -26,6 +26,7 @@ t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
 switch=${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}  # the build switch of the steps switches_sw, parts_sw and ab
+ab_args=${MOK_AB_ARGS:-}  # more options of `ab` and `ab_parts`, e.g. "--rounds 5 --shapes dsv4pro-rank"
 # Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139), and
 # the crash left torch's build lock behind, on which every later build of that machine waited until killed.
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
@@ -69,8 +70,8 @@ step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench mo
 step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
-step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" --out "$out/ab.csv"
-step ab_parts 420 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts --out "$out/ab_parts.csv"
+step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" $ab_args --out "$out/ab.csv"
+step ab_parts 420 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts $ab_args --out "$out/ab_parts.csv"
 step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR

@@ -106,7 +106,8 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
 
 // The compile-time switches these GEMMs were built with (mok/ops/core.py BUILD_SWITCHES): 1 if the epilogues
 // store by TMA (0: st.global), and the shared-memory ring depth.
-void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* defer_epilogue);
+void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* defer_epilogue,
+                                      int* group_m);
 
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):

@@ -82,6 +82,12 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_DEFER_EPILOGUE
 #define MOK_GEMM_DEFER_EPILOGUE 1
 #endif
+// MOK_GEMM_GROUP_M=G: the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile by n-tile
+// inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the same time;
+// 1 (default): m-major, the m-tiles of one n-tile num_n_tiles tasks apart.
+#ifndef MOK_GEMM_GROUP_M
+#define MOK_GEMM_GROUP_M 1
+#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -93,6 +99,8 @@ constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
+constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
+static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
@@ -283,8 +291,10 @@ MOK_HOST_DEVICE int num_k_blocks_of(int k) {
   return kGemm == Gemm::kGateUpDgrad ? 2 * half : half;
 }
 
-// Where a task's output tile sits and which K it runs. Tasks are numbered m-major; kWeightGrad numbers
-// (expert, m_tile, n_tile) and runs K over the expert's segment of rows [k_row0, k_row0 + 64·num_k_blocks):
+// Where a task's output tile sits and which K it runs. Row-wise kinds: tasks [0, num_tasks) are the real m-tiles ×
+// n-tiles, in groups of kGroupM m-tiles (the last group may be smaller), m fastest inside a group (kGroupM = 1:
+// m-major). kWeightGrad numbers (expert, m_tile, n_tile) and runs K over the expert's segment of rows
+// [k_row0, k_row0 + 64·num_k_blocks):
 // its real rows, then padding rows (zeros in both operands) up to the next multiple of 64, never all of the
 // segment's padding (dsv4pro pads its experts' 256 rows by 25% on average).
 struct Task {
@@ -292,13 +302,17 @@ struct Task {
 };
 
 template <Gemm kGemm>
-MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks) {
-  const int n_tile = task % p.num_n_tiles, mt = task / p.num_n_tiles;
+MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks, int num_tasks) {
   if constexpr (kGemm == Gemm::kWeightGrad) {
+    const int n_tile = task % p.num_n_tiles, mt = task / p.num_n_tiles;
     const int expert = mt / p.num_m_tiles, row0 = p.expert_offsets[expert];
     return {mt % p.num_m_tiles, n_tile, expert, row0, (p.expert_rows[expert] + BLOCK_K - 1) / BLOCK_K};
   } else {
-    return {mt, n_tile, p.tile_to_expert[mt], 0, num_k_blocks};
+    const int group_tasks = kGroupM * p.num_n_tiles;
+    const int m_first = task / group_tasks * kGroupM, in_group = task % group_tasks;
+    const int real_m_tiles = num_tasks / p.num_n_tiles, group_m = min(kGroupM, real_m_tiles - m_first);
+    const int mt = m_first + in_group % group_m;
+    return {mt, in_group / group_m, p.tile_to_expert[mt], 0, num_k_blocks};
   }
 }
 
@@ -346,7 +360,7 @@ MOK_DEVICE Units units_of(const Params& p, int num_tasks) {
 template <Gemm kGemm>
 MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num_tasks) {
   if constexpr (!Tile<kGemm>::kMulticast) {
-    return {decode_task<kGemm>(p, unit, num_k_blocks), true, false};
+    return {decode_task<kGemm>(p, unit, num_k_blocks, num_tasks), true, false};
   } else {
     const int real_m_tiles = num_tasks / p.num_n_tiles;
     const int m_first = unit / p.num_n_tiles * kClusterSize;
@@ -432,12 +446,14 @@ struct Landing {
 // kinds runs all of K: k-block j is task blockIdx.x + (j / num_k_blocks)·gridDim.x, k-block j % num_k_blocks),
 // once all producer threads have read the slot's previous k-block.
 template <Gemm kGemm>
-MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* smem, int j, int num_k_blocks) {
+MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* smem, int j, int num_k_blocks,
+                              int num_tasks) {
   using T = Tile<kGemm>;
   const uint32_t slot = j % kNumLanding;
   if (j >= kNumLanding) ptx::mbarrier_wait_parity(&land.empty[slot], (j / kNumLanding - 1) & 1);
   const int kb = j % num_k_blocks;
-  const Task t = decode_task<kGemm>(p, static_cast<int>(blockIdx.x) + (j / num_k_blocks) * gridDim.x, num_k_blocks);
+  const Task t = decode_task<kGemm>(p, static_cast<int>(blockIdx.x) + (j / num_k_blocks) * gridDim.x, num_k_blocks,
+                                    num_tasks);
   const int n0 = t.n_tile * T::kTaskN, n1 = n0 + T::kB1Offset;
   ptx::mbarrier_arrive_expect_tx(&land.full[slot], kLandTxBytes);
   ptx::tma_load_3d(land_tile(smem, slot, 0), land.b0, kb * BLOCK_K, n0, t.expert, &land.full[slot]);
@@ -489,7 +505,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
     if (static_cast<int>(blockIdx.x) < num_tasks)
       num_landings = ((num_tasks - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1) * num_k_blocks;
     for (int j = 0; thread == 0 && j < kNumLanding - 1 && j < num_landings; ++j)
-      issue_landing<kGemm>(land, p, smem, j, num_k_blocks);
+      issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   const Units units = units_of<kGemm>(p, num_tasks);
@@ -506,7 +522,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
       if constexpr (T::kMx) {  // before waiting for the stage: the landing runs ahead of the consumers too
         const int ahead = static_cast<int>(it) + kNumLanding - 1;
-        if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks);
+        if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks, num_tasks);
       }
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
