@@ -82,11 +82,12 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_DEFER_EPILOGUE
 #define MOK_GEMM_DEFER_EPILOGUE 1
 #endif
-// MOK_GEMM_GROUP_M=G: the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile by n-tile
-// inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the same time;
-// 1 (default): m-major, the m-tiles of one n-tile num_n_tiles tasks apart.
+// MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
+// by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
+// same time and read it from L2 once; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a
+// wave apart), which made dsv4pro's weight-bound GEMMs 6–16% slower (docs/l2_fused.md, "Task order").
 #ifndef MOK_GEMM_GROUP_M
-#define MOK_GEMM_GROUP_M 1
+#define MOK_GEMM_GROUP_M 8
 #endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
