@@ -84,8 +84,9 @@ namespace mok::gemm {
 #endif
 // MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
 // by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
-// same time and read it from L2 once; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a
-// wave apart), which made dsv4pro's weight-bound GEMMs 6–16% slower (docs/l2_fused.md, "Task order").
+// same time; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a wave apart), with which
+// dsv4pro's GEMM1, GEMM2 and gate/up dgrad ran 1.11-1.19x slower, its layer 1.03-1.04x (docs/l2_fused.md, "Task
+// order").
 #ifndef MOK_GEMM_GROUP_M
 #define MOK_GEMM_GROUP_M 8
 #endif
