@@ -104,8 +104,8 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
                                           const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
                                           int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
 
-// The compile-time switches these GEMMs were built with (mok/ops/core.py BUILD_SWITCHES): 1 if the epilogues
-// store by TMA (0: st.global), and the shared-memory ring depth.
+// The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES, in that
+// order (csrc/include/mok/gemm/grouped_gemm_bf16.cuh says what each does).
 void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* defer_epilogue,
                                       int* group_m);
 
