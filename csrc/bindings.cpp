@@ -223,6 +223,7 @@ pybind11::dict gemm_build_switches() {
   switches["MOK_GEMM_DEFER_EPILOGUE"] = built.defer_epilogue;
   switches["MOK_GEMM_GROUP_M"] = built.group_m;
   switches["MOK_GEMM_SKIP_PADDING_HALF"] = built.skip_padding_half;
+  switches["MOK_GEMM_UNIFORM_K"] = built.uniform_k;
   return switches;
 }
 

@@ -71,7 +71,7 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
 
 GemmBuildSwitches grouped_gemm_bf16_build_switches() {
   return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_DEFER_EPILOGUE, MOK_GEMM_GROUP_M,
-          MOK_GEMM_SKIP_PADDING_HALF};
+          MOK_GEMM_SKIP_PADDING_HALF, MOK_GEMM_UNIFORM_K};
 }
 
 }  // namespace mok

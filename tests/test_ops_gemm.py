@@ -372,7 +372,7 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
     defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
                 "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0}
+                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_UNIFORM_K": 1}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit

@@ -54,6 +54,11 @@ MOK_DEVICE float bf16_hi_as_f32(uint32_t w) { return __uint_as_float(w & 0xFFFF0
 
 MOK_DEVICE uint32_t lane_id() { return threadIdx.x & (kWarpSize - 1); }
 
+// Lane 0's v in every lane (all 32 lanes must call it). A value loaded from memory is per-thread to ptxas even
+// when every lane loads the same address; broadcast, it is warp-uniform to the compiler too, which then keeps
+// what depends on it (a loop bound, the wgmma descriptors inside that loop) in the uniform datapath.
+MOK_DEVICE int warp_uniform(int v) { return __shfl_sync(kFullMask, v, 0); }
+
 // Per-halfword unsigned max with the lane `lane_mask` away (all 32 lanes must call it).
 MOK_DEVICE uint32_t warp_vmaxu2_xor(uint32_t v, int lane_mask) {
   return __vmaxu2(v, __shfl_xor_sync(kFullMask, v, lane_mask));

@@ -93,6 +93,10 @@ namespace mok::gemm {
 // MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
 // at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
 // the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
+// MOK_GEMM_UNIFORM_K=0 (temporary, for an A/B): the weight gradients' K as each thread loaded it.
+#ifndef MOK_GEMM_UNIFORM_K
+#define MOK_GEMM_UNIFORM_K 1
+#endif
 #ifndef MOK_GEMM_SKIP_PADDING_HALF
 #define MOK_GEMM_SKIP_PADDING_HALF 0
 #endif
@@ -855,7 +859,10 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   uint32_t it = 0;
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
-    const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
+    Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
+    // The weight gradients' K comes from memory (expert_rows): without the broadcast their mainloop's wgmma
+    // descriptors were computed in vector registers and moved to uniform ones (twice the loop's instructions).
+    if constexpr (kGemm == Gemm::kWeightGrad && MOK_GEMM_UNIFORM_K) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
     const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
@@ -875,7 +882,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // A row-wise tile lies in one expert's segment, real rows first: if this warpgroup's first row is padding,
     // all 64 are, and the epilogue stores zeros there whatever the accumulators hold.
     const bool padding_half = kSkipPaddingHalf && kGemm != Gemm::kWeightGrad &&
-                              p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0;
+                              warp_uniform(p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0);
     if (padding_half) {
       release_as_landed();
     } else {
