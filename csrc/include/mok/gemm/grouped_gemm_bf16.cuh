@@ -90,16 +90,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_GROUP_M
 #define MOK_GEMM_GROUP_M 8
 #endif
-// MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
-// at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
-// the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
-// MOK_GEMM_UNIFORM_K=0 (temporary, for an A/B): the weight gradients' K as each thread loaded it.
-#ifndef MOK_GEMM_UNIFORM_K
-#define MOK_GEMM_UNIFORM_K 1
-#endif
-#ifndef MOK_GEMM_SKIP_PADDING_HALF
-#define MOK_GEMM_SKIP_PADDING_HALF 0
-#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -112,7 +102,6 @@ constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
-constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -860,36 +849,28 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
     Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
-    // The weight gradients' K comes from memory (expert_rows): without the broadcast their mainloop's wgmma
-    // descriptors were computed in vector registers and moved to uniform ones (twice the loop's instructions).
-    if constexpr (kGemm == Gemm::kWeightGrad && MOK_GEMM_UNIFORM_K) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
+    // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
+    // descriptors vector values moved to uniform registers by R2UR, 66-72 instructions per k-block's 8 wgmmas
+    // against 34-39 broadcast (the same as the row-wise kinds'); measured 0.98-1.05x, docs/l2_fused.md.
+    if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
-    const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
+    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
+      epilogue.store_rest(p, outputs, staging, lane);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
       }
-    };
-    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      epilogue.store_rest(p, outputs, staging, lane);
-      release_as_landed();
       continue;
     }
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    // A row-wise tile lies in one expert's segment, real rows first: if this warpgroup's first row is padding,
-    // all 64 are, and the epilogue stores zeros there whatever the accumulators hold.
-    const bool padding_half = kSkipPaddingHalf && kGemm != Gemm::kWeightGrad &&
-                              warp_uniform(p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0);
-    if (padding_half) {
-      release_as_landed();
-    } else {
-      it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
-          acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-          [&] { epilogue.store_next(p, outputs, staging, lane); });
-    }
+    // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
+    // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
+        [&] { epilogue.store_next(p, outputs, staging, lane); });
     if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
