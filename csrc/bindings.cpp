@@ -215,14 +215,14 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
 
 // What this build's GEMMs were compiled with (a variant loaded beside the default build must report its own).
 pybind11::dict gemm_build_switches() {
-  const mok::GemmBuildSwitches built = mok::grouped_gemm_bf16_build_switches();
+  int tma_store = 0, num_stages = 0, multicast = 0, defer_epilogue = 0, group_m = 0;
+  mok::grouped_gemm_bf16_build_switches(&tma_store, &num_stages, &multicast, &defer_epilogue, &group_m);
   pybind11::dict switches;
-  switches["MOK_GEMM_TMA_STORE"] = built.tma_store;
-  switches["MOK_GEMM_NUM_STAGES"] = built.num_stages;
-  switches["MOK_GEMM_MULTICAST"] = built.multicast;
-  switches["MOK_GEMM_DEFER_EPILOGUE"] = built.defer_epilogue;
-  switches["MOK_GEMM_GROUP_M"] = built.group_m;
-  switches["MOK_GEMM_SKIP_PADDING_HALF"] = built.skip_padding_half;
+  switches["MOK_GEMM_TMA_STORE"] = tma_store;
+  switches["MOK_GEMM_NUM_STAGES"] = num_stages;
+  switches["MOK_GEMM_MULTICAST"] = multicast;
+  switches["MOK_GEMM_DEFER_EPILOGUE"] = defer_epilogue;
+  switches["MOK_GEMM_GROUP_M"] = group_m;
   return switches;
 }
 

@@ -69,9 +69,13 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(b_rows, b_rows, num_experts, p, num_sms, stream);
 }
 
-GemmBuildSwitches grouped_gemm_bf16_build_switches() {
-  return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_DEFER_EPILOGUE, MOK_GEMM_GROUP_M,
-          MOK_GEMM_SKIP_PADDING_HALF};
+void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* defer_epilogue,
+                                      int* group_m) {
+  *tma_store = gemm::kTmaStore ? 1 : 0;
+  *num_stages = gemm::kNumStages;
+  *multicast = gemm::kMulticastBuild ? 1 : 0;
+  *defer_epilogue = gemm::kDeferEpilogue ? 1 : 0;
+  *group_m = gemm::kGroupM;
 }
 
 }  // namespace mok

@@ -104,12 +104,10 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
                                           const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
                                           int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
 
-// The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
-// (csrc/include/mok/gemm/grouped_gemm_bf16.cuh says what each does).
-struct GemmBuildSwitches {
-  int tma_store, num_stages, multicast, defer_epilogue, group_m, skip_padding_half;
-};
-GemmBuildSwitches grouped_gemm_bf16_build_switches();
+// The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES, in that
+// order (csrc/include/mok/gemm/grouped_gemm_bf16.cuh says what each does).
+void grouped_gemm_bf16_build_switches(int* tma_store, int* num_stages, int* multicast, int* defer_epilogue,
+                                      int* group_m);
 
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):

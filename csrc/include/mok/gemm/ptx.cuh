@@ -40,10 +40,6 @@ MOK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "mem
 
 // Orders this thread's view of shared memory written through the generic proxy (ordinary stores,
 // cp.async) before its later async-proxy accesses (wgmma operand reads, TMA).
-// Named barrier `id` (1-15; 0 is __syncthreads) over `threads` threads, whole warps.
-MOK_DEVICE void named_barrier_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 MOK_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // ---- TMA: one 3D tile of a tensor map into shared memory -------------------------------------------------
