@@ -117,6 +117,10 @@ step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 step launch 120 " us$" python tools/launch_cost.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
 step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
+# `timeline`: per-task SM clocks of GEMM1 from MOK_GEMM_TRACE builds, plain and with each switch of MOK_TIMELINE
+# ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
+step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \
+  MOK_GEMM_SKIP_PADDING_HALF=1}
 step memcheck 60 "ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool memcheck python tools/sanitize.py
 step racecheck 240 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck python tools/sanitize.py
 step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \

@@ -90,6 +90,26 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_GROUP_M
 #define MOK_GEMM_GROUP_M 8
 #endif
+// MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
+// at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
+// the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
+// MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
+// task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
+// grouped_gemm_bf16_trace; tools/task_timeline.py). No device printf: a call inside the consumers serializes
+// their wgmmas (ptxas C7510).
+#ifndef MOK_GEMM_TRACE
+#define MOK_GEMM_TRACE 0
+#endif
+#ifndef MOK_GEMM_SKIP_PADDING_HALF
+#define MOK_GEMM_SKIP_PADDING_HALF 0
+#endif
+
+#if MOK_GEMM_TRACE
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
+constexpr int kTraceRecords = 1 << 18;
+__device__ long long g_trace[kTraceRecords * kTraceWords];
+__device__ int g_trace_count;
+#endif
 
 // ---- tiling -------------------------------------------------------------------------------------------
 
@@ -102,6 +122,7 @@ constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
+constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -854,26 +875,52 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // against 34-39 broadcast (the same as the row-wise kinds'); measured 0.98-1.05x, docs/l2_fused.md.
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
-    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      epilogue.store_rest(p, outputs, staging, lane);
+    const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
       }
+    };
+    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
+      epilogue.store_rest(p, outputs, staging, lane);
+      release_as_landed();
       continue;
     }
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    // NOTE: skipping the MMAs of a 64-row half that is all padding measured 5-10% slower for GEMM1 on
-    // the H200 (and no better for GEMM2), so every warpgroup multiplies; padding rows are zeroed on store.
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
-        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-        [&] { epilogue.store_next(p, outputs, staging, lane); });
+    // A row-wise tile lies in one expert's segment, real rows first: if this warpgroup's first row is padding,
+    // all 64 are, and the epilogue stores zeros there whatever the accumulators hold.
+    const bool padding_half = kSkipPaddingHalf && kGemm != Gemm::kWeightGrad &&
+                              warp_uniform(p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0);
+#if MOK_GEMM_TRACE
+    const long long clock_start = clock64();
+#endif
+    if (padding_half) {
+      release_as_landed();
+    } else {
+      it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
+          acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
+          [&] { epilogue.store_next(p, outputs, staging, lane); });
+    }
     if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
+#if MOK_GEMM_TRACE
+    const long long clock_mma = clock64();
+#endif
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
+#if MOK_GEMM_TRACE
+    if (warp == 0 && lane == 0) {
+      const int slot = atomicAdd(&g_trace_count, 1);
+      if (slot < kTraceRecords) {
+        const bool half_padding = kGemm != Gemm::kWeightGrad && p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0;
+        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, half_padding,
+                                               clock_start, clock_mma, clock64()};
+        for (int i = 0; i < kTraceWords; ++i) g_trace[static_cast<int64_t>(slot) * kTraceWords + i] = record[i];
+      }
+    }
+#endif
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
   }
   epilogue.store_rest(p, outputs, staging, lane);
