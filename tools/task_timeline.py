@@ -56,7 +56,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     df["wait_next"] = df.groupby(["cta", "group"])["start"].shift(-1) - df["end"]
     df["after_padding"] = df.groupby(["cta", "group"])["half_padding"].shift(1).fillna(0).astype(int)
     cols = ["task", "mainloop", "epilogue", "wait_next"]
-    table = df.groupby(["group", "half_padding", "after_padding"])[cols].median().astype("Int64")
+    table = df.groupby(["group", "half_padding", "after_padding"])[cols].median().round().astype("Int64")
     table["tasks"] = df.groupby(["group", "half_padding", "after_padding"]).size()
     return table
 
@@ -69,13 +69,13 @@ def main(argv: list[str]) -> int:
     frames = []
     for name, switches in builds.items():
         df = gemm1_records(shape, switches)
+        frames.append(df.assign(build=name, shape=shape))
+        if os.environ.get("OUT"):
+            pd.concat(frames).to_csv(os.path.join(os.environ["OUT"], "timeline.csv"), index=False)
         span = df.groupby("cta")["end"].max() - df.groupby("cta")["start"].min()
         print(f"== {shape} gemm1, {name}: {len(df)} records; CTA span max {span.max()}, median {span.median():.0f}")
         print("   cycles (medians) by consumer warpgroup, rows 64.. padding, the CTA's previous tile so:")
         print(summarize(df).to_string())
-        frames.append(df.assign(build=name, shape=shape))
-    if os.environ.get("OUT"):
-        pd.concat(frames).to_csv(os.path.join(os.environ["OUT"], "timeline.csv"), index=False)
     return 0
 
 
