@@ -3,7 +3,8 @@ every consumer warpgroup records, per task, its SM clock at the task's start, af
 epilogue. For the trace build and for the trace build with each NAME=VALUE switch, this runs the shape's forward
 steps (mok.bench_parts) once to warm, then GEMM1 once, and prints per build and per kind of tile (rows 64..127
 padding or not) the median cycles of a task, its mainloop and its epilogue, the wait before the CTA's next task,
-and the slowest CTA's total. A device-side probe, not a benchmark: the records' stores cost a little.
+the CTAs' spans, and how far apart the CTAs' n-th tasks start (their drift). A device-side probe, not a
+benchmark: the records' stores cost a little.
 
     python tools/task_timeline.py [SHAPE] [NAME=VALUE ...]     (device step `timeline`; $OUT/timeline.csv)
 """
@@ -61,6 +62,15 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def start_spread(df: pd.DataFrame) -> pd.Series:
+    """How far the CTAs drift apart: per n (a CTA's n-th task, first consumer warpgroup), the 90th minus the 10th
+    percentile over CTAs of that task's start, each counted from the CTA's first start (SM clocks are per SM)."""
+    df = df[df["group"] == 0].sort_values(["cta", "start"])
+    since_first = df["start"] - df.groupby("cta")["start"].transform("min")
+    nth = df.groupby("cta").cumcount()
+    return since_first.groupby(nth).agg(lambda x: x.quantile(0.9) - x.quantile(0.1)).astype("int64")
+
+
 def main(argv: list[str]) -> int:
     shape = argv[0] if argv and "=" not in argv[0] else "dsv4pro-rank"
     builds = {"trace": {"MOK_GEMM_TRACE": 1}}
@@ -76,6 +86,9 @@ def main(argv: list[str]) -> int:
         print(f"== {shape} gemm1, {name}: {len(df)} records; CTA span max {span.max()}, median {span.median():.0f}")
         print("   cycles (medians) by consumer warpgroup, rows 64.. padding, the CTA's previous tile so:")
         print(summarize(df).to_string())
+        spread = start_spread(df)
+        print("   start spread over CTAs (cycles) at their n-th task:",
+              ", ".join(f"{n}: {v}" for n, v in spread.iloc[::4].items()))
     return 0
 
 
