@@ -93,6 +93,8 @@ namespace mok::gemm {
 // MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
 // at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
 // the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
+// NOTE: 1 measured 1.03-1.35x slower on the H200: those tasks end early, the CTAs fall out of step, and the grouped
+// order's weight tiles stop being shared in L2 (docs/l2_fused.md, "The padding-half skip, measured").
 // MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
 // task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
 // grouped_gemm_bf16_trace; tools/task_timeline.py). No device printf: a call inside the consumers serializes
