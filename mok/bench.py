@@ -47,12 +47,21 @@ KEY = ["shape", "level", "precision", "pass"]
 
 # --- timing and provenance ------------------------------------------------------------------------
 
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU."""
+def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0) -> float:
+    """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU. The warm-up is `warmup`
+    calls, then more until `warmup_ms` of wall time have passed since the first (0: none more): after an idle
+    spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/l2_fused.md, "Next" 6)."""
+    cuda = torch.cuda.is_available()
+    t0 = time.perf_counter()
     for _ in range(warmup):
         fn()
+    while warmup_ms > 0:
+        if cuda:
+            torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms:
+            break
+        fn()
     times = []
-    cuda = torch.cuda.is_available()
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -152,8 +161,8 @@ def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms
     return time_fn(functools.partial(torch.mm, a, b.T), iters)
 
 
-def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device) -> float:
-    return sum(dense_gemm_ms(mnk, iters, device) for mnk in gemm_shapes(cfg, pass_))
+def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms) -> float:
+    return sum(dense_gemm_ms(mnk, iters, device, time_fn) for mnk in gemm_shapes(cfg, pass_))
 
 
 # --- levels and peers -------------------------------------------------------------------------------

@@ -27,6 +27,22 @@ def test_ceiling_gemms_carry_the_moe_flops(cfg, pass_):
     assert flops == cfg.flops(pass_)
 
 
+@pytest.mark.parametrize("warmup_ms, warm_calls", [(0.0, 1), (50.0, 5), (55.0, 6)])
+def test_time_ms_warms_up_for_warmup_ms(monkeypatch, warmup_ms, warm_calls):
+    """On a fake clock where each call takes 10 ms: one warm-up call, then more until warmup_ms have passed, then
+    the timed calls, whose median is the call's time."""
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    calls = []
+
+    def fn():
+        calls.append(now[0])
+        now[0] += 0.010
+
+    assert bench.time_ms(fn, iters=3, warmup=1, warmup_ms=warmup_ms) == pytest.approx(10.0)
+    assert len(calls) == warm_calls + 3
+
+
 def test_bench_rows_on_cpu(tmp_path, capsys):
     cfg = TINY_SHAPES["tiny-top1"]
     rows = bench.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
