@@ -37,11 +37,15 @@ DEFAULT = "default"
 
 
 def parse_switch(text: str) -> dict:
-    """'NAME=VALUE' -> {NAME: VALUE}, checked against mok.ops.core.BUILD_SWITCHES (name and value)."""
-    name, sep, value = text.partition("=")
-    if not sep or name not in BUILD_SWITCHES:
-        fail("switch", f"NAME=VALUE with NAME from {sorted(BUILD_SWITCHES)}", repr(text))
-    return dict(build_switches({name: value}))
+    """'NAME=VALUE[,NAME=VALUE ...]' -> {NAME: VALUE, ...}: one build with every switch named, each checked against
+    mok.ops.core.BUILD_SWITCHES (name and value)."""
+    switches = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in BUILD_SWITCHES:
+            fail("switch", f"NAME=VALUE[,NAME=VALUE ...] with NAME from {sorted(BUILD_SWITCHES)}", repr(text))
+        switches[name.strip()] = value
+    return dict(build_switches(switches))
 
 
 def _builds(switch: dict) -> dict:
