@@ -95,15 +95,15 @@ namespace mok::gemm {
 // the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
 // NOTE: 1 measured 1.03-1.35x slower on the H200: those tasks end early, the CTAs fall out of step, and the grouped
 // order's weight tiles stop being shared in L2 (docs/l2_fused.md, "The padding-half skip, measured").
+#ifndef MOK_GEMM_SKIP_PADDING_HALF
+#define MOK_GEMM_SKIP_PADDING_HALF 0
+#endif
 // MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
 // task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
 // grouped_gemm_bf16_trace; tools/task_timeline.py). No device printf: a call inside the consumers serializes
 // their wgmmas (ptxas C7510).
 #ifndef MOK_GEMM_TRACE
 #define MOK_GEMM_TRACE 0
-#endif
-#ifndef MOK_GEMM_SKIP_PADDING_HALF
-#define MOK_GEMM_SKIP_PADDING_HALF 0
 #endif
 
 #if MOK_GEMM_TRACE
@@ -873,8 +873,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   for (int unit = units.first; unit < units.count; unit += units.step) {
     Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
-    // descriptors vector values moved to uniform registers by R2UR, 66-72 instructions per k-block's 8 wgmmas
-    // against 34-39 broadcast (the same as the row-wise kinds'); measured 0.98-1.05x, docs/l2_fused.md.
+    // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
+    // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
     const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
