@@ -105,14 +105,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TRACE
 #define MOK_GEMM_TRACE 0
 #endif
-// MOK_GEMM_DYNAMIC=1: the single-CTA BF16 kinds take their tasks from a counter in device memory (producer thread 0,
-// atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
-// order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
-// lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
-// the bits. Launches of one kind must be stream-ordered (one counter per kind and module, reset by the last CTA).
-#ifndef MOK_GEMM_DYNAMIC
-#define MOK_GEMM_DYNAMIC 0
-#endif
 
 #if MOK_GEMM_TRACE
 constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
@@ -132,8 +124,6 @@ constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
-constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
-constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
@@ -164,8 +154,7 @@ constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
-constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
-constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
@@ -301,7 +290,6 @@ struct Tile {
   // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
   // to 17% faster (H200, parts vs parts_multicast at c25bf99).
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
-  static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -408,64 +396,6 @@ MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num
     return {t, active, shared};
   }
 }
-
-// ---- the CTA's sequence of work units ------------------------------------------------------------------
-// Static: first, first + step, ... < count (units_of). kDynamic: producer thread 0 takes each next unit from the
-// launch's counter and passes it through a ring of kUnitSlots in shared memory to the roles that read it (the
-// consumer warps; the producer's gather warps); the last CTA to run out resets the counter for the next launch.
-#if MOK_GEMM_DYNAMIC
-__device__ int g_unit_counter[8];    // per Gemm kind: the next unit to hand out
-__device__ unsigned g_ctas_done[8];  // per Gemm kind: CTAs that ran out
-#endif
-
-struct UnitRing {
-  uint64_t* full;   // [kUnitSlots] the writer's arrival: the slot holds the next unit
-  uint64_t* empty;  // [kUnitSlots] each reader warp's arrival: the slot may be rewritten
-  int* unit;        // [kUnitSlots] a unit, or -1: none left
-};
-
-template <Gemm kGemm>
-struct UnitFeed {
-  Units units;
-  UnitRing ring;
-
-  // Reader warps of a slot: the consumers', and the producer's when it gathers (TMA producers: thread 0 alone,
-  // which writes the units and reads none).
-  static constexpr int kReaderWarps =
-      kNumConsumerWarps + (Tile<kGemm>::kGather ? kNumProducerThreads / kWarpSize : 0);
-
-  // The CTA's i-th unit, or -1 when there is none; every role calls it for i = 0, 1, ... until -1 (`writer`:
-  // producer thread 0; every other caller reads, with its whole warp).
-  MOK_DEVICE int next(int i, bool writer) const {
-    if constexpr (!Tile<kGemm>::kDynamic) {
-      const int unit = units.first + i * units.step;
-      return unit < units.count ? unit : -1;
-    } else {
-#if MOK_GEMM_DYNAMIC
-      const int slot = i % kUnitSlots;
-      const uint32_t phase = (i / kUnitSlots) & 1;
-      if (writer) {
-        ptx::mbarrier_wait_parity(&ring.empty[slot], phase ^ 1);  // its readers are done with its last unit
-        const int unit = atomicAdd(&g_unit_counter[static_cast<int>(kGemm)], 1);
-        ring.unit[slot] = unit < units.count ? unit : -1;
-        ptx::mbarrier_arrive(&ring.full[slot]);  // release: the readers see the unit
-        if (unit >= units.count && atomicAdd(&g_ctas_done[static_cast<int>(kGemm)], 1u) == gridDim.x - 1) {
-          // every CTA has taken its last unit: none reads the counter again in this launch
-          g_unit_counter[static_cast<int>(kGemm)] = 0;
-          g_ctas_done[static_cast<int>(kGemm)] = 0;
-        }
-        if (!Tile<kGemm>::kGather) return unit < units.count ? unit : -1;
-      }
-      ptx::mbarrier_wait_parity(&ring.full[slot], phase);
-      const int unit = ring.unit[slot];
-      __syncwarp();
-      if (lane_id() == 0) ptx::mbarrier_arrive(&ring.empty[slot]);
-      return unit;
-#endif
-    }
-    return -1;
-  }
-};
 
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
@@ -588,7 +518,7 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                         const CUtensorMap* tmap_b1, const Landing& land, const Params& p, uint8_t* smem,
-                        uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks, int num_k_blocks) {
+                        uint64_t* full, uint64_t* empty, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
@@ -603,8 +533,8 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  const UnitFeed<kGemm> feed{units_of<kGemm>(p, num_tasks), ring};
-  for (int i = 0, unit; (unit = feed.next(i, thread == 0)) >= 0; ++i) {
+  const Units units = units_of<kGemm>(p, num_tasks);
+  for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
@@ -922,7 +852,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        const UnitRing& ring, int num_tasks, int num_k_blocks) {
+                        int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
@@ -939,8 +869,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
-  const UnitFeed<kGemm> feed{units_of<kGemm>(p, num_tasks), ring};
-  for (int i = 0, unit; (unit = feed.next(i, false)) >= 0; ++i) {
+  const Units units = units_of<kGemm>(p, num_tasks);
+  for (int unit = units.first; unit < units.count; unit += units.step) {
     Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
     // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
@@ -1023,8 +953,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
-  uint64_t* unit_bars = empty + kNumStages + 2 * kNumLanding;  // kDynamic: full, empty [kUnitSlots] each
-  const UnitRing ring{unit_bars, unit_bars + kUnitSlots, reinterpret_cast<int*>(unit_bars + 2 * kUnitSlots)};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
@@ -1036,12 +964,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
         ptx::mbarrier_init(&land.empty[s], kNumProducerThreads);
-      }
-    }
-    if constexpr (T::kDynamic) {
-      for (int s = 0; s < kUnitSlots; ++s) {
-        ptx::mbarrier_init(&ring.full[s], 1);
-        ptx::mbarrier_init(&ring.empty[s], UnitFeed<kGemm>::kReaderWarps);
       }
     }
     ptx::fence_mbarrier_init();
@@ -1066,10 +988,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, ring, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, ring, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
   // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
   if constexpr (T::kMulticast) ptx::cluster_sync();
