@@ -218,9 +218,10 @@ def liger_pass_fn(inputs: dict, pass_: str):
 
 
 def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0,
-                mx_weight_cache=False) -> list[dict]:
+                mx_weight_cache=False, warmup_ms=0.0) -> list[dict]:
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
     prov = provenance()
+    time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
     rows = []
 
     def row(level, kind, precision, pass_, ms, ceiling_ms, mem, saved_gb=float("nan")):
@@ -230,13 +231,14 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          time_ms=ms, tflops=tflops, ceiling_tflops=ceiling, frac_of_ceiling=tflops / ceiling,
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
-                         shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters), **prov))
+                         shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters),
+                         warmup_ms=warmup_ms, **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
 
     for pass_ in passes:
         n = timings(pass_, iters)
-        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device)
+        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, time_fn)
         row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"))
         for precision in precisions:
             for level in levels:
@@ -246,7 +248,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
-                    ms, mem, cache_gb = time_ms(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
+                    ms, mem, cache_gb = time_fn(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, saved[level, precision])
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
                     rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
@@ -257,7 +259,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)
                 if fn is not None:
-                    row("liger", "peer", "bf16", pass_, time_ms(fn, n), ceiling_ms, peak_mem_gb(fn))
+                    row("liger", "peer", "bf16", pass_, time_fn(fn, n), ceiling_ms, peak_mem_gb(fn))
                     rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
                     del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}
@@ -324,6 +326,10 @@ def main(argv=None) -> int:
     p.add_argument("--mx-weight-cache", action="store_true",
                    help="time the fused level's mxfp8 rows inside mok.mxfp8_weight_cache(), warmed by the warm-up "
                         "(a gradient-accumulation step's steady state)")
+    p.add_argument("--warmup-ms", type=float, default=0.0,
+                   help="after the 3 warm-up calls, keep calling for this long before every timing (ceiling, "
+                        "levels and peers alike; 0: none more). 100 measures the clocks a sustained load runs at "
+                        "(docs/l2_fused.md, \"The ceiling under a sustained load\")")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV the rows merge into (default: data/bench/moe.csv; with --mx-weight-cache "
                         "data/bench/moe_mx_cache.csv, since KEY has no notes and would replace the uncached rows)")
@@ -331,7 +337,8 @@ def main(argv=None) -> int:
     out = args.out or DATA / ("moe_mx_cache.csv" if args.mx_weight_cache else "moe.csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     all_rows = sweep(args.shapes, lambda cfg: bench_shape(cfg, args.levels, args.precisions, args.passes, args.peers,
-                                                          args.iters, device, mx_weight_cache=args.mx_weight_cache),
+                                                          args.iters, device, mx_weight_cache=args.mx_weight_cache,
+                                                          warmup_ms=args.warmup_ms),
                      out)
     cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]
     print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

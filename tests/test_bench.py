@@ -73,6 +73,21 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     assert exit_.value.code == 0
 
 
+def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
+    """`moe --warmup-ms`: the ceiling's GEMMs and every level take the same warm-up, and the rows say which."""
+    seen = []
+
+    def spy(fn, iters=20, warmup=3, warmup_ms=0.0):
+        seen.append(warmup_ms)
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_ms", spy)
+    cfg = TINY_SHAPES["tiny-top1"]
+    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=100.0)
+    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1 and set(seen) == {100.0}
+    assert {r["warmup_ms"] for r in rows} == {100.0} and len(rows) == 2
+
+
 def test_committed_rows_have_provenance():
     """data/bench/moe.csv is what the README quotes: every row says where it was measured."""
     df = bench.read_rows(bench.DATA / "moe.csv")
