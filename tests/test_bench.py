@@ -46,7 +46,7 @@ def test_time_ms_warms_up_for_warmup_ms(monkeypatch, warmup_ms, warm_calls):
 def test_bench_rows_on_cpu(tmp_path, capsys):
     cfg = TINY_SHAPES["tiny-top1"]
     rows = bench.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
-                             iters=2, device="cpu")
+                             iters=2, device="cpu", warmup_ms=0.0)
     assert len(rows) == 2 * (1 + 2 * 2)  # per pass: the ceiling + levels × precisions
     for r in rows:
         assert COLUMNS <= set(r), COLUMNS - set(r)
@@ -74,7 +74,7 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
 
 
 def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
-    """`moe --warmup-ms`: the ceiling's GEMMs and every level take the same warm-up, and the rows say which."""
+    """The ceiling's GEMMs and every level take the same warm-up (by default WARMUP_MS), and the rows say which."""
     seen = []
 
     def spy(fn, iters=20, warmup=3, warmup_ms=0.0):
@@ -83,8 +83,8 @@ def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
 
     monkeypatch.setattr(bench, "time_ms", spy)
     cfg = TINY_SHAPES["tiny-top1"]
-    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=100.0)
-    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1 and set(seen) == {100.0}
+    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu")
+    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1 and set(seen) == {bench.WARMUP_MS} == {100.0}
     assert {r["warmup_ms"] for r in rows} == {100.0} and len(rows) == 2
 
 
@@ -106,7 +106,7 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     (6) instead of in every run (3 + 13 forward + backward runs x 6)."""
     monkeypatch.setattr(bench, "DATA", tmp_path)
     argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
-            "--peers", "--iters", "2"] + (["--mx-weight-cache"] if cached else [])
+            "--peers", "--iters", "2", "--warmup-ms", "0"] + (["--mx-weight-cache"] if cached else [])
     assert bench.main(argv) == 0
     csv = tmp_path / ("moe_mx_cache.csv" if cached else "moe.csv")
     assert sorted(p.name for p in tmp_path.iterdir()) == [csv.name]

@@ -39,8 +39,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `bench_w100` is `bench` with every timing after 100 ms of sustained calls
-# (`--warmup-ms 100`); `ncu` profiles every GEMM once
+# round trips reused across calls); `bench_3calls` is `bench` with every timing after 3 warm-up calls only
+# (`--warmup-ms 0`, the method of record before a012d45); `ncu` profiles every GEMM once
 # (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
@@ -65,8 +65,8 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
-step bench_w100 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 100 \
-  --out "$out/moe_warmup100.csv"
+step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
+  --out "$out/moe_3calls.csv"
 step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
   --peers --out "$out/moe_mx_mainloop.csv"
