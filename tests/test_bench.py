@@ -270,6 +270,16 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
     assert len(df) == len(rows) and not df.duplicated(subset=bench_parts.KEY).any()
 
 
+def test_parts_cli_warms_every_timing_alike(twin_calls, monkeypatch, tmp_path):
+    """`parts --warmup-ms`: the passes, their steps and the ceilings' GEMMs get the same warm-up, the rows say it."""
+    seen = []
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0: seen.append(warmup_ms) or 1.0)
+    out = tmp_path / "parts.csv"
+    assert bench_parts.main(["--shapes", "tiny", "--iters", "2", "--warmup-ms", "7", "--out", str(out)]) == 0
+    assert len(seen) > 10 and set(seen) == {7.0}
+    assert set(pd.read_csv(out)["warmup_ms"]) == {7.0}
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])

@@ -4,7 +4,7 @@ timing runs under, the interleaving, and the table of medians, for whole passes 
 import pandas as pd
 import pytest
 
-from mok import bench_ab, bench_parts, fused, ops, twins
+from mok import bench, bench_ab, bench_parts, fused, ops, twins
 from mok.config import TINY_SHAPES
 from mok.ops import core
 from mok.testing import make_inputs, moe_args
@@ -117,3 +117,16 @@ def test_ab_parts_rejects_what_it_would_ignore(capsys):
     with pytest.raises(SystemExit):
         bench_ab.main(["MOK_GEMM_TMA_STORE=0", "--parts", "--precision", "mxfp8"])
     assert "--parts times the bf16 kernels of both passes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_ab_cli_warms_every_timing_alike(kernel_twins, monkeypatch, tmp_path, parts):
+    """`ab --warmup-ms`: every timing of both builds gets the same warm-up, and the rows say which."""
+    seen = []
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0: seen.append(warmup_ms) or 1.0)
+    out = tmp_path / "ab.csv"
+    argv = ["MOK_GEMM_TMA_STORE=0", "--shapes", "tiny", "--rounds", "1", "--iters", "2", "--warmup-ms", "7",
+            "--out", str(out)] + (["--parts"] if parts else ["--passes", "fwd"])
+    assert bench_ab.main(argv) == 0
+    assert seen and set(seen) == {7.0}
+    assert set(pd.read_csv(out)["warmup_ms"]) == {7.0}
