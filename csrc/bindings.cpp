@@ -83,6 +83,16 @@ void fake_quantize(const at::Tensor& x, at::Tensor& out_col_or_row, const std::o
              "mxfp8_fake_quantize");
 }
 
+void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token, at::Tensor& out) {
+  check_arg(x, "x"), check_arg(row_to_token, "row_to_token"), check_arg(out, "out");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt, "row_to_token: expected int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda(mok::mxfp8_fake_quantize_gathered_colwise(x.data_ptr(), row_to_token.data_ptr<int32_t>(),
+                                                       out.data_ptr(), out.size(0), x.size(0), x.size(1),
+                                                       c10::cuda::getCurrentCUDAStream()),
+             "mxfp8_fake_quantize_gathered");
+}
+
 void copy_bytes(const at::Tensor& src, at::Tensor& dst, int64_t variant) {
   check_arg(src, "src"), check_arg(dst, "dst");
   TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected as many bytes as src");
@@ -345,6 +355,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("mxfp8_fake_quantize", &fake_quantize,
         "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise");
+  m.def("mxfp8_fake_quantize_gathered", &fake_quantize_gathered,
+        "x [T, H], row_to_token (int32 [R]), out [R, H]: the column-wise round trip of x's rows in schedule order");
   m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
         py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,

@@ -51,6 +51,11 @@ cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_ro
   return mxfp8::launch_fake_quantize_tiled(x, out_col, out_row, rows, cols, stream);
 }
 
+cudaError_t mxfp8_fake_quantize_gathered_colwise(const void* x, const int32_t* row_to_token, void* out, int64_t rows,
+                                                 int64_t num_src_rows, int64_t cols, cudaStream_t stream) {
+  return mxfp8::launch_fake_quantize_gathered_colwise(x, row_to_token, out, rows, num_src_rows, cols, stream);
+}
+
 cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream) {
   return launch_copy_bytes(src, dst, nbytes, variant, stream);
 }

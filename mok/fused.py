@@ -39,7 +39,9 @@ backward:
                                                each expert's rows (x rows gathered first:
                                                gather_rows_cuda, a copy kernel)
                                                mx: every operand column-wise (blocks along the rows):
-                                               q+dq x_rows and h_rows; dy, d_gate, d_up from the duals
+                                               x_rows gathered and q+dq'd in one kernel
+                                               (mxfp8_fake_quantize_gathered), q+dq h_rows; dy, d_gate,
+                                               d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
@@ -308,6 +310,14 @@ def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     return ops.gather_rows_cuda(x.to(BF16), sched)  # [num_rows, H]
 
 
+def _x_rows(x: torch.Tensor, sched: Schedule, precision: str) -> torch.Tensor:
+    """_mx(gather_x_rows(x, sched), -2, precision): in mxfp8 one kernel reads the rows straight from x and writes
+    their round trip, without the gathered copy in memory."""
+    if precision == "bf16":
+        return gather_x_rows(x, sched)
+    return ops.mxfp8_fake_quantize_gathered(x.to(BF16), sched)  # [num_rows, H]
+
+
 def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[T, H] -> bf16 [num_rows, H]: row t = t's row t, then zero rows (the shared schedule's row layout).
     A contiguous bf16 t with no padding to add (T a multiple of BLOCK_M) is returned as it is, not copied."""
@@ -335,7 +345,7 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
     del dy_rows, gate, up
     h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
-    x_rows = _mx(gather_x_rows(s.x, sched), -2, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
+    x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
     del h_rows, x_rows, wgrad_ops
     dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None

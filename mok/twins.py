@@ -24,7 +24,8 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous",
            "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
            "grouped_gemm_mxfp8_nt_contiguous", "combine_rows", "gather_rows_cuda",
            "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
-           "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
+           "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual",
+           "mxfp8_fake_quantize_gathered")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -163,3 +164,8 @@ def mxfp8_fake_quantize(x, dim=-1):
 def mxfp8_fake_quantize_dual(x):
     """(row-wise, column-wise) round trips, each from x independently."""
     return mxfp8.fake_quantize(x, dim=-1), mxfp8.fake_quantize(x, dim=-2)
+
+
+def mxfp8_fake_quantize_gathered(x, sched):
+    """The column-wise round trip of L0's dispatch of x into the schedule's rows."""
+    return mxfp8.fake_quantize(gather_rows(x, sched), dim=-2)

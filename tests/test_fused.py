@@ -213,20 +213,24 @@ def _check_saved_bytes(inputs: dict) -> None:
 
 def _check_padding_rows_of_colwise_operands(monkeypatch, inputs: dict, what: str) -> None:
     """Run the mxfp8 forward and backward with the column-wise quantizers spied on; every row array [R, *]
-    they quantize (x_rows, h_rows, dy, d_gate, d_up: 5) must hold exact zeros in the padding rows (the spare
-    rows past the schedule's real rows hold anything: no kernel writes them, and no GEMM reads them)."""
+    they quantize (h_rows, dy, d_gate, d_up: 4) must hold exact zeros in the padding rows, and so must the x
+    rows that mxfp8_fake_quantize_gathered round-trips straight from x (the spare rows past the schedule's real
+    rows hold anything: no GEMM reads them)."""
     seen = []
 
     def spy(name):
         kernel = getattr(ops, name)
 
         def recorded(x, *args, **kwargs):
-            if name.endswith("dual") or args[0] == -2:  # fake_quantize(x, dim): column-wise calls only
+            out = kernel(x, *args, **kwargs)
+            if name.endswith("gathered"):  # its input is x itself: check what it made of the padding rows
+                seen.append((name, out.clone()))
+            elif name.endswith("dual") or args[0] == -2:  # fake_quantize(x, dim): column-wise calls only
                 seen.append((name, x.clone()))
-            return kernel(x, *args, **kwargs)
+            return out
         return recorded
 
-    for name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual"):
+    for name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered"):
         monkeypatch.setattr(ops, name, spy(name))
     out, saved = fused.forward(*moe_args(inputs), precision="mxfp8")
     fused.backward(saved, inputs["d_out"])

@@ -1,4 +1,5 @@
-"""The row gather (mok.ops.gather_rows_cuda) against mok.schedule.gather_rows, bit for bit.
+"""The row gather (mok.ops.gather_rows_cuda) against mok.schedule.gather_rows, bit for bit, and the MXFP8
+backward's gathered column-wise round trip (mok.ops.mxfp8_fake_quantize_gathered) against L0's round trip of it.
 
 The kernel is a copy: every bit of a real row is x's (NaN payloads, -0 and Inf included), padding rows are
 +0, and so are the spare rows of a schedule built without a sync (their row_to_token is -1). Shapes: hidden
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ops
+from mok import mxfp8, ops
 from mok.reference import BF16
 from mok.routing import hot_expert_routing, random_routing
 from mok.schedule import gather_rows, make_schedule
@@ -48,6 +49,22 @@ def test_gather_bad_inputs_name_the_argument():
         (lambda: ops.gather_rows_cuda(x[1:], sched), r"x: expected shape \[num_tokens, hidden\] = \[37, \*\]"),
         (lambda: ops.gather_rows_cuda(x[:, :68], sched), "x: expected hidden"),
         (lambda: ops.gather_rows_cuda(x, sched), "x: expected a CUDA tensor"),  # valid, but on the CPU
+    ]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_fake_quantize_gathered_bad_inputs_name_the_argument():
+    x, topk_idx = _problem(37, 72, 16, 8, False, seed=1)
+    sched = make_schedule(topk_idx, 16)
+    op = ops.mxfp8_fake_quantize_gathered
+    bad = [
+        (lambda: op(x, topk_idx), "sched: expected a mok.schedule.Schedule"),
+        (lambda: op(x.float(), sched), "x: expected dtype torch.bfloat16"),
+        (lambda: op(x[1:], sched), r"x: expected shape \[num_tokens, hidden\] = \[37, \*\]"),
+        (lambda: op(x[:, :68], sched), "x: expected hidden"),
+        (lambda: op(x, sched), "x: expected a CUDA tensor"),  # valid, but on the CPU
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -126,3 +143,44 @@ def test_gather_rows_no_tokens():
     sched = make_schedule(torch.zeros(0, 2, dtype=torch.int64, device="cuda"), 4)
     out = ops.gather_rows_cuda(torch.zeros(0, 64, dtype=BF16, device="cuda"), sched)
     assert out.shape == (0, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "spare-rows"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-E{}-K{}{}".format(*s[:4], "-hot" if s[4] else ""))
+def test_fake_quantize_gathered_bitwise_equals_l0(shape, sync):
+    """The round trip of the gathered rows in one kernel: L0's fake_quantize(gather_rows(x), dim=-2) bit for bit
+    (NaN, Inf and -0 inputs included), and the two kernels it replaces."""
+    seed = fresh_seed()
+    x, topk_idx = _problem(*shape, seed)
+    x[::7, 0] = float("nan")
+    x[::5, -1] = -0.0
+    x[::3, x.shape[1] // 2] = float("-inf")
+    x[::11] *= 2.0 ** 100  # blocks whose scales differ by far more than E4M3's range
+    x = x.cuda()
+    sched = ops.make_schedule_cuda(topk_idx.cuda(), shape[2], sync=sync)
+    two_kernels = ops.mxfp8_fake_quantize(ops.gather_rows_cuda(x, sched), -2)  # [num_rows, H]
+    poison_allocator(4 * two_kernels.numel() * 2)
+    out = ops.mxfp8_fake_quantize_gathered(x, sched)
+    assert out.shape == (sched.num_rows, shape[1]) and out.dtype == BF16
+    assert bitwise_equal(out, two_kernels), f"{shape} sync={sync}: bits differ from the two kernels (seed {seed})"
+    expected = mxfp8.fake_quantize(gather_rows(x.cpu(), sched.to("cpu")), dim=-2)
+    assert bitwise_equal(out.cpu(), expected), f"{shape} sync={sync}: bits differ from L0 (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_fake_quantize_gathered_token_past_the_end_is_nan():
+    """A token id past num_tokens is never read: its row's column blocks (32 rows each) come out NaN, the rest
+    is L0's."""
+    x, topk_idx = _problem(37, 72, 16, 8, False, seed=fresh_seed())
+    x = x.cuda()
+    sched = make_schedule(topk_idx.cuda(), 16)
+    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
+    bad = row_to_token.clone()
+    bad[3] = x.shape[0]
+    sched.gemm_tensors = (bad, tile_to_expert)
+    out = ops.mxfp8_fake_quantize_gathered(x, sched)
+    assert out[:32].isnan().all()  # row 3's block: every column's scale is NaN
+    assert bitwise_equal(out[32:], mxfp8.fake_quantize(gather_rows(x, sched), dim=-2)[32:])

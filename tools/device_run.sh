@@ -67,7 +67,7 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
-step bench_mx 180 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
+step bench_mx 240 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
 step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
   --peers --out "$out/moe_mx_mainloop.csv"
 step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \

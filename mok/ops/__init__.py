@@ -36,6 +36,7 @@ from mok.ops.moe import (
     combine_rows,
     gather_rows_cuda,
     make_schedule_cuda,
+    mxfp8_fake_quantize_gathered,
     route_grads_prep,
 )
 from mok.ops.quant import (
@@ -56,6 +57,6 @@ __all__ = [
     "grouped_gemm_bf16_weight_grad", "MX_K_BLOCK", "grouped_gemm_mxfp8_nt_contiguous",
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
-    "mxfp8_fake_quantize_dual", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
+    "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
 ]

@@ -101,6 +101,25 @@ def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     return out
 
 
+def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """mxfp8_fake_quantize(gather_rows_cuda(x, sched), -2) bit for bit in one kernel (the MXFP8 backward's x rows
+    for the weight gradients): x bf16 [num_tokens, hidden] (hidden % 8 == 0) -> bf16 [sched.num_rows, hidden].
+    Each 32-row block reads its rows straight from x (a token's row once per route), so the gathered copy is
+    never written and read back: 4 bytes moved per row element against 6 + the gather's read of x. Zero rows
+    where row_to_token is -1; a token id past num_tokens makes its column blocks NaN (never read past x)."""
+    if not isinstance(sched, Schedule):
+        fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
+    _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
+    hidden = x.shape[1]
+    if hidden % GEMM_K_ALIGN:
+        fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
+    _check_on_device("x", x, x.device, True)
+    row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows], num_rows % 128 == 0
+    out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
+    load_extension().mxfp8_fake_quantize_gathered(x, row_to_token, out)
+    return out
+
+
 # ---- route schedule on the device (csrc/include/mok/moe/schedule.cuh) -----------------------------------
 # make_schedule_cuda = mok.schedule.make_schedule in three integer-only launches (counts per chunk of 1024
 # routes, a scan per expert, placement + row fill). The row arrays are allocated for max_num_rows (no routing

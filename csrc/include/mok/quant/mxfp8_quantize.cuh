@@ -172,11 +172,20 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
   }
 }
 
+// Where a tiled kernel's rows come from: row r of its input is x's row `row_to_token[r]` of `num_src_rows`
+// (a schedule's dispatch, mok.schedule.gather_rows: zeros where it is negative, NaN past x, never read), or
+// row r itself when row_to_token is null.
+struct RowSource {
+  const int32_t* row_to_token = nullptr;  // [rows]
+  int64_t num_src_rows = 0;
+};
+
 // kDual = false: column-wise only. kDual = true: also row-wise. One warp tile per warp, loads straight
-// from global memory (all issued before any use).
-template <int kRowLanes, int kWarps, bool kDual, bool kRoundTrip = false>
+// from global memory (all issued before any use). kGather: rows through `src` (the backward's x rows gathered
+// and round-tripped in one pass, without the gathered copy in memory).
+template <int kRowLanes, int kWarps, bool kDual, bool kRoundTrip = false, bool kGather = false>
 __global__ void __launch_bounds__(kWarps * kWarpSize)
-    quantize_tiled_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
+    quantize_tiled_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols, RowSource src) {
   using Tile = ColTile<kRowLanes>;
   const int64_t col_tiles = ceil_div(cols, Tile::kCols);
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
@@ -190,7 +199,15 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   uint4 v[Tile::kRowsPerThread];
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
-    const int64_t row = row0 + row_lane + kRowLanes * i;
+    int64_t row = row0 + row_lane + kRowLanes * i;
+    if constexpr (kGather) {
+      row = src.row_to_token[row];
+      if (row < 0 || row >= src.num_src_rows) {  // padding or spare row: zeros; a token past x: NaN
+        const uint32_t fill = row < 0 ? 0u : 0x7FC07FC0u;  // two bf16 quiet NaNs
+        v[i] = make_uint4(fill, fill, fill, fill);
+        continue;
+      }
+    }
     v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
   }
   quantize_and_store_tile<kRowLanes, kDual, kRoundTrip>(v, row0, col, cols, valid, row_lane, col_lane, out);
@@ -337,7 +354,7 @@ inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* sc
                      static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row)};
   auto launch = [&](auto kernel, int tile_cols, int warps) {
     const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, tile_cols);
-    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(in, out, rows, cols);
+    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(in, out, rows, cols, RowSource{});
     return cudaGetLastError();
   };
   // variant: 1-4 and 8 one warp tile per warp, straight from global memory: row lanes (rows per thread =
