@@ -166,7 +166,9 @@ def test_fake_quantize_gathered_bitwise_equals_l0(shape, sync):
     assert out.shape == (sched.num_rows, shape[1]) and out.dtype == BF16
     assert bitwise_equal(out, two_kernels), f"{shape} sync={sync}: bits differ from the two kernels (seed {seed})"
     expected = mxfp8.fake_quantize(gather_rows(x.cpu(), sched.to("cpu")), dim=-2)
-    assert bitwise_equal(out.cpu(), expected), f"{shape} sync={sync}: bits differ from L0 (seed {seed})"
+    nan = expected.isnan()  # NaN payloads differ between CPU and GPU casts: any NaN equals any NaN
+    assert torch.equal(out.cpu().isnan(), nan), f"{shape} sync={sync}: NaN positions differ from L0 (seed {seed})"
+    assert bitwise_equal(out.cpu()[~nan], expected[~nan]), f"{shape} sync={sync}: bits differ from L0 (seed {seed})"
 
 
 @pytest.mark.gpu
