@@ -40,25 +40,10 @@ def _problem(num_tokens, hidden, num_experts, num_topk, hot, seed):
 # ---- CPU: argument checks (all before the extension is built) ---------------------------------------------
 
 
-def test_gather_bad_inputs_name_the_argument():
+@pytest.mark.parametrize("op", [ops.gather_rows_cuda, ops.mxfp8_fake_quantize_gathered], ids=lambda f: f.__name__)
+def test_bad_inputs_name_the_argument(op):
     x, topk_idx = _problem(37, 72, 16, 8, False, seed=1)
     sched = make_schedule(topk_idx, 16)
-    bad = [
-        (lambda: ops.gather_rows_cuda(x, topk_idx), "sched: expected a mok.schedule.Schedule"),
-        (lambda: ops.gather_rows_cuda(x.float(), sched), "x: expected dtype torch.bfloat16"),
-        (lambda: ops.gather_rows_cuda(x[1:], sched), r"x: expected shape \[num_tokens, hidden\] = \[37, \*\]"),
-        (lambda: ops.gather_rows_cuda(x[:, :68], sched), "x: expected hidden"),
-        (lambda: ops.gather_rows_cuda(x, sched), "x: expected a CUDA tensor"),  # valid, but on the CPU
-    ]
-    for call, message in bad:
-        with pytest.raises(ValueError, match=message):
-            call()
-
-
-def test_fake_quantize_gathered_bad_inputs_name_the_argument():
-    x, topk_idx = _problem(37, 72, 16, 8, False, seed=1)
-    sched = make_schedule(topk_idx, 16)
-    op = ops.mxfp8_fake_quantize_gathered
     bad = [
         (lambda: op(x, topk_idx), "sched: expected a mok.schedule.Schedule"),
         (lambda: op(x.float(), sched), "x: expected dtype torch.bfloat16"),
@@ -72,6 +57,19 @@ def test_fake_quantize_gathered_bad_inputs_name_the_argument():
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
+
+
+def _token_past_the_end_at_row_3() -> tuple:
+    """(x on the GPU, a schedule whose row 3 names token num_tokens): one past x."""
+    x, topk_idx = _problem(37, 72, 16, 8, False, seed=fresh_seed())
+    x = x.cuda()
+    sched = make_schedule(topk_idx.cuda(), 16)
+    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
+    bad = row_to_token.clone()
+    bad[3] = x.shape[0]
+    sched.gemm_tensors = (bad, tile_to_expert)
+    return x, sched
+
 
 
 @pytest.mark.gpu
@@ -98,13 +96,7 @@ def test_gather_rows_bitwise_equals_l0(shape, sync):
 @pytest.mark.sm90
 def test_gather_rows_token_past_the_end_is_a_nan_row():
     """A schedule is trusted (no host sync), but a token id past num_tokens must not read past x."""
-    x, topk_idx = _problem(37, 72, 16, 8, False, seed=fresh_seed())
-    x = x.cuda()
-    sched = make_schedule(topk_idx.cuda(), 16)
-    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
-    bad = row_to_token.clone()
-    bad[3] = x.shape[0]
-    sched.gemm_tensors = (bad, tile_to_expert)
+    x, sched = _token_past_the_end_at_row_3()
     out = ops.gather_rows_cuda(x, sched)
     assert out[3].isnan().all()
     others = torch.arange(out.shape[0], device=out.device) != 3
@@ -176,13 +168,7 @@ def test_fake_quantize_gathered_bitwise_equals_l0(shape, sync):
 def test_fake_quantize_gathered_token_past_the_end_is_nan():
     """A token id past num_tokens is never read: its row's column blocks (32 rows each) come out NaN, the rest
     is L0's."""
-    x, topk_idx = _problem(37, 72, 16, 8, False, seed=fresh_seed())
-    x = x.cuda()
-    sched = make_schedule(topk_idx.cuda(), 16)
-    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, x.device)
-    bad = row_to_token.clone()
-    bad[3] = x.shape[0]
-    sched.gemm_tensors = (bad, tile_to_expert)
+    x, sched = _token_past_the_end_at_row_3()
     out = ops.mxfp8_fake_quantize_gathered(x, sched)
     assert out[:32].isnan().all()  # row 3's block: every column's scale is NaN
     assert bitwise_equal(out[32:], mxfp8.fake_quantize(gather_rows(x, sched), dim=-2)[32:])

@@ -80,12 +80,8 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
 # ---- row gather (L2; csrc/include/mok/moe/gather_rows.cuh) ----------------------------------------------
 
 
-def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """mok.schedule.gather_rows on the GPU, bit for bit (a copy): x bf16 [num_tokens, hidden] (hidden % 8 == 0)
-    -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding and spare rows (their
-    row_to_token is -1). Token-major: each token's row is read once and stored into its routes' rows. No host
-    sync; the schedule is trusted, never followed blindly: a token id past num_tokens, or a row whose
-    route_to_row and row_to_token/row_to_k disagree, gives a NaN row."""
+def _check_x_and_schedule(x: torch.Tensor, sched: Schedule) -> int:
+    """The checks of a kernel that reads x's rows through a schedule; x's hidden."""
     if not isinstance(sched, Schedule):
         fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
     _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
@@ -93,6 +89,16 @@ def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     if hidden % GEMM_K_ALIGN:
         fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
     _check_on_device("x", x, x.device, True)
+    return hidden
+
+
+def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """mok.schedule.gather_rows on the GPU, bit for bit (a copy): x bf16 [num_tokens, hidden] (hidden % 8 == 0)
+    -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding and spare rows (their
+    row_to_token is -1). Token-major: each token's row is read once and stored into its routes' rows. No host
+    sync; the schedule is trusted, never followed blindly: a token id past num_tokens, or a row whose
+    route_to_row and row_to_token/row_to_k disagree, gives a NaN row."""
+    hidden = _check_x_and_schedule(x, sched)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows]
     row_to_k = sched.row_to_k.to(x.device).contiguous()  # int64 [num_rows]
     route_to_row = sched.route_to_row.to(x.device).contiguous()  # int64 [num_tokens, num_topk]
@@ -107,13 +113,7 @@ def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tens
     Each 32-row block reads its rows straight from x (a token's row once per route), so the gathered copy is
     never written and read back: 4 bytes moved per row element against 6 + the gather's read of x. Zero rows
     where row_to_token is -1; a token id past num_tokens makes its column blocks NaN (never read past x)."""
-    if not isinstance(sched, Schedule):
-        fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
-    _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
-    hidden = x.shape[1]
-    if hidden % GEMM_K_ALIGN:
-        fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
-    _check_on_device("x", x, x.device, True)
+    hidden = _check_x_and_schedule(x, sched)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows], num_rows % 128 == 0
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
     load_extension().mxfp8_fake_quantize_gathered(x, row_to_token, out)
