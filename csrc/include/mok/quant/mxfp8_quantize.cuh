@@ -172,9 +172,9 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
   }
 }
 
-// Where a tiled kernel's rows come from: row r of its input is x's row `row_to_token[r]` of `num_src_rows`
-// (a schedule's dispatch, mok.schedule.gather_rows: zeros where it is negative, NaN past x, never read), or
-// row r itself when row_to_token is null.
+// Where a kGather tiled kernel's rows come from: row r of its input is x's row `row_to_token[r]` of
+// `num_src_rows` (a schedule's dispatch, mok.schedule.gather_rows: zeros where it is negative, NaN past x, never
+// read there). The other instantiations read row r itself and ignore it.
 struct RowSource {
   const int32_t* row_to_token = nullptr;  // [rows]
   int64_t num_src_rows = 0;
