@@ -122,6 +122,28 @@ void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at:
              "grouped_gemm_bf16_swiglu_gather");
 }
 
+void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                                  const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                                  const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate_mx,
+                                  at::Tensor& up_mx, double swiglu_limit, bool has_limit, int64_t num_sms) {
+  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  check_arg(gate_mx, "gate_mx"), check_arg(up_mx, "up_mx");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  const int64_t mx_bytes = h.numel() + h.numel() / 32;  // E4M3 data, then one scale byte per 32
+  TORCH_CHECK(gate_mx.nbytes() == mx_bytes && up_mx.nbytes() == mx_bytes,
+              "gate_mx, up_mx: expected the data and scales of h's shape in one buffer");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out(
+                 x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate_mx.data_ptr(),
+                 up_mx.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0),
+                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
+                 c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_swiglu_gather_mxfp8_out");
+}
+
 void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
                         const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
                         int64_t num_sms) {
@@ -362,6 +384,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
         "num_sms");
+  m.def("grouped_gemm_bf16_swiglu_gather_mxfp8_out", &gemm_swiglu_gather_mxfp8_out,
+        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate_mx, up_mx (uint8: E4M3 data "
+        "then scales), swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous,
         "a_rows, w, row_to_token, tile_to_expert, counts (or None), out, num_sms");
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,

@@ -20,6 +20,19 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(w_gate, w_up, num_experts, p, num_sms, stream);
 }
 
+cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
+    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* tile_to_expert,
+    const int32_t* real_num_rows, void* h, void* gate_mx, void* up_mx,
+    int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit,
+    int num_sms, cudaStream_t stream) {
+  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
+  p.gate = static_cast<uint16_t*>(gate_mx);  // mx_of: data, then scales
+  p.up = static_cast<uint16_t*>(up_mx);
+  p.swiglu_limit = swiglu_limit;
+  p.has_limit = has_limit ? 1 : 0;
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMxOut>(w_gate, w_up, num_experts, p, num_sms, stream);
+}
+
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
                                             int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,

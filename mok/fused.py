@@ -16,12 +16,16 @@ forward:
                                                raise later, through mok.bad_ids
     grouped_gemm_bf16_swiglu_gather            kernel: dispatch (gather of x rows) + gate/up GEMM + SwiGLU
                                                mx: q+dq x [T, H] row-wise (once, before the gather); q+dq
-                                               w_gate, w_up along hidden (MOK_MX_WEIGHTS=mainloop: q only,
-                                               grouped_gemm_mxfp8_swiglu_gather dequantizes in the mainloop)
+                                               w_gate, w_up along hidden; the kernel is
+                                               grouped_gemm_bf16_swiglu_gather_mxfp8_out, whose epilogue
+                                               writes h's row-wise q+dq and gate/up quantized row-wise (the
+                                               saved MXFP8 data + scales) instead of bf16 gate, up, h
+                                               (MOK_MX_WEIGHTS=mainloop: weights q only,
+                                               grouped_gemm_mxfp8_swiglu_gather dequantizes in the mainloop;
+                                               h, gate, up by the kernels named above)
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
-                                               mx: q+dq h along intermediate; q+dq w_down along
-                                               intermediate (mainloop: q, grouped_gemm_mxfp8_nt_contiguous)
-    saved gate/up                              mx: quantized row-wise, kept as MXFP8 (data + scales)
+                                               mx: q+dq w_down along intermediate (mainloop: q,
+                                               grouped_gemm_mxfp8_nt_contiguous)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
     route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
@@ -188,18 +192,19 @@ def _q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- forward --------------------------------------------------------------------------------------------
 
 def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
-    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate [R, I], up [R, I]), gate/up in
-    bf16. In mxfp8 x, w_gate, w_up are MXFP8 along hidden and h, w_down along intermediate (L0's operands),
-    the weights by the path MOK_MX_WEIGHTS picks (MX_WEIGHTS)."""
+    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate, up), gate/up as the backward
+    saves them: bf16 [R, I] in bf16; in mxfp8 quantized row-wise, (data, scales) each (L0 saves quant(gate, -1):
+    the same values in 1 + 1/32 bytes per element, not 2). In mxfp8 x, w_gate, w_up are MXFP8 along hidden and
+    h, w_down along intermediate (L0's operands), the weights by the path MOK_MX_WEIGHTS picks (MX_WEIGHTS)."""
     p = precision
     if p == "mxfp8" and mx_weights_from_env() == "mainloop":
         return _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)
+    # mxfp8: GEMM1's epilogue writes h's round trip (GEMM2's operand) and the quantized gate/up itself
+    gemm1 = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out if p == "mxfp8" else ops.grouped_gemm_bf16_swiglu_gather
     # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
-    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(_mx(x, -1, p), _mx_weight(w_gate, -1, p),
-                                                      _mx_weight(w_up, -1, p), sched,
-                                                      swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(_mx(h, -1, p), _mx_weight(w_down, -1, p), sched,
-                                                 num_sms=num_sms)  # [R, H]
+    h, gate, up = gemm1(_mx(x, -1, p), _mx_weight(w_gate, -1, p), _mx_weight(w_up, -1, p), sched,
+                        swiglu_limit=swiglu_limit, num_sms=num_sms)  # h [R, I]
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, _mx_weight(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
     return y_rows, gate, up
 
 
@@ -209,7 +214,7 @@ def _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, nu
     h, gate, up = ops.grouped_gemm_mxfp8_swiglu_gather(_mx(x, -1, "mxfp8"), q(w_gate), q(w_up), sched,
                                                        swiglu_limit=swiglu_limit, num_sms=num_sms)  # [R, I] each
     y_rows = ops.grouped_gemm_mxfp8_nt_contiguous(_mx(h, -1, "mxfp8"), q(w_down), sched, num_sms=num_sms)  # [R, H]
-    return y_rows, gate, up
+    return y_rows, ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
 
 
 @functools.lru_cache(maxsize=8)
@@ -246,9 +251,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
     y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
     gate_mx, up_mx = None, None
-    if precision == "mxfp8":  # L0 saves quant(gate, -1): the same values in 1 + 1/32 bytes per element, not 2
-        gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
-        gate, up = None, None
+    if precision == "mxfp8":  # quantized row-wise (experts_forward)
+        gate_mx, up_mx, gate, up = gate, up, None, None
 
     out = ops.combine_rows(y_rows, sched.route_to_row, topk_weights, shared, check_rows=False)  # [T, H]
     # The bad-id bookkeeping after every launch (from an idle GPU its ~50 us of host time came before GEMM1).

@@ -20,12 +20,12 @@ from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_route
 from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
-KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu",
-           "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather",
-           "grouped_gemm_mxfp8_nt_contiguous", "combine_rows", "gather_rows_cuda",
-           "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise", "mxfp8_quantize_colwise",
-           "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize", "mxfp8_fake_quantize_dual",
-           "mxfp8_fake_quantize_gathered")
+KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
+           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_gate_up",
+           "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
+           "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
+           "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
+           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -55,6 +55,12 @@ def grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, n
         up[rows] = mm(x_e, w_up[e]).to(BF16)  # [n, I]
         h[rows] = swiglu(gate[rows], up[rows], swiglu_limit).to(BF16)  # [n, I]
     return h, gate, up
+
+
+def grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):
+    """(round trip of h along dim -1, quantize_rowwise(gate), quantize_rowwise(up)) of the BF16 GEMM1's outputs."""
+    h, gate, up = grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each
+    return mxfp8_fake_quantize(h, -1), mxfp8_quantize_rowwise(gate), mxfp8_quantize_rowwise(up)
 
 
 def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):

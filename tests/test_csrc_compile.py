@@ -97,7 +97,8 @@ def test_gemm_build_switches_compile_without_spills(defines, tmp_path):
 
 
 def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
-    """The PTX of the five BF16 GEMM kinds (Gemm enum order: gate/up, down, down dgrad, gate/up dgrad, wgrad)."""
+    """The PTX of the six GEMM kinds of gemm_bf16.cu (Gemm enum order: gate/up, down, down dgrad, gate/up dgrad,
+    wgrad, then gate/up with MXFP8 outputs)."""
     out = tmp_path / "gemm.ptx"
     cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", define, "-ptx", str(GEMM_UNIT),
            "-o", str(out)]
@@ -105,7 +106,7 @@ def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
     assert result.returncode == 0, f"nvcc -ptx failed:\n{result.stderr}"
     kernels = re.split(r"\.entry ", out.read_text())[1:]
     gemms = sorted(k for k in kernels if k.startswith("_ZN3mok4gemm24grouped_gemm_bf16_kernel"))
-    assert len(gemms) == 5, f"expected the five GEMM kinds, found {len(gemms)} kernels"
+    assert len(gemms) == 6, f"expected the six GEMM kinds, found {len(gemms)} kernels"
     return gemms
 
 
@@ -120,8 +121,9 @@ def test_gemm_epilogues_store_by_tma_only_when_switched_on(tma_store, tmp_path):
 
 @pytest.mark.parametrize("multicast", [1, 0])
 def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
-    """MOK_GEMM_MULTICAST=1: GEMM2 and both dgrads load B by cluster multicast; the gathered GEMM1 and the
+    """MOK_GEMM_MULTICAST=1: GEMM2 and both dgrads load B by cluster multicast; the gathered GEMM1s and the
     weight gradients never do (measured slower / different K per task). 0: no kind does."""
     gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_MULTICAST={multicast}")
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
-    assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False], f"multicast per kind: {loads}"
+    assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
+        f"multicast per kind: {loads}"

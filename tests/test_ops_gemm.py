@@ -95,6 +95,7 @@ def test_gemm_bad_inputs_name_the_argument():
     inputs, sched = _problem("tiny-noshared", seed=1)
     x, wg, wu, wd = inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"]
     gemm1, gemm2 = ops.grouped_gemm_bf16_swiglu_gather, ops.grouped_gemm_bf16_nt_contiguous
+    gemm1_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out
     dgrad_down, dgrad_gate_up = ops.grouped_gemm_bf16_dgrad_swiglu, ops.grouped_gemm_bf16_dgrad_gate_up
     a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
     dy_rows = torch.zeros(sched.num_rows, x.shape[1], dtype=BF16)  # [num_rows, H]
@@ -107,6 +108,8 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: gemm1(x, wg, wu, sched, swiglu_limit=float("nan")), "swiglu_limit: expected"),
         (lambda: gemm1(x, wg, wu, sched, num_sms=0), "num_sms: expected"),
         (lambda: gemm1(x, wg, wu, sched), "x: expected a CUDA tensor"),  # valid, but on the CPU
+        (lambda: gemm1_mx(x, wg[:, :40], wu[:, :40], sched), "w_gate: expected intermediate .* multiple of 32"),
+        (lambda: gemm1_mx(x, wg, wu, sched), "x: expected a CUDA tensor"),
         (lambda: gemm2(a_rows[1:], wd, sched), r"a_rows: expected shape \[num_rows, k\]"),
         (lambda: gemm2(a_rows, wd.transpose(1, 2), sched), "w: expected shape"),
         (lambda: gemm2(a_rows, wd[:, :-4], sched), "w: expected n"),
@@ -165,6 +168,50 @@ def test_gemm1_swiglu_gather_matches_l0(case, limit):
         _assert_close(a, e, f"{case} limit={limit} {name}", seed)
         padding = sched.row_to_token < 0  # [num_rows]
         assert not a.cpu()[padding].view(torch.int16).any(), f"{case} {name}: padding rows not zero (seed {seed})"
+
+
+MX_OUT_CASES = [c for c, (cfg, _) in CASES.items() if cfg.intermediate % ops.BLOCK_SIZE == 0]  # row-wise blocks
+
+
+def _assert_same_bits_nan_aside(a: torch.Tensor, e: torch.Tensor, what: str) -> None:
+    """Every bit equal, except that a NaN matches any NaN (the quantizers' NaN blocks dequantize to NaN)."""
+    nan = e.isnan()
+    assert torch.equal(a.isnan(), nan), f"{what}: NaN positions differ"
+    assert bitwise_equal(a[~nan], e[~nan]), f"{what}: bits differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("extremes", [False, True], ids=["plain", "extremes"])
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("case", MX_OUT_CASES)
+def test_gemm1_mxfp8_out_is_gemm1_then_its_quantizers(case, limit, extremes):
+    """The MXFP8 forward's GEMM1 writes, from its epilogue, exactly what the BF16 GEMM1 followed by the
+    quantizers gives: h's row-wise round trip and gate/up's row-wise (data, scales), padding rows included, for
+    two grid sizes. `extremes`: tokens scaled to 1e38 (gate/up overflow to ±Inf: NaN blocks, scale 0xFF) and
+    1e-30 (amaxes under the floor), so every branch of the recipe runs."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    x, wg, wu = (inputs[n].cuda() for n in ("x", "w_gate", "w_up"))
+    if extremes:
+        x[::5] *= 1e38
+        x[1::5] *= 1e-30
+    sched = sched.to("cuda")
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=limit)
+    expected = (ops.mxfp8_fake_quantize(h, -1), ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up))
+    for num_sms in (None, 3):
+        what = f"{case} limit={limit} extremes={extremes} num_sms={num_sms} (seed {seed})"
+        poison_allocator(4 * sched.num_rows * wg.shape[1] * 2)
+        got_h, got_gate, got_up = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, wg, wu, sched, swiglu_limit=limit,
+                                                                                num_sms=num_sms)
+        _assert_same_bits_nan_aside(got_h, expected[0], f"{what} h")
+        for name, (data, scales), (want_data, want_scales) in (("gate", got_gate, expected[1]),
+                                                              ("up", got_up, expected[2])):
+            assert data.dtype == want_data.dtype and scales.dtype == want_scales.dtype, f"{what} {name}: dtypes"
+            assert bitwise_equal(scales, want_scales), f"{what} {name}: scales differ"
+            assert bitwise_equal(data, want_data), f"{what} {name}: data differ"
+    if extremes:  # the case ran what it is for
+        assert (expected[1][1] == 0xFF).any() and expected[0].isnan().any(), f"{case}: no NaN block (seed {seed})"
 
 
 @pytest.mark.gpu
@@ -331,7 +378,7 @@ def test_gemms_bitwise_repeatable_for_any_grid_size(case):
 
 
 def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tensor]:
-    """Every GEMM kind once, chained as the level chains them, on poisoned outputs: name -> bits (int16, CPU)."""
+    """Every GEMM kind once, chained as the level chains them, on poisoned outputs: name -> bits (bytes, CPU)."""
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
     h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=1.5, num_sms=num_sms)
@@ -343,7 +390,11 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
     outs = {"h": h, "gate": gate, "up": up, "y_rows": y_rows, "d_gate": d_gate, "d_up": d_up, "dx_rows": dx_rows,
             "d_w_down": d_w_down}
-    return {name: t.cpu().view(torch.int16) for name, t in outs.items()}
+    if wg.shape[1] % ops.BLOCK_SIZE == 0:  # the MXFP8 forward's GEMM1 (row-wise blocks of intermediate)
+        h_mx, gate_mx, up_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, wg, wu, sched, swiglu_limit=1.5,
+                                                                             num_sms=num_sms)
+        outs.update(h_mx=h_mx, gate_mx=gate_mx[0], gate_mx_scales=gate_mx[1], up_mx=up_mx[0], up_mx_scales=up_mx[1])
+    return {name: t.cpu().view(torch.uint8) for name, t in outs.items()}
 
 
 # The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, the weight

@@ -124,8 +124,8 @@ step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 # ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
 step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \
   MOK_GEMM_SKIP_PADDING_HALF=1}
-# `x_rows_ab`: the MXFP8 backward's x rows by gather + round trip against the one gathered round trip.
-step x_rows_ab 120 "shape|gather|  " env OUT="$out" python tools/x_rows_ab.py
+# `mx_steps_ab`: MXFP8 steps by their separate kernels against the one kernel the level runs (tools/mx_steps_ab.py).
+step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py

@@ -14,6 +14,7 @@ import torch
 
 from mok.checks import fail
 from mok.ops.core import check_cuda_tensor, load_extension
+from mok.ops.quant import BLOCK_SIZE
 
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
@@ -95,6 +96,27 @@ def _check_devices(device: torch.device, **tensors) -> None:
             fail(name, f"device {device} (the first operand's)", t.device)
 
 
+def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=GEMM_K_ALIGN) -> tuple:
+    """GEMM1's argument checks; returns what its kernels take besides the tensors and outputs:
+    (intermediate, schedule args (row_to_token, tile_to_expert, counts), limit, has_limit, sms)."""
+    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
+    hidden = x.shape[1]
+    _check_gemm_dim("x", hidden, "hidden (dim 1)")
+    _check_shape("w_gate", w_gate, (sched.num_experts, None, hidden), "[num_experts, intermediate, hidden]")
+    intermediate = w_gate.shape[1]
+    _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
+    if intermediate % intermediate_multiple:
+        fail("w_gate", f"intermediate (dim 1) a multiple of {intermediate_multiple} (row-wise MXFP8 blocks)",
+             intermediate)
+    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    _check_limit(swiglu_limit)
+    sms = _check_num_sms(num_sms)
+    _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
+    schedule = (*gemm_schedule_tensors(sched, x.device), real_num_rows(sched, x.device))  # [R], [R / 128], counts
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    return intermediate, schedule, limit, swiglu_limit is not None, sms
+
+
 def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sched,
                                     swiglu_limit: float | None = None, num_sms: int | None = None):
     """GEMM1 of the routed experts with fused dispatch and SwiGLU, in the schedule's row layout:
@@ -102,24 +124,37 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     up[r] = bf16(x[t]·w_up[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r], swiglu_limit)) (mok.reference);
     padding rows are zeros. x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate, hidden];
     hidden and intermediate multiples of 8. Returns (h, gate, up), bf16 [num_rows, intermediate] each."""
-    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
-    hidden = x.shape[1]
-    _check_gemm_dim("x", hidden, "hidden (dim 1)")
-    _check_shape("w_gate", w_gate, (sched.num_experts, None, hidden), "[num_experts, intermediate, hidden]")
-    intermediate = w_gate.shape[1]
-    _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
-    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
-    _check_limit(swiglu_limit)
-    sms = _check_num_sms(num_sms)
-    _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
+    intermediate, schedule, limit, has_limit, sms = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms)
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert,
-                                                     real_num_rows(sched, x.device), h, gate, up, limit,
-                                                     swiglu_limit is not None, sms)
+    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, *schedule, h, gate, up, limit, has_limit, sms)
     return h, gate, up
+
+
+def _rowwise_mx_buffer(rows: int, cols: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One allocation for a row-wise MXFP8 matrix as the GEMM1 kernel writes it (E4M3 data, then the scales)
+    and its views (data float8_e4m3fn [rows, cols], scales uint8 [rows, cols / 32]), as mxfp8_quantize_rowwise
+    returns them."""
+    buffer = torch.empty(rows * cols + rows * cols // BLOCK_SIZE, dtype=torch.uint8, device=device)
+    data = buffer[:rows * cols].view(torch.float8_e4m3fn).view(rows, cols)  # [rows, cols]
+    return buffer, (data, buffer[rows * cols:].view(rows, cols // BLOCK_SIZE))  # scales [rows, cols / 32]
+
+
+def grouped_gemm_bf16_swiglu_gather_mxfp8_out(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sched,
+                                              swiglu_limit: float | None = None, num_sms: int | None = None):
+    """GEMM1 for the MXFP8 forward: grouped_gemm_bf16_swiglu_gather with its outputs as the next steps read them,
+    straight from its epilogue (no kernel between): h as its row-wise round trip (= mxfp8_fake_quantize(h, -1),
+    GEMM2's operand) and gate, up quantized row-wise (each = mxfp8_quantize_rowwise(gate): (data, scales), what
+    the backward saves). intermediate a multiple of 32. Returns (h bf16 [num_rows, intermediate], gate_mx,
+    up_mx); in padding rows h and the data are zeros (the scales those of zeros)."""
+    intermediate, schedule, limit, has_limit, sms = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
+                                                                intermediate_multiple=BLOCK_SIZE)
+    h = torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)  # [num_rows, I]
+    (gate_buffer, gate_mx), (up_buffer, up_mx) = (_rowwise_mx_buffer(sched.num_rows, intermediate, x.device)
+                                                  for _ in range(2))
+    load_extension().grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, w_gate, w_up, *schedule, h, gate_buffer, up_buffer,
+                                                               limit, has_limit, sms)
+    return h, gate_mx, up_mx
 
 
 def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched,

@@ -57,6 +57,16 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
                                             int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                             cudaStream_t stream);
 
+// GEMM1 for the MXFP8 forward: as above, with gate and up written as MXFP8 row-wise, each in one 16-byte aligned
+// buffer of E4M3 data [num_rows, intermediate] then E8M0 scales [num_rows, intermediate / 32]
+// (mxfp8_quantize_rowwise's bits), and h as its row-wise round trip (mxfp8_fake_quantize's bits).
+// intermediate % 32 == 0.
+cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
+    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* tile_to_expert,
+    const int32_t* real_num_rows, void* h, void* gate_mx, void* up_mx,
+    int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit,
+    int num_sms, cudaStream_t stream);
+
 // GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
 // out [num_rows, n]; padding rows (row_to_token = -1) of out are zeros.
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,

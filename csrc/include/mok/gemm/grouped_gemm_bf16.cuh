@@ -13,6 +13,10 @@
 //   kWeightGrad   dW[e] = bf16(Σ_{r in e's segment} a[r]ᵀ·b[r])  [M, N] (a k-grouped GEMM: K = e's real rows,
 //                 rounded up to 64 within the segment's zero padding rows; both operands MN-major; d_w_down
 //                 from dy/h rows, d_w_gate/d_w_up from d_gate/d_up and x rows)
+//   kGateUpMxOut  kGateUp for the MXFP8 forward (DESIGN §4): gate and up leave as MXFP8, row-wise (E4M3 data
+//                 and E8M0 scales, mxfp8_quantize_rowwise's bits) and h as its row-wise round trip (bf16,
+//                 mxfp8_fake_quantize's bits): GEMM2's operand and the backward's saved gate/up, with no kernel
+//                 between (a warp's 16 × 128 tile holds whole 32-column blocks: `rowwise_blocks`)
 //   kGateUpMx, kDownMx   kGateUp and kDown with MXFP8 weights (E4M3 data [E, n, k] and E8M0 scales along k):
 //                 the producer dequantizes each weight tile in shared memory to exactly the bf16 that
 //                 mxfp8_dequantize writes (mok/quant/mxfp8.cuh), so the outputs are the BF16 kinds' bits on
@@ -233,7 +237,7 @@ static_assert(is_the_address_xor<sw64_offset, 4>(), "sw64_offset is the 64B swiz
 
 // ---- parameters ----------------------------------------------------------------------------------------
 
-enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad, kGateUpMx, kDownMx };
+enum class Gemm { kGateUp, kDown, kDownDgrad, kGateUpDgrad, kWeightGrad, kGateUpMx, kDownMx, kGateUpMxOut };
 
 struct Params {
   const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
@@ -241,8 +245,8 @@ struct Params {
   const int32_t* row_to_token;     // [num_rows], -1 = padding (GEMM1 gathers through it)
   const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
   uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h or dx
-  uint16_t* gate;                  // kGateUp: gate out [num_rows, n]
-  uint16_t* up;                    // kGateUp: up out [num_rows, n]
+  uint16_t* gate;                  // kGateUp: gate out [num_rows, n]; kGateUpMxOut: see mx_of
+  uint16_t* up;                    // kGateUp: up out [num_rows, n]; kGateUpMxOut: see mx_of
   const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   const int32_t* expert_rows;      // kWeightGrad: [num_experts] each segment's real rows (its tokens)
   const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of BLOCK_M),
@@ -257,6 +261,17 @@ struct Params {
   float swiglu_limit;              // used when has_limit
   int has_limit;
 };
+
+// kGateUpMxOut's gate (or up) in MXFP8, one buffer at p.gate (p.up): E4M3 data [num_rows, n] (n % 32 == 0), then
+// the row-wise E8M0 scales [num_rows, n / 32]. NOTE: one pointer, not two: any field more in Params changed the
+// PTX of every kind (nvcc 13.0), and the other kinds are measured as they are.
+struct MxOut {
+  uint8_t *data, *scales;
+};
+MOK_HOST_DEVICE MxOut mx_of(uint16_t* buffer, const Params& p) {
+  uint8_t* data = reinterpret_cast<uint8_t*>(buffer);
+  return {data, data + static_cast<int64_t>(p.num_rows) * p.n};
+}
 
 // The Params every kind over the schedule's rows (all but kWeightGrad) starts from: A (x for the gather kinds),
 // the schedule, the output, n and k; the entry points (csrc/gemm_*.cu) add what their kind needs.
@@ -277,7 +292,9 @@ inline Params rows_params(const void* a, const int32_t* row_to_token, const int3
 template <Gemm kGemm>
 struct Tile {
   static constexpr bool kMx = kGemm == Gemm::kGateUpMx || kGemm == Gemm::kDownMx;  // MXFP8 weights
-  static constexpr bool kSwiGLU = kGemm == Gemm::kGateUp || kGemm == Gemm::kGateUpMx;  // B0 = Wg, B1 = Wu
+  static constexpr bool kMxOut = kGemm == Gemm::kGateUpMxOut;  // MXFP8 gate/up, h round-tripped
+  static constexpr bool kSwiGLU =  // B0 = Wg, B1 = Wu
+      kGemm == Gemm::kGateUp || kGemm == Gemm::kGateUpMx || kMxOut;
   static constexpr bool kGather = kSwiGLU;  // A gathered by cp.async, else by TMA
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
       kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
@@ -671,6 +688,63 @@ MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, u
   }
 }
 
+// kGateUpMxOut's E4M3 tiles: a warp's 16 rows × 128 one-byte columns [col0, col0 + 128) of `data` ([rows, n],
+// n % 16 == 0) are one staging box, 128 bytes a row like a bf16 box. `fill(put)` calls put(i, h, two_bytes) for
+// every word position of the accumulator layout (columns 8i + 2(l%4) + {0, 1}, row half h), which lands as a
+// 2-byte store at its place in the 128-byte swizzle (a row's 8 lanes hit 8 distinct 16-byte slots). Then the
+// box leaves as store_tile's boxes do: one TMA store through `tmap` (uint8, box 128 × 16), or 16-byte st.global.
+static_assert(BLOCK_N_B * kStoreBoxRows == static_cast<int>(kStoreBoxBytes), "a warp's E4M3 tile is one store box");
+template <typename Fill>
+MOK_DEVICE void store_tile_e4m3(Staging& st, uint8_t* data, const CUtensorMap* tmap, int n, int row0, int col0,
+                                uint32_t lane, Fill fill) {
+  uint8_t* box = st.smem + (kTmaStore ? st.box * kStoreBoxBytes : 0);
+  if (kTmaStore && lane == 0) ptx::bulk_wait_group_read<kStoreBoxesPerWarp - 1>();
+  __syncwarp();  // no lane writes the box before its last store has read it
+  fill([&](int i, int h, uint32_t two_bytes) {
+    const uint32_t row = lane / 4 + 8 * h, byte = 8 * (i % 2) + 2 * (lane % 4);
+    *reinterpret_cast<uint16_t*>(box + sw128_offset(row, i / 2) + byte) = static_cast<uint16_t>(two_bytes);
+  });
+  if constexpr (kTmaStore) {
+    ptx::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+      ptx::tma_store_3d(tmap, box, col0, row0, 0);
+      ptx::bulk_commit_group();
+    }
+    st.box = st.box + 1 == kStoreBoxesPerWarp ? 0 : st.box + 1;
+  } else {
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // lane: 16-byte chunk lane % 8 of rows lane / 8 + 4j
+      const uint32_t row = lane / 8 + 4 * j, chunk = lane % 8;
+      const int col = col0 + 16 * static_cast<int>(chunk);
+      if (col < n) st_v4(data + static_cast<int64_t>(row0 + row) * n + col,
+                         *reinterpret_cast<const uint4*>(box + sw128_offset(row, chunk)));
+    }
+    __syncwarp();  // the staging area is reused by the next call
+  }
+}
+
+// The row-wise MXFP8 blocks of a warp's 16 × 128 tile in the accumulator layout, word(i, h) = the bf16x2 of
+// columns 8i + 2(l%4) + {0, 1} in row half h: block b of a row is i in [4b, 4b + 4) across the quad of lanes that
+// holds the row, so its amax is a max over 4 words and the lanes xor 1, 2 (both row halves in one word:
+// mxfp8_quantize's amax on bits, NaN/Inf flagged). Calls on_block(b, scale of row half 0, of row half 1); every
+// lane of the warp must call it (shuffles).
+template <typename Word, typename OnBlock>
+MOK_DEVICE void rowwise_blocks(Word word, OnBlock on_block) {
+  static_assert(BLOCK_N_B % mxfp8::kBlockSize == 0 && mxfp8::kBlockSize == 4 * 8, "a block: 4 lanes × 4 words");
+#pragma unroll
+  for (int b = 0; b < BLOCK_N_B / mxfp8::kBlockSize; ++b) {
+    uint32_t amax[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 4 * b; i < 4 * b + 4; ++i)
+      amax[0] = mxfp8::amax2_acc(amax[0], word(i, 0)), amax[1] = mxfp8::amax2_acc(amax[1], word(i, 1));
+    uint32_t both = mxfp8::amax2_fold(amax[0]) | (mxfp8::amax2_fold(amax[1]) << 16);
+    both = warp_vmaxu2_xor(warp_vmaxu2_xor(both, 1), 2);
+    on_block(b, mxfp8::scale_from_amax_bits(both & 0xFFFFu), mxfp8::scale_from_amax_bits(both >> 16));
+  }
+}
+
 // Before the consumer exits: its last stores have finished (the global writes, not only the staging reads).
 MOK_DEVICE void drain_stores(uint32_t lane) {
   if (kTmaStore && lane == 0) ptx::bulk_wait_group<0>();
@@ -679,7 +753,7 @@ MOK_DEVICE void drain_stores(uint32_t lane) {
 // The output tensor maps of the TMA path (kernel parameters; unused by the st.global path), boxes of
 // kStoreBoxCols × kStoreBoxRows: dims (n, num_rows, 1), kWeightGrad's out (n, m, num_experts).
 struct Outputs {
-  const CUtensorMap *out, *gate, *up;  // gate, up: kGateUp only
+  const CUtensorMap *out, *gate, *up;  // gate, up: the SwiGLU kinds only (kGateUpMxOut: their E4M3 data)
 };
 
 // The epilogue of one consumer warp: its 16 rows of a finished task's tile. kGateUp stores gate, up and h =
@@ -707,9 +781,14 @@ struct Epilogue {
     row0 = row0_, n0 = n0_, expert = expert_;
     real[0] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4] >= 0;
     real[1] = kGemm == Gemm::kWeightGrad || p.row_to_token[row0 + lane / 4 + 8] >= 0;
-    if constexpr (T::kSwiGLU) {
+    if constexpr (T::kMxOut) {
+      store_mx_piece(mx_of(p.gate, p), o.gate, p, st, lane, acc0);
+      store_mx_piece(mx_of(p.up, p), o.up, p, st, lane, acc1);
+    } else if constexpr (T::kSwiGLU) {
       store_piece_from(p, o, st, lane, 0, acc_values(acc0));
       store_piece_from(p, o, st, lane, 1, acc_values(acc1));
+    }
+    if constexpr (T::kSwiGLU) {
       // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
       // stores read it: word k = elements 2k, 2k + 1
       constexpr int kBatch = 8;
@@ -722,6 +801,16 @@ struct Epilogue {
         swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
 #pragma unroll
         for (int j = 0; j < kBatch; j += 2) h_words[(b + j) / 2] = pack_bf16x2(g[j], g[j + 1]);
+      }
+      if constexpr (T::kMxOut) {  // h's row-wise round trip in place (padding rows: zeros, as stored)
+        const auto word = [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; };
+        rowwise_blocks(word, [&](int b, const mxfp8::Scale& s0, const mxfp8::Scale& s1) {
+#pragma unroll
+          for (int i = 4 * b; i < 4 * b + 4; ++i) {
+            h_words[2 * i] = mxfp8::round_trip2(word(i, 0), s0);
+            h_words[2 * i + 1] = mxfp8::round_trip2(word(i, 1), s1);
+          }
+        });
       }
       store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
                  [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
@@ -758,6 +847,27 @@ struct Epilogue {
     return [acc, this](int i, int h) {
       return real[h] ? pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]) : 0u;
     };
+  }
+
+  // kGateUpMxOut's gate or up from its accumulator: the bf16 values (zeros in padding rows) quantized row-wise, the
+  // E4M3 box by store_tile_e4m3 and each block's scale byte by the quad lane b of its row (st.global).
+  MOK_DEVICE void store_mx_piece(MxOut mx, const CUtensorMap* tmap, const Params& p, Staging& st, uint32_t lane,
+                                 const float* acc) const {
+    const auto word = acc_values(acc);
+    const int64_t scale_cols = p.n / mxfp8::kBlockSize;
+    store_tile_e4m3(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
+      rowwise_blocks(word, [&](int b, const mxfp8::Scale& s0, const mxfp8::Scale& s1) {
+#pragma unroll
+        for (int i = 4 * b; i < 4 * b + 4; ++i)
+          put(i, 0, mxfp8::quantize2(word(i, 0), s0)), put(i, 1, mxfp8::quantize2(word(i, 1), s1));
+        const int col = n0 + mxfp8::kBlockSize * b;
+        if (lane % 4 == static_cast<uint32_t>(b) && col < p.n) {
+          uint8_t* s = mx.scales + (row0 + lane / 4) * scale_cols + col / mxfp8::kBlockSize;
+          st_u8(s, s0.byte);
+          st_u8(s + 8 * scale_cols, s1.byte);
+        }
+      });
+    });
   }
 
   // Piece `piece` (0 or 1) of the tile: kGateUp's gate or up, the others' columns n0 + 128 · piece.. (if < n).
@@ -1020,6 +1130,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   const int64_t num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
   if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
+  if (T::kMxOut && p.n % mxfp8::kBlockSize != 0) return cudaErrorInvalidValue;
   p.num_tasks = static_cast<int>(num_tasks);
   CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;
   cudaError_t err = cudaSuccess;
@@ -1058,7 +1169,15 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
                          : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
     };
     if ((err = encode_out(&tmap_out, p.out))) return err;
-    if (T::kSwiGLU && ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
+    // kGateUpMxOut: gate and up as E4M3, boxes of 16 rows × 128 bytes (one staging box, the same swizzle)
+    const auto encode_e4m3 = [&](CUtensorMap* map, const void* data) {
+      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, data, 1, p.num_rows, p.n, BLOCK_N_B, kStoreBoxRows,
+                        CU_TENSOR_MAP_SWIZZLE_128B);
+    };
+    if (T::kMxOut && ((err = encode_e4m3(&tmap_gate, p.gate)) || (err = encode_e4m3(&tmap_up, p.up))))
+      return err;
+    if (T::kSwiGLU && !T::kMxOut &&
+        ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
       return err;
   }
   const auto kernel = grouped_gemm_bf16_kernel<kGemm>;

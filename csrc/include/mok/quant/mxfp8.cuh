@@ -118,6 +118,23 @@ MOK_DEVICE uint2 quantize8(uint4 v, const Scale& s) {
   return q;
 }
 
+// Two elements of one block, a bf16x2 word (the GEMM epilogues' unit): two E4M3 bytes, element 0 in the low
+// byte; quantize8's bits.
+MOK_DEVICE uint32_t quantize2(uint32_t w, const Scale& s) {
+  uint16_t q;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;"
+      : "=h"(q)
+      : "f"(bf16_lo_as_f32(w) * s.inv), "f"(bf16_hi_as_f32(w) * s.inv));
+  return s.finite ? q : kE4M3NaNx4 & 0xFFFFu;
+}
+
+// The word's round trip, back to bf16x2: mxfp8_fake_quantize's bits (dequantize8 on the scale byte's 2^e).
+MOK_DEVICE uint32_t round_trip2(uint32_t w, const Scale& s) {
+  const float e = scale_byte_to_f32(s.byte);
+  const float2 f = e4m3x2_to_f32x2(quantize2(w, s));
+  return f32x2_to_bf16x2(f.x * e, f.y * e);
+}
+
 // One scale per element (column-wise: the 8 elements are 8 columns, each in its own block).
 // `nan_mask` holds 0xFF in the bytes of NaN/Inf columns (see nan_byte_mask).
 MOK_DEVICE uint2 quantize8(uint4 v, const float (&inv)[8], uint2 nan_mask) {

@@ -1,0 +1,35 @@
+"""tools/mx_steps_ab.py on the CPU, its kernels replaced by their L0 twins: the two ways of each step give the
+same bits, so its A/B times the same work done two ways."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from mok import ops, twins
+from mok.config import TINY_SHAPES
+from mok.testing import bitwise_equal, fresh_seed, make_inputs
+
+spec = importlib.util.spec_from_file_location("mx_steps_ab", Path(__file__).parents[1] / "tools" / "mx_steps_ab.py")
+mx_steps_ab = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mx_steps_ab)
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return [t for item in out for t in _flat(item)] if isinstance(out, tuple) else [out]
+
+
+def test_both_ways_of_every_step_give_the_same_bits(monkeypatch):
+    for name in twins.KERNELS:
+        monkeypatch.setattr(ops, name, getattr(twins, name))
+    seed = fresh_seed()
+    cfg = TINY_SHAPES["tiny"]
+    inputs = make_inputs(cfg, seed=seed)
+    sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
+    for step, ways in mx_steps_ab.STEPS.items():
+        separate, one = (_flat(way(inputs, sched)) for way in ways.values())
+        assert len(separate) == len(one) > 0, step
+        for i, (a, b) in enumerate(zip(separate, one)):
+            assert bitwise_equal(a, b), f"{step}: output {i} differs between the ways (seed {seed})"

@@ -1,0 +1,72 @@
+"""MXFP8 steps both ways in one process, per standard shape: the separate kernels they replaced against the one
+kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained calls, in alternating rounds.
+
+    x_rows  the backward's x rows: gather_rows_cuda then the column-wise round trip (two kernels, the gathered copy
+            written and read back) against mxfp8_fake_quantize_gathered
+    gemm1   the forward's GEMM1: the BF16 kernel, then h's row-wise round trip and gate/up's row-wise quantizations
+            (four kernels) against grouped_gemm_bf16_swiglu_gather_mxfp8_out (its epilogue writes all three)
+
+    python tools/mx_steps_ab.py [--steps x_rows gemm1] [--rounds 5]
+    (device step `mx_steps_ab`; rows to $OUT/mx_steps_ab.csv when OUT is set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import pandas as pd
+
+from mok import bench, ops
+from mok.config import STANDARD_SHAPES, get_shape
+from mok.testing import make_inputs
+
+
+def _gemm1_then_quantizers(x, w_gate, w_up, sched):
+    h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched)  # [R, I] each
+    return ops.mxfp8_fake_quantize(h, -1), ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
+
+
+# step -> {way: fn(inputs, sched)}, the separate kernels first
+STEPS = {
+    "x_rows": {"gather_then_round_trip": lambda i, s: ops.mxfp8_fake_quantize(ops.gather_rows_cuda(i["x"], s), -2),
+               "gathered_round_trip": lambda i, s: ops.mxfp8_fake_quantize_gathered(i["x"], s)},
+    "gemm1": {"gemm1_then_quantizers": lambda i, s: _gemm1_then_quantizers(i["x"], i["w_gate"], i["w_up"], s),
+              "gemm1_mxfp8_out": lambda i, s: ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(i["x"], i["w_gate"],
+                                                                                           i["w_up"], s)},
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS))
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    time_fn = functools.partial(bench.time_ms, warmup_ms=bench.WARMUP_MS)
+    rows = []
+    for name in STANDARD_SHAPES:
+        cfg = get_shape(name)
+        inputs = make_inputs(cfg, device="cuda", draw_on="cuda")
+        sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
+        for step in args.steps:
+            ways = STEPS[step]
+            for r in range(args.rounds):
+                for way in (ways if r % 2 == 0 else reversed(list(ways))):
+                    ms = time_fn(functools.partial(ways[way], inputs, sched), 20)
+                    rows.append({"shape": name, "step": step, "way": way, "round": r, "time_ms": ms,
+                                 "num_rows": sched.num_rows, **bench.provenance()})
+    df = pd.DataFrame(rows)
+    for step in args.steps:
+        table = df[df.step == step].pivot_table(index="shape", columns="way", values="time_ms", aggfunc="median")
+        separate, one = STEPS[step]
+        table["ratio"] = table[one] / table[separate]
+        print(f"{step}: median ms over {args.rounds} rounds\n" + table.to_string(float_format=lambda v: f"{v:.4g}"))
+    if os.environ.get("OUT"):
+        df.to_csv(os.path.join(os.environ["OUT"], "mx_steps_ab.csv"), index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
