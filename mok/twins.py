@@ -21,7 +21,8 @@ from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
-           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_gate_up",
+           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
+           "grouped_gemm_bf16_dgrad_gate_up",
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
@@ -93,6 +94,13 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limi
         d_gate[rows], d_up[rows] = dg.to(BF16), du.to(BF16)
         h[rows] = swiglu(gate[rows], up[rows], swiglu_limit).to(BF16)
     return d_gate, d_up, h
+
+
+def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, gate_mx, up_mx, sched, swiglu_limit=None, num_sms=None):
+    """(dual round trip of d_gate, of d_up, column-wise round trip of h) of the BF16 op on the dequantized gate/up."""
+    d_gate, d_up, h = grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, mxfp8_dequantize(*gate_mx),
+                                                     mxfp8_dequantize(*up_mx), sched, swiglu_limit)  # [R, I] each
+    return mxfp8_fake_quantize_dual(d_gate), mxfp8_fake_quantize_dual(d_up), mxfp8_fake_quantize(h, -2)
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=None):

@@ -28,6 +28,7 @@ def test_both_ways_of_every_step_give_the_same_bits(monkeypatch):
     cfg = TINY_SHAPES["tiny"]
     inputs = make_inputs(cfg, seed=seed)
     sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
+    inputs = mx_steps_ab.with_backward_operands(inputs, sched)
     for step, ways in mx_steps_ab.STEPS.items():
         separate, one = (_flat(way(inputs, sched)) for way in ways.values())
         assert len(separate) == len(one) > 0, step

@@ -95,10 +95,11 @@ def test_gemm_bad_inputs_name_the_argument():
     inputs, sched = _problem("tiny-noshared", seed=1)
     x, wg, wu, wd = inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"]
     gemm1, gemm2 = ops.grouped_gemm_bf16_swiglu_gather, ops.grouped_gemm_bf16_nt_contiguous
-    gemm1_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out
+    gemm1_mx, dgrad_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out, ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8
     dgrad_down, dgrad_gate_up = ops.grouped_gemm_bf16_dgrad_swiglu, ops.grouped_gemm_bf16_dgrad_gate_up
     a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
     dy_rows = torch.zeros(sched.num_rows, x.shape[1], dtype=BF16)  # [num_rows, H]
+    mx_rows = twins.mxfp8_quantize_rowwise(a_rows)  # (data, scales) of [num_rows, I]
     bad = [
         (lambda: gemm1(x.float(), wg, wu, sched), "x: expected dtype torch.bfloat16"),
         (lambda: gemm1(x[:-1], wg, wu, sched), r"x: expected shape \[num_tokens, hidden\]"),
@@ -115,6 +116,9 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: gemm2(a_rows, wd[:, :-4], sched), "w: expected n"),
         (lambda: gemm2(a_rows, wd, sched), "a_rows: expected a CUDA tensor"),
         (lambda: dgrad_down(dy_rows, wd, a_rows, a_rows, sched), "dy_rows: expected a CUDA tensor"),
+        (lambda: dgrad_mx(dy_rows, wd, a_rows, a_rows, sched), "gate_mx: expected a \\(data, scales\\) pair"),
+        (lambda: dgrad_mx(dy_rows, wd, mx_rows, (mx_rows[0], mx_rows[1][:, :1]), sched), "up_mx: expected scales"),
+        (lambda: dgrad_mx(dy_rows, wd, mx_rows, mx_rows, sched), "dy_rows: expected a CUDA tensor"),
         (lambda: dgrad_down(dy_rows, wd.transpose(1, 2), a_rows, a_rows, sched), "w_down: expected shape"),
         (lambda: dgrad_down(dy_rows, wd, a_rows[:, :-8], a_rows, sched), "gate: expected shape"),
         (lambda: dgrad_down(dy_rows, wd, a_rows, a_rows, sched, swiglu_limit="1"), "swiglu_limit: expected"),
@@ -247,6 +251,41 @@ def test_dgrad_swiglu_matches_l0(case, limit):
                                              sched.to("cuda"), swiglu_limit=limit)
     for name, a, e in zip(("d_gate", "d_up", "h"), got, expected):
         _assert_close(a, e, f"{case} limit={limit} {name}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("extremes", [False, True], ids=["plain", "extremes"])
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("case", MX_OUT_CASES)
+def test_dgrad_swiglu_mxfp8_is_dequantize_dgrad_then_its_quantizers(case, limit, extremes):
+    """The MXFP8 backward's down dgrad writes, from the saved MXFP8 gate/up, exactly what dequantizing them, the
+    BF16 op and the round trips give: d_gate and d_up both ways, h column-wise, padding rows included, for two
+    grid sizes. `extremes`: an Inf in dy (NaN blocks both ways) and rows of dy scaled by 1e-30 (amaxes under the
+    floor)."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = {name: t.cuda() for name, t in _backward_operands(sched, cfg.intermediate, cfg.hidden, seed).items()}
+    sched, wd = sched.to("cuda"), inputs["w_down"].cuda()  # [E, H, I]
+    if extremes:
+        b["dy_rows"][1::5] *= 1e-30
+        b["dy_rows"][int(sched.expert_offsets[0]), 0] = float("inf")  # the first real row
+    gate_mx, up_mx = ops.mxfp8_quantize_rowwise(b["gate"]), ops.mxfp8_quantize_rowwise(b["up"])
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(b["dy_rows"], wd, ops.mxfp8_dequantize(*gate_mx),
+                                                         ops.mxfp8_dequantize(*up_mx), sched, swiglu_limit=limit)
+    expected = (*ops.mxfp8_fake_quantize_dual(d_gate), *ops.mxfp8_fake_quantize_dual(d_up),
+                ops.mxfp8_fake_quantize(h, -2))
+    names = ("d_gate row", "d_gate col", "d_up row", "d_up col", "h col")
+    for num_sms in (None, 3):
+        poison_allocator(6 * sched.num_rows * cfg.intermediate * 2)
+        (g_row, g_col), (u_row, u_col), h_col = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(
+            b["dy_rows"], wd, gate_mx, up_mx, sched, swiglu_limit=limit, num_sms=num_sms)
+        for name, a, e in zip(names, (g_row, g_col, u_row, u_col, h_col), expected):
+            _assert_same_bits_nan_aside(a, e, f"{case} limit={limit} extremes={extremes} num_sms={num_sms} {name} "
+                                              f"(seed {seed})")
+    if extremes:  # the case ran what it is for
+        assert expected[0].isnan().any() and expected[1].isnan().any(), f"{case}: no NaN block (seed {seed})"
 
 
 def _every_bf16(rows: int) -> torch.Tensor:
@@ -395,6 +434,9 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
         h_mx, gate_mx, up_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, wg, wu, sched, swiglu_limit=1.5,
                                                                              num_sms=num_sms)
         outs.update(h_mx=h_mx, gate_mx=gate_mx[0], gate_mx_scales=gate_mx[1], up_mx=up_mx[0], up_mx_scales=up_mx[1])
+        (g_row, g_col), (u_row, u_col), h_col = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(y_rows, wd, gate_mx, up_mx,
+                                                                                          sched, 1.5, num_sms=num_sms)
+        outs.update(d_gate_mx_row=g_row, d_gate_mx_col=g_col, d_up_mx_row=u_row, d_up_mx_col=u_col, h_mx_col=h_col)
     return {name: t.cpu().view(torch.uint8) for name, t in outs.items()}
 
 

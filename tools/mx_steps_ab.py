@@ -5,8 +5,11 @@ kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained c
             written and read back) against mxfp8_fake_quantize_gathered
     gemm1   the forward's GEMM1: the BF16 kernel, then h's row-wise round trip and gate/up's row-wise quantizations
             (four kernels) against grouped_gemm_bf16_swiglu_gather_mxfp8_out (its epilogue writes all three)
+    dgrad   the backward's down dgrad: gate/up dequantized, the BF16 op (GEMM + SwiGLU backward), d_gate's and d_up's
+            dual round trips and h's column-wise one (seven kernels) against grouped_gemm_bf16_dgrad_swiglu_mxfp8 (the
+            GEMM, then one kernel from the MXFP8 gate/up to every round trip)
 
-    python tools/mx_steps_ab.py [--steps x_rows gemm1] [--rounds 5]
+    python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad] [--rounds 5]
     (device step `mx_steps_ab`; rows to $OUT/mx_steps_ab.csv when OUT is set)
 """
 
@@ -29,6 +32,20 @@ def _gemm1_then_quantizers(x, w_gate, w_up, sched):
     return ops.mxfp8_fake_quantize(h, -1), ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
 
 
+def _dgrad_then_quantizers(dy_rows, w_down, gate_mx, up_mx, sched):
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, ops.mxfp8_dequantize(*gate_mx),
+                                                         ops.mxfp8_dequantize(*up_mx), sched)  # [R, I] each
+    return ops.mxfp8_fake_quantize_dual(d_gate), ops.mxfp8_fake_quantize_dual(d_up), ops.mxfp8_fake_quantize(h, -2)
+
+
+def with_backward_operands(inputs: dict, sched) -> dict:
+    """inputs plus what the dgrad step reads: dy_rows (x's rows in the schedule's order: zeros in padding rows)
+    and the MXFP8 gate/up of the forward's GEMM1."""
+    _, gate_mx, up_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(inputs["x"], inputs["w_gate"], inputs["w_up"],
+                                                                      sched)
+    return {**inputs, "dy_rows": ops.gather_rows_cuda(inputs["x"], sched), "gate_mx": gate_mx, "up_mx": up_mx}
+
+
 # step -> {way: fn(inputs, sched)}, the separate kernels first
 STEPS = {
     "x_rows": {"gather_then_round_trip": lambda i, s: ops.mxfp8_fake_quantize(ops.gather_rows_cuda(i["x"], s), -2),
@@ -36,6 +53,10 @@ STEPS = {
     "gemm1": {"gemm1_then_quantizers": lambda i, s: _gemm1_then_quantizers(i["x"], i["w_gate"], i["w_up"], s),
               "gemm1_mxfp8_out": lambda i, s: ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(i["x"], i["w_gate"],
                                                                                            i["w_up"], s)},
+    "dgrad": {"dgrad_then_quantizers": lambda i, s: _dgrad_then_quantizers(i["dy_rows"], i["w_down"], i["gate_mx"],
+                                                                           i["up_mx"], s),
+              "dgrad_swiglu_mxfp8": lambda i, s: ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(i["dy_rows"], i["w_down"],
+                                                                                          i["gate_mx"], i["up_mx"], s)},
 }
 
 
@@ -50,6 +71,7 @@ def main(argv=None) -> int:
         cfg = get_shape(name)
         inputs = make_inputs(cfg, device="cuda", draw_on="cuda")
         sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
+        inputs = with_backward_operands(inputs, sched)
         for step in args.steps:
             ways = STEPS[step]
             for r in range(args.rounds):

@@ -20,6 +20,7 @@ from mok.ops.gemm import (
     gemm_schedule_tensors,
     grouped_gemm_bf16_dgrad_gate_up,
     grouped_gemm_bf16_dgrad_swiglu,
+    grouped_gemm_bf16_dgrad_swiglu_mxfp8,
     grouped_gemm_bf16_nt_contiguous,
     grouped_gemm_bf16_swiglu_gather,
     grouped_gemm_bf16_swiglu_gather_mxfp8_out,
@@ -53,7 +54,8 @@ from mok.ops.quant import (
 __all__ = [
     "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO", "ROUTE_GRADS_MAX_TOPK",
     "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
-    "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_nt_contiguous",
+    "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
+    "grouped_gemm_bf16_nt_contiguous",
     "grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
     "grouped_gemm_bf16_weight_grad", "MX_K_BLOCK", "grouped_gemm_mxfp8_nt_contiguous",
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",

@@ -187,24 +187,67 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     padding rows are zeros. dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read
     transposed, no copy); gate, up [num_rows, intermediate] as the forward saved them. Returns
     (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
+    intermediate, limit, has_limit, sms = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
+    _check_shape("gate", gate, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_shape("up", up, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
+    schedule = (*gemm_schedule_tensors(sched, dy_rows.device), real_num_rows(sched, dy_rows.device))
+    d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
+    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, *schedule, d_gate, d_up, h, limit,
+                                                    has_limit, sms)
+    return d_gate, d_up, h
+
+
+def _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms) -> tuple:
+    """The down dgrad's argument checks but gate/up's and the devices: (intermediate, limit, has_limit, sms)."""
     _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
     _check_shape("w_down", w_down, (sched.num_experts, hidden, None), "[num_experts, hidden, intermediate]")
     intermediate = w_down.shape[2]
     _check_gemm_dim("w_down", intermediate, "intermediate (dim 2)")
-    _check_shape("gate", gate, (sched.num_rows, intermediate), "[num_rows, intermediate]")
-    _check_shape("up", up, (sched.num_rows, intermediate), "[num_rows, intermediate]")
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
-    _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, dy_rows.device)  # [num_rows], [num_rows / 128]
-    d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, row_to_token, tile_to_expert,
-                                                    real_num_rows(sched, dy_rows.device), d_gate, d_up, h, limit,
-                                                    swiglu_limit is not None, sms)
-    return d_gate, d_up, h
+    return intermediate, limit, swiglu_limit is not None, sms
+
+
+def _check_rowwise_mx(name: str, mx, rows: int, cols: int) -> None:
+    """(data float8_e4m3fn [rows, cols], scales uint8 [rows, cols / 32]), as mxfp8_quantize_rowwise returns them
+    (devices are checked after every shape, as _check_shape's)."""
+    if not (isinstance(mx, tuple) and len(mx) == 2 and all(isinstance(t, torch.Tensor) for t in mx)):
+        fail(name, "a (data, scales) pair of tensors (mxfp8_quantize_rowwise's)", type(mx).__name__)
+    data, scales = mx
+    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (rows, cols):
+        fail(name, f"data float8_e4m3fn of shape ({rows}, {cols})", f"{data.dtype} {tuple(data.shape)}")
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, cols // BLOCK_SIZE):
+        fail(name, f"scales uint8 of shape ({rows}, {cols // BLOCK_SIZE})", f"{scales.dtype} {tuple(scales.shape)}")
+
+
+def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows: torch.Tensor, w_down: torch.Tensor, gate_mx, up_mx, sched,
+                                         swiglu_limit: float | None = None, num_sms: int | None = None):
+    """grouped_gemm_bf16_dgrad_swiglu for the MXFP8 backward, its outputs as the next GEMMs read them: from the
+    saved row-wise MXFP8 gate_mx, up_mx ((data, scales), as the forward's GEMM1 wrote them), one kernel after the
+    GEMM (mok/moe/swiglu_backward_mx.cuh) writes d_gate's and d_up's round trips in both directions and h's
+    column-wise one: the bits of mxfp8_dequantize, the BF16 op, then mxfp8_fake_quantize_dual(d_gate),
+    mxfp8_fake_quantize_dual(d_up) and mxfp8_fake_quantize(h, -2). intermediate a multiple of 32. Returns
+    ((d_gate_row, d_gate_col), (d_up_row, d_up_col), h_col), bf16 [num_rows, intermediate] each."""
+    intermediate, limit, has_limit, sms = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
+    if intermediate % BLOCK_SIZE:
+        fail("w_down", f"intermediate (dim 2) a multiple of {BLOCK_SIZE} (MXFP8 blocks)", intermediate)
+    _check_rowwise_mx("gate_mx", gate_mx, sched.num_rows, intermediate)
+    _check_rowwise_mx("up_mx", up_mx, sched.num_rows, intermediate)
+    _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down)
+    for name, t in (("gate_mx", gate_mx[0]), ("gate_mx", gate_mx[1]), ("up_mx", up_mx[0]), ("up_mx", up_mx[1])):
+        check_cuda_tensor(name, t, t.dtype)
+        if t.device != dy_rows.device:
+            fail(name, f"device {dy_rows.device} (dy_rows')", t.device)
+    schedule = (*gemm_schedule_tensors(sched, dy_rows.device), real_num_rows(sched, dy_rows.device))
+    outs = [torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=dy_rows.device)
+            for _ in range(5)]  # [num_rows, intermediate] each: d_gate row (d_h first), col, d_up row, col, h col
+    load_extension().grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, *gate_mx, *up_mx, *schedule, *outs, limit,
+                                                          has_limit, sms)
+    return (outs[0], outs[1]), (outs[2], outs[3]), outs[4]
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,
