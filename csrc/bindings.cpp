@@ -217,24 +217,22 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
 void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate_data,
                              const at::Tensor& gate_scales, const at::Tensor& up_data, const at::Tensor& up_scales,
                              const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
-                             const std::optional<at::Tensor>& counts, at::Tensor& d_gate_row, at::Tensor& d_gate_col,
-                             at::Tensor& d_up_row, at::Tensor& d_up_col, at::Tensor& h_col, double swiglu_limit,
-                             bool has_limit, int64_t num_sms) {
+                             const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up,
+                             at::Tensor& h, double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate_data, "gate_data");
   check_arg(gate_scales, "gate_scales"), check_arg(up_data, "up_data"), check_arg(up_scales, "up_scales");
   check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(d_gate_row, "d_gate_row"), check_arg(d_gate_col, "d_gate_col"), check_arg(d_up_row, "d_up_row");
-  check_arg(d_up_col, "d_up_col"), check_arg(h_col, "h_col");
+  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
               "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8(
                  dy_rows.data_ptr(), w_down.data_ptr(), gate_data.data_ptr(), gate_scales.data_ptr(),
                  up_data.data_ptr(), up_scales.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), d_gate_row.data_ptr(),
-                 d_gate_col.data_ptr(), d_up_row.data_ptr(), d_up_col.data_ptr(), h_col.data_ptr(), dy_rows.size(0),
-                 w_down.size(1), w_down.size(2), w_down.size(0), static_cast<float>(swiglu_limit), has_limit,
-                 static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), d_gate.data_ptr(), d_up.data_ptr(),
+                 h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
+                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
+                 c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_swiglu_mxfp8");
 }
 
@@ -423,7 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu_mxfp8", &gemm_dgrad_swiglu_mxfp8,
         "dy_rows, w_down, gate_data, gate_scales, up_data, up_scales, row_to_token, tile_to_expert, counts (or None), "
-        "d_gate_row, d_gate_col, d_up_row, d_up_col, h_col, swiglu_limit, has_limit, num_sms");
+        "d_gate, d_up, h, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,

@@ -2,7 +2,6 @@
 // Torch-free.
 #include "mok/api.h"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
-#include "mok/moe/swiglu_backward_mx.cuh"
 #include "mok/moe/swiglu_backward_rows.cuh"
 
 namespace mok {
@@ -58,25 +57,21 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
                                           intermediate, swiglu_limit, has_limit, stream);
 }
 
-cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(
-    const void* dy_rows, const void* w_down, const void* gate_data, const void* gate_scales, const void* up_data,
-    const void* up_scales, const int32_t* row_to_token, const int32_t* tile_to_expert, const int32_t* real_num_rows,
-    void* d_gate_row, void* d_gate_col, void* d_up_row, void* d_up_col, void* h_col, int64_t num_rows, int64_t hidden,
-    int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms, cudaStream_t stream) {
-  // d_h into d_gate_row's buffer, which the SwiGLU pass reads before it overwrites
-  const gemm::Params p = gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate_row,
-                                           num_rows, intermediate, hidden);
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
+                                                 const void* gate_scales, const void* up_data, const void* up_scales,
+                                                 const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                                 const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
+                                                 int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                                 int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                                 cudaStream_t stream) {
+  const gemm::Params p =
+      gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
   cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
                                                                             stream);
   if (err) return err;
-  const auto u16 = [](void* ptr) { return static_cast<uint16_t*>(ptr); };
-  const auto mx = [](const void* data, const void* scales) {
-    return moe::RowwiseMx{static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scales)};
-  };
-  return moe::launch_swiglu_backward_mx(d_gate_row, mx(gate_data, gate_scales), mx(up_data, up_scales), row_to_token,
-                                        real_num_rows,
-                                        {u16(d_gate_row), u16(d_gate_col), u16(d_up_row), u16(d_up_col), u16(h_col)},
-                                        num_rows, intermediate, swiglu_limit, has_limit, stream);
+  return moe::launch_swiglu_backward_rows(d_gate, gate_data, up_data, row_to_token, real_num_rows, d_gate, d_up, h,
+                                          num_rows, intermediate, swiglu_limit, has_limit, stream, gate_scales,
+                                          up_scales);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,

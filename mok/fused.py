@@ -34,19 +34,19 @@ backward:
                                                recomputed from gate/up for d_w_down)
                                                mx: dual-quantize dy_rows (row-wise here, column-wise for
                                                d_w_down), dq both; q+dq w_down along hidden (dim -2); the
-                                               op is grouped_gemm_bf16_dgrad_swiglu_mxfp8, whose second
-                                               kernel (swiglu_backward_mx) reads the saved MXFP8 gate/up and
-                                               writes d_gate's and d_up's q+dq both ways and h's column-wise
+                                               op is grouped_gemm_bf16_dgrad_swiglu_mxfp8, whose SwiGLU
+                                               kernel reads the saved MXFP8 gate/up (dequantized in registers)
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
-                                               mx: q+dq w_gate, w_up along intermediate (dim -2)
+                                               mx: dual-quantize d_gate, d_up, dq both; q+dq w_gate, w_up
+                                               along intermediate (dim -2)
     shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
     grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
                                                each expert's rows (x rows gathered first:
                                                gather_rows_cuda, a copy kernel)
                                                mx: every operand column-wise (blocks along the rows):
                                                x_rows gathered and q+dq'd in one kernel
-                                               (mxfp8_fake_quantize_gathered); dy, d_gate, d_up, h from
-                                               the steps above
+                                               (mxfp8_fake_quantize_gathered), q+dq h_rows; dy, d_gate,
+                                               d_up from the duals
     shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
     combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
 
@@ -277,19 +277,17 @@ def _saved_gate_up(s: FusedSaved) -> tuple:
 
 def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16"):
     """The dgrad kernels over `sched`, gate/up as saved (_saved_gate_up): (dx_rows [R, H], h [R, I] recomputed by
-    the first from gate/up, and (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2; h
-    and those three column-wise MXFP8 in mxfp8)."""
+    the first from gate/up, and (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2,
+    column-wise MXFP8 in mxfp8)."""
     p = precision
     dy_k, dy_w = _mx_dual(dy_rows, p)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
-    w_down_k = _mx_weight(w_down, -2, p)  # Wd along H
-    if p == "mxfp8":  # one kernel after the GEMM reads the MXFP8 gate/up and writes every round trip below
-        (d_gate_k, d_gate_w), (d_up_k, d_up_w), h = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(
-            dy_k, w_down_k, gate, up, sched, swiglu_limit=limit, num_sms=num_sms)  # [R, I] each
-    else:
-        d_gate_k, d_up_k, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_k, w_down_k, gate, up, sched, swiglu_limit=limit,
-                                                                 num_sms=num_sms)  # [R, I] each
-        d_gate_w, d_up_w = d_gate_k, d_up_k
+    # mxfp8: the SwiGLU backward reads the saved MXFP8 gate/up itself (no bf16 copy of them in memory)
+    dgrad = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8 if p == "mxfp8" else ops.grouped_gemm_bf16_dgrad_swiglu
+    d_gate, d_up, h = dgrad(dy_k, _mx_weight(w_down, -2, p), gate, up, sched, swiglu_limit=limit,
+                            num_sms=num_sms)  # [R, I] each; Wd along H
     del dy_k
+    (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p), _mx_dual(d_up, p)  # [R, I] each
+    del d_gate, d_up
     dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p),
                                                   _mx_weight(w_up, -2, p), sched,
                                                   num_sms=num_sms)  # [R, H]; weights along intermediate
@@ -350,9 +348,9 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
     gate, up = _saved_gate_up(s)  # [R, I] each, bf16 or MXFP8
-    # h_rows [R, I]: h recomputed from the saved gate/up (L0's) for d_w_down, column-wise MXFP8 in mxfp8
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
     del dy_rows, gate, up
+    h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
     x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
     del h_rows, x_rows, wgrad_ops

@@ -97,10 +97,9 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limi
 
 
 def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, gate_mx, up_mx, sched, swiglu_limit=None, num_sms=None):
-    """(dual round trip of d_gate, of d_up, column-wise round trip of h) of the BF16 op on the dequantized gate/up."""
-    d_gate, d_up, h = grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, mxfp8_dequantize(*gate_mx),
-                                                     mxfp8_dequantize(*up_mx), sched, swiglu_limit)  # [R, I] each
-    return mxfp8_fake_quantize_dual(d_gate), mxfp8_fake_quantize_dual(d_up), mxfp8_fake_quantize(h, -2)
+    """grouped_gemm_bf16_dgrad_swiglu on the dequantized row-wise MXFP8 gate/up ((data, scales) each)."""
+    return grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, mxfp8_dequantize(*gate_mx), mxfp8_dequantize(*up_mx),
+                                          sched, swiglu_limit)
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=None):

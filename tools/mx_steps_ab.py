@@ -5,9 +5,8 @@ kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained c
             written and read back) against mxfp8_fake_quantize_gathered
     gemm1   the forward's GEMM1: the BF16 kernel, then h's row-wise round trip and gate/up's row-wise quantizations
             (four kernels) against grouped_gemm_bf16_swiglu_gather_mxfp8_out (its epilogue writes all three)
-    dgrad   the backward's down dgrad: gate/up dequantized, the BF16 op (GEMM + SwiGLU backward), d_gate's and d_up's
-            dual round trips and h's column-wise one (seven kernels) against grouped_gemm_bf16_dgrad_swiglu_mxfp8 (the
-            GEMM, then one kernel from the MXFP8 gate/up to every round trip)
+    dgrad   the backward's down dgrad: the saved MXFP8 gate/up dequantized, then the BF16 op (GEMM + SwiGLU
+            backward: four kernels) against grouped_gemm_bf16_dgrad_swiglu_mxfp8 (its SwiGLU kernel reads them)
 
     python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad] [--rounds 5]
     (device step `mx_steps_ab`; rows to $OUT/mx_steps_ab.csv when OUT is set)
@@ -32,10 +31,9 @@ def _gemm1_then_quantizers(x, w_gate, w_up, sched):
     return ops.mxfp8_fake_quantize(h, -1), ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
 
 
-def _dgrad_then_quantizers(dy_rows, w_down, gate_mx, up_mx, sched):
-    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, ops.mxfp8_dequantize(*gate_mx),
-                                                         ops.mxfp8_dequantize(*up_mx), sched)  # [R, I] each
-    return ops.mxfp8_fake_quantize_dual(d_gate), ops.mxfp8_fake_quantize_dual(d_up), ops.mxfp8_fake_quantize(h, -2)
+def _dequantize_then_dgrad(dy_rows, w_down, gate_mx, up_mx, sched):
+    return ops.grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, ops.mxfp8_dequantize(*gate_mx),
+                                              ops.mxfp8_dequantize(*up_mx), sched)  # [R, I] each
 
 
 def with_backward_operands(inputs: dict, sched) -> dict:
@@ -53,7 +51,7 @@ STEPS = {
     "gemm1": {"gemm1_then_quantizers": lambda i, s: _gemm1_then_quantizers(i["x"], i["w_gate"], i["w_up"], s),
               "gemm1_mxfp8_out": lambda i, s: ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(i["x"], i["w_gate"],
                                                                                            i["w_up"], s)},
-    "dgrad": {"dgrad_then_quantizers": lambda i, s: _dgrad_then_quantizers(i["dy_rows"], i["w_down"], i["gate_mx"],
+    "dgrad": {"dequantize_then_dgrad": lambda i, s: _dequantize_then_dgrad(i["dy_rows"], i["w_down"], i["gate_mx"],
                                                                            i["up_mx"], s),
               "dgrad_swiglu_mxfp8": lambda i, s: ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(i["dy_rows"], i["w_down"],
                                                                                           i["gate_mx"], i["up_mx"], s)},

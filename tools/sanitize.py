@@ -1,10 +1,9 @@
 """The workload compute-sanitizer checks (issue 5): the L2 `fused` level, forward and backward, on small shapes.
 
 One pass runs every L2 kernel (the four GEMM kinds and the weight-gradient kind, the schedule, the
-route-gradient glue and the combine, and in mxfp8 the quantizers, GEMM1 with MXFP8 outputs and the SwiGLU
-backward from MXFP8 gate/up; the last case with MOK_MX_WEIGHTS=mainloop, the MXFP8-weight GEMMs) with and without
-the shared expert, then checks the result against L0 so that a sanitizer run that silently skipped a kernel cannot
-pass.
+route-gradient glue and the combine, and in mxfp8 the quantizers and GEMM1 with MXFP8 outputs; the last case
+with MOK_MX_WEIGHTS=mainloop, the MXFP8-weight GEMMs) with and without the shared expert, then checks the
+result against L0 so that a sanitizer run that silently skipped a kernel cannot pass.
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)

@@ -226,12 +226,10 @@ def _check_rowwise_mx(name: str, mx, rows: int, cols: int) -> None:
 
 def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows: torch.Tensor, w_down: torch.Tensor, gate_mx, up_mx, sched,
                                          swiglu_limit: float | None = None, num_sms: int | None = None):
-    """grouped_gemm_bf16_dgrad_swiglu for the MXFP8 backward, its outputs as the next GEMMs read them: from the
-    saved row-wise MXFP8 gate_mx, up_mx ((data, scales), as the forward's GEMM1 wrote them), one kernel after the
-    GEMM (mok/moe/swiglu_backward_mx.cuh) writes d_gate's and d_up's round trips in both directions and h's
-    column-wise one: the bits of mxfp8_dequantize, the BF16 op, then mxfp8_fake_quantize_dual(d_gate),
-    mxfp8_fake_quantize_dual(d_up) and mxfp8_fake_quantize(h, -2). intermediate a multiple of 32. Returns
-    ((d_gate_row, d_gate_col), (d_up_row, d_up_col), h_col), bf16 [num_rows, intermediate] each."""
+    """grouped_gemm_bf16_dgrad_swiglu for the MXFP8 backward: gate_mx, up_mx are the saved row-wise MXFP8
+    (data, scales) as the forward's GEMM1 wrote them, and the SwiGLU kernel dequantizes them as it reads them
+    (no bf16 copy in memory): the bits of the BF16 op on mxfp8_dequantize(*gate_mx), mxfp8_dequantize(*up_mx).
+    intermediate a multiple of 32. Returns (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
     intermediate, limit, has_limit, sms = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
     if intermediate % BLOCK_SIZE:
         fail("w_down", f"intermediate (dim 2) a multiple of {BLOCK_SIZE} (MXFP8 blocks)", intermediate)
@@ -243,11 +241,11 @@ def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows: torch.Tensor, w_down: torch.Te
         if t.device != dy_rows.device:
             fail(name, f"device {dy_rows.device} (dy_rows')", t.device)
     schedule = (*gemm_schedule_tensors(sched, dy_rows.device), real_num_rows(sched, dy_rows.device))
-    outs = [torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=dy_rows.device)
-            for _ in range(5)]  # [num_rows, intermediate] each: d_gate row (d_h first), col, d_up row, col, h col
-    load_extension().grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, *gate_mx, *up_mx, *schedule, *outs, limit,
-                                                          has_limit, sms)
-    return (outs[0], outs[1]), (outs[2], outs[3]), outs[4]
+    d_gate, d_up, h = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=dy_rows.device)
+                       for _ in range(3))  # [num_rows, intermediate] each
+    load_extension().grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, *gate_mx, *up_mx, *schedule, d_gate, d_up,
+                                                          h, limit, has_limit, sms)
+    return d_gate, d_up, h
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_gate: torch.Tensor,

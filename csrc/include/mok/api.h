@@ -101,15 +101,16 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                            cudaStream_t stream);
 
-// The same for the MXFP8 backward (mok/moe/swiglu_backward_mx.cuh): gate and up are the forward's saved row-wise
-// MXFP8 (E4M3 data [num_rows, intermediate], E8M0 scales [num_rows, intermediate / 32]), and the outputs are the
-// round trips the next GEMMs read, bf16 [num_rows, intermediate] each: d_gate and d_up row-wise and column-wise,
-// h column-wise. d_gate_row also holds d_h between the two kernels. intermediate % 32 == 0.
-cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(
-    const void* dy_rows, const void* w_down, const void* gate_data, const void* gate_scales, const void* up_data,
-    const void* up_scales, const int32_t* row_to_token, const int32_t* tile_to_expert, const int32_t* real_num_rows,
-    void* d_gate_row, void* d_gate_col, void* d_up_row, void* d_up_col, void* h_col, int64_t num_rows, int64_t hidden,
-    int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms, cudaStream_t stream);
+// The same with the forward's saved row-wise MXFP8 gate and up (E4M3 data [num_rows, intermediate], E8M0 scales
+// [num_rows, intermediate / 32]), dequantized in the SwiGLU kernel to mxfp8_dequantize's bits: the outputs are the
+// BF16 op's on the dequantized gate/up. intermediate % 32 == 0.
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
+                                                 const void* gate_scales, const void* up_data, const void* up_scales,
+                                                 const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                                 const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
+                                                 int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                                 int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                                 cudaStream_t stream);
 
 // Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]),
 // one fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).

@@ -9,21 +9,45 @@
 // swiglu_backward_n: 1.4-2.0x slower. The epilogue runs with the tensor cores idle, and its gate/up loads and
 // arithmetic come on top of every task (docs/l2_fused.md, "The SwiGLU backward in the dgrad epilogue, again").
 // As its own pass it moves 12 bytes per element (d_h, gate, up in; d_gate, d_up, h out) at memory speed.
+//
+// The MXFP8 backward (kMx) reads the forward's saved gate/up as they are, row-wise MXFP8 (E4M3 data and one
+// E8M0 scale per 32 columns), and dequantizes each 8-element chunk in registers to mxfp8_dequantize's bits
+// (dequantize8): 2 · (1 + 1/32) bytes read per element instead of two dequantize kernels' 2 · (1 + 1/32 + 2)
+// and then 2 · 2 here.
+// NOTE: one kernel from the MXFP8 gate/up to the round trips the next GEMMs read (d_gate, d_up both ways, h
+// column-wise) in 32-row tiles was built and measured slower (4cab7c1, 1.02-1.14x the separate kernels: 122
+// registers, 16 warps per SM, each tile's loads then a long compute phase); docs/l2_fused.md.
 #pragma once
 
 #include "mok/common.cuh"
+#include "mok/quant/mxfp8.cuh"
 #include "mok/swiglu.cuh"
 
 namespace mok::moe {
 
 constexpr int kSwiGLUThreads = 256;
 
+// 8 elements of gate or up from element `at` on (a multiple of 8): bf16, or (kMx) E4M3 at `m` with the scales of
+// its 32-element blocks at `scales` ([rows, n / 32], n % 32 == 0: element at's block is at / 32).
+template <bool kMx>
+MOK_DEVICE uint4 load_gate_up8(const void* m, const uint8_t* scales, int64_t at) {
+  if constexpr (kMx) {
+    const uint2 q = ld_stream_v2(static_cast<const uint8_t*>(m) + at);
+    const float s = mxfp8::scale_byte_to_f32(ld_stream_u8(scales + at / mxfp8::kBlockSize));
+    const float scale[8] = {s, s, s, s, s, s, s, s};
+    return mxfp8::dequantize8(q, scale);
+  } else {
+    return ld_stream_v4(static_cast<const uint16_t*>(m) + at);
+  }
+}
+
 // One 16-byte vector (8 columns) per thread per step, grid-stride over rows x (n / 8) vectors.
+template <bool kMx>
 __global__ void __launch_bounds__(kSwiGLUThreads)
-    swiglu_backward_rows_kernel(const uint16_t* d_h, const uint16_t* gate, const uint16_t* up,
-                                const int32_t* row_to_token, const int32_t* real_num_rows, uint16_t* d_gate,
-                                uint16_t* d_up, uint16_t* h, int64_t num_rows, int64_t n, float limit,
-                                bool has_limit) {
+    swiglu_backward_rows_kernel(const uint16_t* d_h, const void* gate, const void* up, const uint8_t* gate_scales,
+                                const uint8_t* up_scales, const int32_t* row_to_token, const int32_t* real_num_rows,
+                                uint16_t* d_gate, uint16_t* d_up, uint16_t* h, int64_t num_rows, int64_t n,
+                                float limit, bool has_limit) {
   if (real_num_rows != nullptr && *real_num_rows < num_rows) num_rows = *real_num_rows < 0 ? 0 : *real_num_rows;
   const int64_t vecs_per_row = n / 8, num_vecs = num_rows * vecs_per_row;
   for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vecs;
@@ -32,7 +56,7 @@ __global__ void __launch_bounds__(kSwiGLUThreads)
     uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
     if (row_to_token[v / vecs_per_row] >= 0) {
       const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
-      const uint4 g4 = ld_stream_v4(gate + at), u4 = ld_stream_v4(up + at);
+      const uint4 g4 = load_gate_up8<kMx>(gate, gate_scales, at), u4 = load_gate_up8<kMx>(up, up_scales, at);
       const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
       const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
       float g[8], u[8], dh[8];  // element 2i + j = word i's half j (j = 0: low)
@@ -57,12 +81,15 @@ __global__ void __launch_bounds__(kSwiGLUThreads)
 }
 
 // rows = the row buffers' rows (the grid is sized for them); real_num_rows: int32 [1] on the device or null;
-// n = intermediate (% 8 == 0); every pointer 16-byte aligned.
+// n = intermediate (% 8 == 0; % 32 with scales); every pointer 16-byte aligned. gate_scales, up_scales: null for
+// bf16 gate/up, else gate/up are row-wise MXFP8 data with these scales.
 inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate, const void* up,
                                                const int32_t* row_to_token, const int32_t* real_num_rows,
                                                void* d_gate, void* d_up, void* h, int64_t num_rows, int64_t n,
-                                               float limit, bool has_limit, cudaStream_t stream) {
-  if (n % 8 != 0) return cudaErrorInvalidValue;
+                                               float limit, bool has_limit, cudaStream_t stream,
+                                               const void* gate_scales = nullptr, const void* up_scales = nullptr) {
+  const bool mx = gate_scales != nullptr;
+  if (n % (mx ? mxfp8::kBlockSize : 8) != 0 || mx != (up_scales != nullptr)) return cudaErrorInvalidValue;
   const int64_t num_vecs = num_rows * (n / 8);
   if (num_vecs == 0) return cudaSuccess;
   int device = 0, num_sms = 0;  // elementwise: the grid size changes no bits, so always one full wave
@@ -71,10 +98,10 @@ inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate
   const int64_t blocks_needed = (num_vecs + kSwiGLUThreads - 1) / kSwiGLUThreads;
   const int64_t resident = static_cast<int64_t>(num_sms) * (2048 / kSwiGLUThreads);
   const int grid = static_cast<int>(blocks_needed < resident ? blocks_needed : resident);
-  swiglu_backward_rows_kernel<<<grid, kSwiGLUThreads, 0, stream>>>(
-      static_cast<const uint16_t*>(d_h), static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
-      row_to_token, real_num_rows, static_cast<uint16_t*>(d_gate), static_cast<uint16_t*>(d_up),
-      static_cast<uint16_t*>(h), num_rows, n, limit, has_limit);
+  (mx ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>)<<<grid, kSwiGLUThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(d_h), gate, up, static_cast<const uint8_t*>(gate_scales),
+      static_cast<const uint8_t*>(up_scales), row_to_token, real_num_rows, static_cast<uint16_t*>(d_gate),
+      static_cast<uint16_t*>(d_up), static_cast<uint16_t*>(h), num_rows, n, limit, has_limit);
   return cudaGetLastError();
 }
 
