@@ -41,20 +41,35 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(w, w, num_experts, p, num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
-                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
-                                           cudaStream_t stream) {
-  // out: d_h, overwritten in place with d_gate by the elementwise pass
+namespace {
+
+// The down dgrad writes d_h into d_gate's buffer; the SwiGLU backward overwrites it in place with d_gate and
+// writes d_up and h. gate/up: bf16, or row-wise MXFP8 data with these scales (null: bf16).
+cudaError_t dgrad_then_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
+                              const void* gate_scales, const void* up_scales, const int32_t* row_to_token,
+                              const int32_t* tile_to_expert, const int32_t* real_num_rows, void* d_gate, void* d_up,
+                              void* h, int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts,
+                              float swiglu_limit, bool has_limit, int num_sms, cudaStream_t stream) {
   const gemm::Params p =
       gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
   cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
                                                                             stream);
   if (err) return err;
   return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, real_num_rows, d_gate, d_up, h, num_rows,
-                                          intermediate, swiglu_limit, has_limit, stream);
+                                          intermediate, swiglu_limit, has_limit, stream, gate_scales, up_scales);
+}
+
+}  // namespace
+
+cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
+                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
+                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
+                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
+                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+                                           cudaStream_t stream) {
+  return dgrad_then_swiglu(dy_rows, w_down, gate, up, nullptr, nullptr, row_to_token, tile_to_expert, real_num_rows,
+                           d_gate, d_up, h, num_rows, hidden, intermediate, num_experts, swiglu_limit, has_limit,
+                           num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
@@ -64,14 +79,9 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void
                                                  int64_t num_rows, int64_t hidden, int64_t intermediate,
                                                  int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
                                                  cudaStream_t stream) {
-  const gemm::Params p =
-      gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
-  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
-                                                                            stream);
-  if (err) return err;
-  return moe::launch_swiglu_backward_rows(d_gate, gate_data, up_data, row_to_token, real_num_rows, d_gate, d_up, h,
-                                          num_rows, intermediate, swiglu_limit, has_limit, stream, gate_scales,
-                                          up_scales);
+  return dgrad_then_swiglu(dy_rows, w_down, gate_data, up_data, gate_scales, up_scales, row_to_token, tile_to_expert,
+                           real_num_rows, d_gate, d_up, h, num_rows, hidden, intermediate, num_experts, swiglu_limit,
+                           has_limit, num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
