@@ -71,25 +71,28 @@ void dequantize(const at::Tensor& data, const at::Tensor& scales, at::Tensor& ou
 }
 
 void fake_quantize(const at::Tensor& x, at::Tensor& out_col_or_row, const std::optional<at::Tensor>& out_row,
-                   bool rowwise) {
+                   bool rowwise, const std::optional<at::Tensor>& counts) {
   check_arg(x, "x"), check_arg(out_col_or_row, "out");
   if (out_row) check_arg(*out_row, "out_row");
+  TORCH_CHECK(!(rowwise && counts), "counts: expected None for the row-wise round trip");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(rowwise ? mok::mxfp8_fake_quantize_rowwise(x.data_ptr(), out_col_or_row.data_ptr(), x.numel(), stream)
                      : mok::mxfp8_fake_quantize_tiled(x.data_ptr(), out_col_or_row.data_ptr(),
-                                                      out_row ? out_row->data_ptr() : nullptr, rows, cols, stream),
+                                                      out_row ? out_row->data_ptr() : nullptr, rows, cols,
+                                                      real_num_rows_ptr(counts), stream),
              "mxfp8_fake_quantize");
 }
 
-void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token, at::Tensor& out) {
+void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token, at::Tensor& out,
+                            const std::optional<at::Tensor>& counts) {
   check_arg(x, "x"), check_arg(row_to_token, "row_to_token"), check_arg(out, "out");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt, "row_to_token: expected int32");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::mxfp8_fake_quantize_gathered_colwise(x.data_ptr(), row_to_token.data_ptr<int32_t>(),
                                                        out.data_ptr(), out.size(0), x.size(0), x.size(1),
-                                                       c10::cuda::getCurrentCUDAStream()),
+                                                       real_num_rows_ptr(counts), c10::cuda::getCurrentCUDAStream()),
              "mxfp8_fake_quantize_gathered");
 }
 
@@ -398,9 +401,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("mxfp8_fake_quantize", &fake_quantize,
-        "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise");
+        "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise, counts (None, or a "
+        "schedule's int32 counts: the 32-row blocks from counts[0] on are left alone; tiled only)");
   m.def("mxfp8_fake_quantize_gathered", &fake_quantize_gathered,
-        "x [T, H], row_to_token (int32 [R]), out [R, H]: the column-wise round trip of x's rows in schedule order");
+        "x [T, H], row_to_token (int32 [R]), out [R, H], counts (None or as mxfp8_fake_quantize's): the column-wise "
+        "round trip of x's rows in schedule order");
   m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
         py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,

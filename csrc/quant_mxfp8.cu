@@ -47,13 +47,15 @@ cudaError_t mxfp8_fake_quantize_rowwise(const void* x, void* out, int64_t numel,
 }
 
 cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows, int64_t cols,
-                                      cudaStream_t stream) {
-  return mxfp8::launch_fake_quantize_tiled(x, out_col, out_row, rows, cols, stream);
+                                      const int32_t* real_num_rows, cudaStream_t stream) {
+  return mxfp8::launch_fake_quantize_tiled(x, out_col, out_row, rows, cols, real_num_rows, stream);
 }
 
 cudaError_t mxfp8_fake_quantize_gathered_colwise(const void* x, const int32_t* row_to_token, void* out, int64_t rows,
-                                                 int64_t num_src_rows, int64_t cols, cudaStream_t stream) {
-  return mxfp8::launch_fake_quantize_gathered_colwise(x, row_to_token, out, rows, num_src_rows, cols, stream);
+                                                 int64_t num_src_rows, int64_t cols, const int32_t* real_num_rows,
+                                                 cudaStream_t stream) {
+  return mxfp8::launch_fake_quantize_gathered_colwise(x, row_to_token, out, rows, num_src_rows, cols, real_num_rows,
+                                                      stream);
 }
 
 cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream) {

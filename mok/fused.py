@@ -58,8 +58,8 @@ set it with `num_sms=` or the environment variable MOK_NUM_SMS (unset or 0: ever
 run two grid sizes.
 
 No host sync in either pass (tests/test_fused.py runs both under torch.cuda.set_sync_debug_mode("error")). In
-mxfp8 the quantize/dequantize passes over row buffers (`_mx`, `_mx_dual`) cover the spare rows too (whatever
-they hold; their outputs there are never read): they take no row count from the device.
+mxfp8 the round trips over row buffers (`_mx` with a schedule, `_mx_dual`, the gathered x rows) stop at the
+real row count on the device (sched.counts), as the GEMMs do: spare rows are neither read nor written.
 
 MXFP8 cost: a round trip (`_mx`: ops.mxfp8_fake_quantize, one kernel) moves 4 bytes per element (reads 2,
 writes 2), twice the GEMM's own read of the bf16 operand, and the weights dominate; `_mx_dual` moves 6 for
@@ -161,20 +161,23 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 # recomputed by the dgrad kernel included, and gather_x_rows too), just as L0 pads each expert's rows to 32
 # with zero rows; zeros never change a block's amax, and padding rows of a zero-padded block stay zero.
 
-def _mx(t: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
+def _mx(t: torch.Tensor, dim: int, precision: str, sched: Schedule | None = None) -> torch.Tensor:
     """The operand a GEMM sees: t itself in bf16; in mxfp8 its MXFP8 round trip in blocks of 32 along
-    dim (-1: row-wise, -2: column-wise), the GEMM's K. bf16, t's shape."""
+    dim (-1: row-wise, -2: column-wise), the GEMM's K. bf16, t's shape. With `sched` (t one of its row buffers,
+    column-wise) the round trip stops at the schedule's real rows, read on the device: the spare rows' output
+    is left unwritten, and no GEMM reads it."""
     if precision == "bf16":
         return t
-    return ops.mxfp8_fake_quantize(t, dim)  # t.shape: dequantize(quantize(t)) in one pass
+    counts = None if sched is None else sched.counts
+    return ops.mxfp8_fake_quantize(t, dim, counts=counts)  # t.shape: dequantize(quantize(t)) in one pass
 
 
-def _mx_dual(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(_mx(t, -1), _mx(t, -2)) from one read of t: a backward operand that is both a dgrad operand (K along
-    its row) and a weight-gradient operand (K along the rows)."""
+def _mx_dual(t: torch.Tensor, precision: str, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(_mx(t, -1), _mx(t, -2)) from one read of t, a row buffer of `sched` (its real rows only): a backward
+    operand that is both a dgrad operand (K along its row) and a weight-gradient operand (K along the rows)."""
     if precision == "bf16":
         return t, t
-    return ops.mxfp8_fake_quantize_dual(t)
+    return ops.mxfp8_fake_quantize_dual(t, counts=sched.counts)
 
 
 def _mx_weight(w: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
@@ -280,13 +283,13 @@ def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sm
     the first from gate/up, and (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2,
     column-wise MXFP8 in mxfp8)."""
     p = precision
-    dy_k, dy_w = _mx_dual(dy_rows, p)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
+    dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
     # mxfp8: the SwiGLU backward reads the saved MXFP8 gate/up itself (no bf16 copy of them in memory)
     dgrad = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8 if p == "mxfp8" else ops.grouped_gemm_bf16_dgrad_swiglu
     d_gate, d_up, h = dgrad(dy_k, _mx_weight(w_down, -2, p), gate, up, sched, swiglu_limit=limit,
                             num_sms=num_sms)  # [R, I] each; Wd along H
     del dy_k
-    (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p), _mx_dual(d_up, p)  # [R, I] each
+    (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p, sched), _mx_dual(d_up, p, sched)  # [R, I] each
     del d_gate, d_up
     dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p),
                                                   _mx_weight(w_up, -2, p), sched,
@@ -311,8 +314,8 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
 
 
 def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding and spare rows (mxfp8: its
-    column-wise quantizer then reads zeros there): mok.schedule.gather_rows as one copy kernel."""
+    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding and spare rows:
+    mok.schedule.gather_rows as one copy kernel."""
     return ops.gather_rows_cuda(x.to(BF16), sched)  # [num_rows, H]
 
 
@@ -350,7 +353,7 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     gate, up = _saved_gate_up(s)  # [R, I] each, bf16 or MXFP8
     dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
     del dy_rows, gate, up
-    h_rows = _mx(h_rows, -2, p)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
+    h_rows = _mx(h_rows, -2, p, sched)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
     x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
     del h_rows, x_rows, wgrad_ops

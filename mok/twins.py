@@ -169,16 +169,25 @@ def mxfp8_dequantize(data, scales, dim=-1):
     return mxfp8.dequantize(data, scales, dim=dim, dtype=BF16)
 
 
-def mxfp8_fake_quantize(x, dim=-1):
-    """dequantize(quantize(x, dim), dim) in bf16: L0's round trip."""
-    return mxfp8.fake_quantize(x, dim=dim)
+def _poison_from(rows: torch.Tensor, counts) -> torch.Tensor:
+    """rows [R, *] with the 32-row blocks from counts[0] on set to NaN, in place (what the kernels leave there
+    is unspecified); counts None: rows as they are."""
+    if counts is not None:
+        rows[-(-int(counts[0]) // mxfp8.BLOCK_SIZE) * mxfp8.BLOCK_SIZE:] = float("nan")
+    return rows
 
 
-def mxfp8_fake_quantize_dual(x):
-    """(row-wise, column-wise) round trips, each from x independently."""
-    return mxfp8.fake_quantize(x, dim=-1), mxfp8.fake_quantize(x, dim=-2)
+def mxfp8_fake_quantize(x, dim=-1, counts=None):
+    """dequantize(quantize(x, dim), dim) in bf16: L0's round trip; NaN in the blocks from counts[0] on."""
+    return _poison_from(mxfp8.fake_quantize(x, dim=dim), counts)
+
+
+def mxfp8_fake_quantize_dual(x, counts=None):
+    """(row-wise, column-wise) round trips, each from x independently; NaN in the blocks from counts[0] on."""
+    return (_poison_from(mxfp8.fake_quantize(x, dim=-1), counts),
+            _poison_from(mxfp8.fake_quantize(x, dim=-2), counts))
 
 
 def mxfp8_fake_quantize_gathered(x, sched):
-    """The column-wise round trip of L0's dispatch of x into the schedule's rows."""
-    return mxfp8.fake_quantize(gather_rows(x, sched), dim=-2)
+    """The column-wise round trip of L0's dispatch of x into the schedule's rows (NaN in its spare rows)."""
+    return _poison_spare(mxfp8.fake_quantize(gather_rows(x, sched), dim=-2), sched)

@@ -33,9 +33,9 @@ def quantizer_calls(monkeypatch) -> list:
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
     log = []
 
-    def fake_quantize(x, dim=-1):
+    def fake_quantize(x, dim=-1, counts=None):
         log.append(("fake_quantize", x.dim(), dim))
-        return twins.mxfp8_fake_quantize(x, dim)
+        return twins.mxfp8_fake_quantize(x, dim, counts)
 
     def quantize_rowwise(x, variant=0):
         log.append(("quantize_rowwise", x.dim(), -1))

@@ -27,10 +27,16 @@ def test_both_ways_of_every_step_give_the_same_bits(monkeypatch):
     seed = fresh_seed()
     cfg = TINY_SHAPES["tiny"]
     inputs = make_inputs(cfg, seed=seed)
+    inputs["topk_idx"] = torch.arange(cfg.num_topk).expand(cfg.num_tokens, -1).contiguous()  # few, full experts:
+    # the no-sync schedule of row_round_trips then has spare rows
     sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
     inputs = mx_steps_ab.with_backward_operands(inputs, sched)
+    real = int(inputs["spare"]["sched"].expert_offsets[-1])  # row_round_trips' real rows (the rest are spare)
     for step, ways in mx_steps_ab.STEPS.items():
         separate, one = (_flat(way(inputs, sched)) for way in ways.values())
         assert len(separate) == len(one) > 0, step
         for i, (a, b) in enumerate(zip(separate, one)):
+            if step == "row_round_trips":
+                assert a.shape[0] > real, f"{step}: no spare rows (seed {seed})"
+                a, b = a[:real], b[:real]
             assert bitwise_equal(a, b), f"{step}: output {i} differs between the ways (seed {seed})"

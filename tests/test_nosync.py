@@ -282,16 +282,22 @@ def _raw_row_kernels(sched, x, w_gate, w_up, w_down, d_out, weights, sentinel):
     ext.grouped_gemm_bf16_dgrad_swiglu(torch.where(torch.isnan(dy), 0.0, dy), w_down, gate, up, row_to_token,
                                        tile_to_expert, sched.counts, d_gate, d_up, h2, 0.0, False, 0)
     ext.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, sched.counts, dx, 0)
-    return {"h": h, "gate": gate, "up": up, "y": y, "dy": dy, "d_gate": d_gate, "d_up": d_up, "h_bwd": h2, "dx": dx}
+    # the MXFP8 backward's round trips over row buffers (their inputs' spare rows hold the sentinel too)
+    dy_row, dy_col, h_col, x_col = buf(H), buf(H), buf(I), buf(H)
+    ext.mxfp8_fake_quantize(dy, dy_col, dy_row, False, sched.counts)
+    ext.mxfp8_fake_quantize(h2, h_col, None, False, sched.counts)
+    ext.mxfp8_fake_quantize_gathered(x, row_to_token, x_col, sched.counts)
+    return {"h": h, "gate": gate, "up": up, "y": y, "dy": dy, "d_gate": d_gate, "d_up": d_up, "h_bwd": h2, "dx": dx,
+            "dy_row_mx": dy_row, "dy_col_mx": dy_col, "h_col_mx": h_col, "x_col_mx": x_col}
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("kind", ["hot", "empty-experts"])
 def test_row_kernels_never_write_spare_rows(kind):
-    """GEMM1, GEMM2, route_grads_prep, the down dgrad (with swiglu_backward_rows) and the gate/up dgrad on a
-    no-sync schedule: every spare row keeps the sentinel its buffer was filled with (NaN), every real row
-    (padding included) is written and finite."""
+    """GEMM1, GEMM2, route_grads_prep, the down dgrad (with swiglu_backward_rows), the gate/up dgrad and the
+    MXFP8 round trips over row buffers on a no-sync schedule: every spare row keeps the sentinel its buffer was
+    filled with (NaN), every real row (padding included) is written and finite."""
     cfg = STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300)
     inputs = make_inputs(cfg, device="cuda", seed=fresh_seed(), draw_on="cuda", routing_fn=_irregular_routing(kind))
     sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts, sync=False)

@@ -324,6 +324,30 @@ def test_fake_quantize_special_values_and_every_amax():
     _check_fake_quantize(amax.T.contiguous(), seed, dims=(-2,))
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("real", [0, 40, 96, 256, 1000], ids=str)
+def test_fake_quantize_stops_at_counts(real):
+    """With a schedule's counts the column-wise and dual round trips write the 32-row blocks that start before
+    counts[0] (a block it cuts into is written whole) with the unbounded op's bits, and leave every later row
+    as it was: a NaN sentinel, through the raw binding (the ops allocate their outputs)."""
+    seed = fresh_seed()
+    x = _random_bf16((256, 224), seed).cuda()  # [rows, cols]
+    written = min(256, -(-real // 32) * 32)
+    counts = torch.tensor([real, 0], dtype=torch.int32, device="cuda")
+    want_row, want_col = ops.mxfp8_fake_quantize_dual(x)
+    ext = ops.load_extension()
+    for dual in (True, False):
+        out_col, out_row = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        ext.mxfp8_fake_quantize(x, out_col, out_row if dual else None, False, counts)
+        for what, out, want in [("col", out_col, want_col)] + ([("row", out_row, want_row)] if dual else []):
+            what = f"{'dual' if dual else 'colwise'} {what}, counts[0] = {real} (seed {seed})"
+            assert torch.equal(out[:written].view(torch.int16), want[:written].view(torch.int16)), what
+            assert torch.isnan(out[written:]).all(), f"{what}: wrote a row past the blocks before counts[0]"
+    got = ops.mxfp8_fake_quantize(x, -2, counts=counts)
+    assert torch.equal(got[:written].view(torch.int16), want_col[:written].view(torch.int16)), f"op, seed {seed}"
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 
@@ -368,6 +392,15 @@ def test_bad_inputs_raise_clear_errors():
         ops.mxfp8_dequantize(data, scales, dim=-3)
     with pytest.raises(ValueError, match=r"scales: expected dtype torch.uint8"):
         ops.mxfp8_dequantize(data, scales.int(), dim=-1)
+    counts = torch.tensor([32, 0], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"counts: expected None or a schedule's int32 counts tensor"):
+        ops.mxfp8_fake_quantize(x, -2, counts=counts.long())
+    with pytest.raises(ValueError, match=r"counts: expected a contiguous tensor on cuda"):
+        ops.mxfp8_fake_quantize_dual(x, counts=counts.cpu())
+    with pytest.raises(ValueError, match=r"counts: expected None for a row-wise round trip"):
+        ops.mxfp8_fake_quantize(x, -1, counts=counts)
+    with pytest.raises(ValueError, match=r"counts: expected None for x of rank 3"):
+        ops.mxfp8_fake_quantize(x.view(2, 32, 96), -2, counts=counts)
 
 
 @pytest.mark.gpu

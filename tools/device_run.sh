@@ -26,7 +26,7 @@ t0=$(date +%s)
 
 steps=" ${MOK_STEPS:-gemm l2 bench parts memcheck racecheck quant qbench} "  # MOK_STEPS="gemm parts": only those
 switch=${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}  # the build switch of the steps switches_sw, parts_sw and ab
-ab_args=${MOK_AB_ARGS:-}  # more options of `ab` and `ab_parts`, e.g. "--rounds 5 --shapes dsv4pro-rank"
+ab_args=${MOK_AB_ARGS:-}  # more options of `ab`, `ab_parts`, `mx_steps_ab`, e.g. "--rounds 5 --shapes dsv4pro-rank"
 # Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139), and
 # the crash left torch's build lock behind, on which every later build of that machine waited until killed.
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
@@ -124,8 +124,8 @@ step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 # ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
 step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \
   MOK_GEMM_SKIP_PADDING_HALF=1}
-# `mx_steps_ab`: MXFP8 steps by their separate kernels against the one kernel the level runs (tools/mx_steps_ab.py).
-step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py
+# `mx_steps_ab`: MXFP8 steps two ways, the level's way last (tools/mx_steps_ab.py; MOK_AB_ARGS="--steps dgrad").
+step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py $ab_args
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py

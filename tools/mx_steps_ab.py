@@ -7,8 +7,10 @@ kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained c
             (four kernels) against grouped_gemm_bf16_swiglu_gather_mxfp8_out (its epilogue writes all three)
     dgrad   the backward's down dgrad: the saved MXFP8 gate/up dequantized, then the BF16 op (GEMM + SwiGLU
             backward: four kernels) against grouped_gemm_bf16_dgrad_swiglu_mxfp8 (its SwiGLU kernel reads them)
+    row_round_trips  the backward's round trips over row buffers of a no-sync schedule (dy, d_gate, d_up dual;
+            h column-wise) over every row against stopping at the real rows (counts=sched.counts)
 
-    python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad] [--rounds 5]
+    python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad row_round_trips] [--rounds 5]
     (device step `mx_steps_ab`; rows to $OUT/mx_steps_ab.csv when OUT is set)
 """
 
@@ -20,6 +22,7 @@ import os
 import sys
 
 import pandas as pd
+import torch
 
 from mok import bench, ops
 from mok.config import STANDARD_SHAPES, get_shape
@@ -36,12 +39,25 @@ def _dequantize_then_dgrad(dy_rows, w_down, gate_mx, up_mx, sched):
                                               ops.mxfp8_dequantize(*up_mx), sched)  # [R, I] each
 
 
+def _row_round_trips(i, counts):
+    """The MXFP8 backward's round trips over the row buffers of the level's no-sync schedule, as mok.fused runs
+    them: dy [R, H], d_gate and d_up [R, I] dual, h [R, I] column-wise."""
+    dy, a = i["spare"]["dy_rows"], i["spare"]["a_rows"]
+    return (ops.mxfp8_fake_quantize_dual(dy, counts=counts), ops.mxfp8_fake_quantize_dual(a, counts=counts),
+            ops.mxfp8_fake_quantize_dual(a, counts=counts), ops.mxfp8_fake_quantize(a, -2, counts=counts))
+
+
 def with_backward_operands(inputs: dict, sched) -> dict:
     """inputs plus what the dgrad step reads: dy_rows (x's rows in the schedule's order: zeros in padding rows)
-    and the MXFP8 gate/up of the forward's GEMM1."""
+    and the MXFP8 gate/up of the forward's GEMM1; and the row_round_trips step's: a no-sync schedule of the same
+    routing (max_num_rows rows) with row buffers of its size."""
     _, gate_mx, up_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(inputs["x"], inputs["w_gate"], inputs["w_up"],
                                                                       sched)
-    return {**inputs, "dy_rows": ops.gather_rows_cuda(inputs["x"], sched), "gate_mx": gate_mx, "up_mx": up_mx}
+    nosync = ops.make_schedule_cuda(inputs["topk_idx"], sched.num_experts, sync=False)
+    x = inputs["x"]
+    spare = {"sched": nosync, "dy_rows": ops.gather_rows_cuda(x, nosync),  # [R', H]
+             "a_rows": torch.randn(nosync.num_rows, inputs["w_gate"].shape[1], device=x.device).to(x.dtype)}
+    return {**inputs, "dy_rows": ops.gather_rows_cuda(x, sched), "gate_mx": gate_mx, "up_mx": up_mx, "spare": spare}
 
 
 # step -> {way: fn(inputs, sched)}, the separate kernels first
@@ -55,6 +71,8 @@ STEPS = {
                                                                            i["up_mx"], s),
               "dgrad_swiglu_mxfp8": lambda i, s: ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(i["dy_rows"], i["w_down"],
                                                                                           i["gate_mx"], i["up_mx"], s)},
+    "row_round_trips": {"every_row": lambda i, s: _row_round_trips(i, None),
+                        "real_rows": lambda i, s: _row_round_trips(i, i["spare"]["sched"].counts)},
 }
 
 

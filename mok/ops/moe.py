@@ -112,11 +112,12 @@ def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tens
     for the weight gradients): x bf16 [num_tokens, hidden] (hidden % 8 == 0) -> bf16 [sched.num_rows, hidden].
     Each 32-row block reads its rows straight from x (a token's row once per route), so the gathered copy is
     never written and read back: 4 bytes moved per row element against 6 + the gather's read of x. Zero rows
-    where row_to_token is -1; a token id past num_tokens makes its column blocks NaN (never read past x)."""
+    where row_to_token is -1; a token id past num_tokens makes its column blocks NaN (never read past x). The
+    schedule's spare rows (from sched.counts[0] on, read on the device) are neither read nor written."""
     hidden = _check_x_and_schedule(x, sched)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows], num_rows % 128 == 0
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    load_extension().mxfp8_fake_quantize_gathered(x, row_to_token, out)
+    load_extension().mxfp8_fake_quantize_gathered(x, row_to_token, out, real_num_rows(sched, x.device))
     return out
 
 

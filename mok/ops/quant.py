@@ -5,12 +5,14 @@ outputs in the logical layout.
     mxfp8_quantize_colwise(x)  -> (data, scales)   blocks along dim -2; scales [..., rows // 32, cols]
     mxfp8_quantize_dual(x)     -> ((data_row, scales_row), (data_col, scales_col)), one read of x
     mxfp8_dequantize(data, scales, dim=-1) -> bf16
-    mxfp8_fake_quantize(x, dim=-1) -> bf16         mxfp8_dequantize(*quantize(x), dim) in one pass
-    mxfp8_fake_quantize_dual(x) -> (row, col)      both directions from one read of x, bf16
+    mxfp8_fake_quantize(x, dim=-1, counts=None) -> bf16      mxfp8_dequantize(*quantize(x), dim) in one pass
+    mxfp8_fake_quantize_dual(x, counts=None) -> (row, col)   both directions from one read of x, bf16
 
 x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
 cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
 `variant` picks a kernel kept for the benchmark's record (docs/mxfp8_kernels.md); 0 is the default.
+`counts` (a schedule's Schedule.counts) stops a column-wise round trip over that schedule's row buffer at its
+real rows: the MXFP8 backward's operands, whose spare rows no GEMM reads (mok.fused).
 """
 
 from __future__ import annotations
@@ -94,24 +96,45 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
     return out
 
 
-def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def check_counts(counts, x: torch.Tensor) -> None:
+    """counts of a round trip over a schedule's row buffer x [rows, cols]: None, or the schedule's device counts
+    (Schedule.counts: int32, counts[0] its real row count; the rows from there on are spare)."""
+    if counts is None:
+        return
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 or counts.numel() < 1:
+        fail("counts", "None or a schedule's int32 counts tensor", counts)
+    if counts.device != x.device or not counts.is_contiguous():
+        fail("counts", f"a contiguous tensor on {x.device} (x's device)", f"device {counts.device}")
+    if x.dim() != 2:
+        fail("counts", f"None for x of rank {x.dim()} (counts bound the rows of a 2D row buffer)", "a tensor")
+
+
+def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1, counts: torch.Tensor | None = None) -> torch.Tensor:
     """The MXFP8 round trip of x in one kernel: mxfp8_dequantize(*mxfp8_quantize_*(x), dim) bit for bit (L0's
     mok.mxfp8.fake_quantize), without the E4M3 bytes and scales in memory: 4 bytes moved per element instead
-    of 6. dim = -1 (row-wise) or -2 (column-wise). Returns bf16, x.shape."""
+    of 6. dim = -1 (row-wise) or -2 (column-wise). Returns bf16, x.shape.
+    counts (column-wise only): a schedule's device counts for x, a row buffer of that schedule: the 32-row
+    blocks from counts[0] on (its spare rows, which no GEMM reads) are neither read nor written, so the output
+    holds whatever torch.empty left there."""
     check_cuda_tensor("x", x, torch.bfloat16)
     if dim not in (-1, -2, x.dim() - 1, x.dim() - 2):
         fail("dim", f"-1 or -2 (or {x.dim() - 1} / {x.dim() - 2}) for x of rank {x.dim()}", dim)
     rowwise = dim in (-1, x.dim() - 1)
     _check_blocks("x", tuple(x.shape), rowwise=rowwise, colwise=not rowwise)
+    check_counts(counts, x)
+    if rowwise and counts is not None:
+        fail("counts", "None for a row-wise round trip (dim -1)", "a tensor")
     out = torch.empty_like(x)  # x.shape, bf16
-    load_extension().mxfp8_fake_quantize(x, out, None, rowwise)
+    load_extension().mxfp8_fake_quantize(x, out, None, rowwise, counts)
     return out
 
 
-def mxfp8_fake_quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mxfp8_fake_quantize(x, -1), mxfp8_fake_quantize(x, -2)) from one read of x, bf16 x.shape each."""
+def mxfp8_fake_quantize_dual(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mxfp8_fake_quantize(x, -1), mxfp8_fake_quantize(x, -2)) from one read of x, bf16 x.shape each; counts
+    as mxfp8_fake_quantize's (both outputs' spare blocks left alone)."""
     check_cuda_tensor("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
+    check_counts(counts, x)
     out_row, out_col = torch.empty_like(x), torch.empty_like(x)  # x.shape each
-    load_extension().mxfp8_fake_quantize(x, out_col, out_row, False)
+    load_extension().mxfp8_fake_quantize(x, out_col, out_row, False, counts)
     return out_row, out_col

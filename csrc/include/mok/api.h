@@ -26,13 +26,15 @@ cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void*
                                      int64_t cols, cudaStream_t stream);
 
 // BF16 -> MXFP8 -> BF16 in one pass (the dequantized values, no bytes or scales written): row-wise over numel
-// elements; column-wise (out_row null) or dual (both directions from one read) over [rows, cols].
+// elements; column-wise (out_row null) or dual (both directions from one read) over [rows, cols]. The tiled
+// ones leave the 32-row blocks from *real_num_rows on (int32 on the device; null: none) unread and unwritten.
 cudaError_t mxfp8_fake_quantize_rowwise(const void* x, void* out, int64_t numel, cudaStream_t stream);
 cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows, int64_t cols,
-                                      cudaStream_t stream);
+                                      const int32_t* real_num_rows, cudaStream_t stream);
 // Column-wise over [rows, cols] of x's rows gathered by row_to_token (int32 [rows]; negative: a zero row).
 cudaError_t mxfp8_fake_quantize_gathered_colwise(const void* x, const int32_t* row_to_token, void* out, int64_t rows,
-                                                 int64_t num_src_rows, int64_t cols, cudaStream_t stream);
+                                                 int64_t num_src_rows, int64_t cols, const int32_t* real_num_rows,
+                                                 cudaStream_t stream);
 
 // The quantizers' bandwidth ceilings for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
 // plain kernel (a graph-capturable copy that is not a memcpy node). variant 0: the benchmark's same-size copy;

@@ -23,9 +23,9 @@ inline cudaError_t launch_fake_quantize_rowwise(const void* x, void* out, int64_
 }
 
 // Column-wise (out_row null) or dual: x, out_col, out_row bf16 [rows, cols]; rows % 32 == 0, cols % 8 == 0
-// (dual: cols % 32 == 0).
+// (dual: cols % 32 == 0). real_num_rows (device, or null): the 32-row blocks from it on are left untouched.
 inline cudaError_t launch_fake_quantize_tiled(const void* x, void* out_col, void* out_row, int64_t rows,
-                                              int64_t cols, cudaStream_t stream) {
+                                              int64_t cols, const int32_t* real_num_rows, cudaStream_t stream) {
   const bool dual = out_row != nullptr;
   if (rows % kBlockSize != 0 || cols % kChunkElems != 0 || (dual && cols % kBlockSize != 0))
     return cudaErrorInvalidValue;
@@ -38,17 +38,17 @@ inline cudaError_t launch_fake_quantize_tiled(const void* x, void* out_col, void
   const auto kernel =
       dual ? quantize_tiled_kernel<4, kWarps, true, true> : quantize_tiled_kernel<4, kWarps, false, true>;
   kernel<<<ceil_div(tiles, kWarps), kWarps * kWarpSize, 0, stream>>>(static_cast<const uint8_t*>(x), out, rows, cols,
-                                                                       RowSource{});
+                                                                       RowSource{nullptr, 0, real_num_rows});
   return cudaGetLastError();
 }
 
 // Column-wise, of rows gathered by a schedule: out [rows, cols] = the column-wise round trip of
 // gather_rows(x, row_to_token), x bf16 [num_src_rows, cols]; rows % 32 == 0, cols % 8 == 0. The 32 rows of a
 // block are read straight from x (a token's row once per route, against the gather's once plus a write and a
-// read of the gathered copy).
+// read of the gathered copy). real_num_rows as in launch_fake_quantize_tiled.
 inline cudaError_t launch_fake_quantize_gathered_colwise(const void* x, const int32_t* row_to_token, void* out,
                                                          int64_t rows, int64_t num_src_rows, int64_t cols,
-                                                         cudaStream_t stream) {
+                                                         const int32_t* real_num_rows, cudaStream_t stream) {
   if (rows % kBlockSize != 0 || cols % kChunkElems != 0) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
   TiledOut tiled{nullptr, nullptr, nullptr, nullptr};
@@ -56,7 +56,7 @@ inline cudaError_t launch_fake_quantize_gathered_colwise(const void* x, const in
   constexpr int kWarps = 8;
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, ColTile<4>::kCols);
   quantize_tiled_kernel<4, kWarps, false, true, true><<<ceil_div(tiles, kWarps), kWarps * kWarpSize, 0, stream>>>(
-      static_cast<const uint8_t*>(x), tiled, rows, cols, RowSource{row_to_token, num_src_rows});
+      static_cast<const uint8_t*>(x), tiled, rows, cols, RowSource{row_to_token, num_src_rows, real_num_rows});
   return cudaGetLastError();
 }
 

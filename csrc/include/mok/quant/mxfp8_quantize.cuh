@@ -172,12 +172,15 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
   }
 }
 
-// Where a kGather tiled kernel's rows come from: row r of its input is x's row `row_to_token[r]` of
+// Where a tiled kernel's rows come from. kGather: row r of its input is x's row `row_to_token[r]` of
 // `num_src_rows` (a schedule's dispatch, mok.schedule.gather_rows: zeros where it is negative, NaN past x, never
-// read there). The other instantiations read row r itself and ignore it.
+// read there); the other instantiations read row r itself and ignore both. Every instantiation: with
+// `real_num_rows` set (a schedule's counts[0] on the device: its rows past it are spare, never read by a GEMM),
+// a 32-row block that starts at or past *real_num_rows is neither read nor written.
 struct RowSource {
   const int32_t* row_to_token = nullptr;  // [rows]
   int64_t num_src_rows = 0;
+  const int32_t* real_num_rows = nullptr;  // [1] on the device, or null: every row
 };
 
 // kDual = false: column-wise only. kDual = true: also row-wise. One warp tile per warp, loads straight
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   const int lane = static_cast<int>(lane_id());
   const int row_lane = lane / Tile::kColLanes, col_lane = lane % Tile::kColLanes;
   const int64_t row0 = (tile / col_tiles) * kBlockSize;                       // first row of the block
+  if (src.real_num_rows != nullptr && row0 >= __ldg(src.real_num_rows)) return;  // a spare block: whole warps
   const int64_t col = (tile % col_tiles) * Tile::kCols + col_lane * kChunkElems;  // first of 8 columns
   const bool valid = col < cols;  // cols % 8 == 0: a chunk is all in or all out
 
