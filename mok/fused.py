@@ -66,9 +66,9 @@ writes 2), twice the GEMM's own read of the bf16 operand, and the weights domina
 both directions. With MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element)
 and its GEMMs read 1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs
 1.45-1.9x their BF16 time on the H200 (docs/l2_fused.md); the backward round-trips every operand either way.
-Inside `mok.mxfp8_weight_cache()` (mok.mx_cache) the routed weights' round trips (`_mx_weight`; with
-MOK_MX_WEIGHTS=mainloop the forward's quantized weights, `_q_weight`) are computed once per weight version and
-reused across calls, as gradient accumulation allows; outside it, every call computes them.
+Inside `mok.mxfp8_weight_cache()` (mok.mx_cache) the routed weights' round trips (`_mx_weight`: both directions
+from one dual kernel; with MOK_MX_WEIGHTS=mainloop the forward's quantized weights, `_q_weight`) are computed once
+per weight version and reused across calls, as gradient accumulation allows; outside it, every call computes them.
 """
 
 from __future__ import annotations
@@ -181,10 +181,15 @@ def _mx_dual(t: torch.Tensor, precision: str, sched: Schedule) -> tuple[torch.Te
 
 
 def _mx_weight(w: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
-    """_mx for a routed weight [E, *, *]; inside mok.mxfp8_weight_cache() its round trip is computed once per
-    weight version and reused across calls (mok.mx_cache). Activations never take this path."""
+    """_mx for a routed weight [E, *, *]; inside mok.mxfp8_weight_cache() computed once per weight version and
+    reused across calls (mok.mx_cache). There, on the default weight path, both of its round trips (the
+    forward's dim -1, the backward's dim -2) come from one dual kernel at the first call: 6 bytes moved per
+    element instead of 4 + 4. Activations never take this path."""
     if precision == "bf16":
         return w
+    if mx_cache.active() and mx_weights_from_env() == "dequantize":  # the forward reads the row-wise one too
+        row, col = mx_cache.lookup(w, ("fake_quantize_dual",), lambda: ops.mxfp8_fake_quantize_dual(w))
+        return row if dim in (-1, w.dim() - 1) else col
     return mx_cache.lookup(w, ("fake_quantize", dim), lambda: _mx(w, dim, precision))  # computes outside a context
 
 

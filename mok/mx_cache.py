@@ -10,12 +10,15 @@ trip along its K on every call: row-wise (dim -1) in the forward, column-wise (d
 moved per weight element each time (mok.fused `_mx`). A round trip is a pure function of the weight's values,
 so while the weights do not change (the micro-batches of one optimizer step) it can be computed once: the same
 bits, less time, and more memory until the context exits: one bf16 copy of each routed weight per direction,
-2x the routed weights' bytes (`nbytes()` says what is held). With MOK_MX_WEIGHTS=mainloop the forward's
-quantized weights (E4M3 data + scales, 1 + 1/32 bytes per element) are cached the same way instead of the
-row-wise round trips. Activations, the shared expert and precision "bf16" never touch the cache.
+2x the routed weights' bytes (`nbytes()` says what is held). Both directions come from one read of the weight
+(mxfp8_fake_quantize_dual) at its first use, so even one forward + backward inside a context moves 6 bytes per
+weight element instead of 8; a forward alone then holds both copies too. With MOK_MX_WEIGHTS=mainloop the
+forward's quantized weights (E4M3 data + scales, 1 + 1/32 bytes per element) are cached instead of the row-wise
+round trips, and the column-wise ones on their own. Activations, the shared expert and precision "bf16" never
+touch the cache.
 
 Inside a context, an entry is keyed by the weight's identity (data_ptr, shape, stride, dtype, device) and what
-was computed from it, e.g. ("fake_quantize", -2), and is valid while
+was computed from it, e.g. ("fake_quantize_dual",), and is valid while
   - the weight's storage is alive (a weak reference: once it is freed, another tensor allocated at the same
     address is a miss, never a stale hit; a freed weight's entry is dropped at the next miss), and
   - the weight's `_version` is the one it was computed at: an in-place update through the tensor or a view of

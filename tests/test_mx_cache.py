@@ -26,8 +26,8 @@ WEIGHTS = ("w_gate", "w_up", "w_down")  # the routed weights: the only tensors t
 
 @pytest.fixture
 def quantizer_calls(monkeypatch) -> list:
-    """Every kernel replaced by its L0 twin, no device check; each call of the two weight quantizers the cache
-    stands in front of is logged as (name, rank, dim)."""
+    """Every kernel replaced by its L0 twin, no device check; each call of the three weight quantizers the cache
+    stands in front of is logged as (name, rank, dim) (dual: dim None)."""
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, getattr(twins, name))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
@@ -37,11 +37,16 @@ def quantizer_calls(monkeypatch) -> list:
         log.append(("fake_quantize", x.dim(), dim))
         return twins.mxfp8_fake_quantize(x, dim, counts)
 
+    def fake_quantize_dual(x, counts=None):
+        log.append(("fake_quantize_dual", x.dim(), None))
+        return twins.mxfp8_fake_quantize_dual(x, counts)
+
     def quantize_rowwise(x, variant=0):
         log.append(("quantize_rowwise", x.dim(), -1))
         return twins.mxfp8_quantize_rowwise(x, variant)
 
     monkeypatch.setattr(ops, "mxfp8_fake_quantize", fake_quantize)
+    monkeypatch.setattr(ops, "mxfp8_fake_quantize_dual", fake_quantize_dual)
     monkeypatch.setattr(ops, "mxfp8_quantize_rowwise", quantize_rowwise)
     return log
 
@@ -74,17 +79,21 @@ def _assert_same_bits(a, b, what: str) -> None:
         assert bitwise_equal(ga, gb), f"{what}: {name}"
 
 
-# (MOK_MX_WEIGHTS, weight quantizer calls of one forward + backward): the round trips along K in the forward
-# (row-wise, dim -1) and in the backward (column-wise, dim -2); mainloop quantizes the forward's weights instead
+# (MOK_MX_WEIGHTS, weight quantizer calls of one forward + backward without the cache): the round trips along
+# K in the forward (row-wise, dim -1) and in the backward (column-wise, dim -2); mainloop quantizes the forward's
+# weights instead. CACHED: the calls inside a context, where the dequantize path makes both round trips of a
+# weight in one dual call.
 CALLS = {"dequantize": sorted([("fake_quantize", 3, -1)] * 3 + [("fake_quantize", 3, -2)] * 3),
          "mainloop": sorted([("quantize_rowwise", 3, -1)] * 3 + [("fake_quantize", 3, -2)] * 3)}
+CACHED = {"dequantize": [("fake_quantize_dual", 3, None)] * 3, "mainloop": CALLS["mainloop"]}
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
 @pytest.mark.parametrize("path", list(CALLS))
 def test_same_bits_and_each_weight_quantized_once(quantizer_calls, monkeypatch, path, shape):
-    """Inside one context the first call computes every routed weight's round trip (6), the second none, and
-    both give the bits of a call without the cache; the cache holds the documented memory."""
+    """Inside one context the first call computes every routed weight's round trips (6, by 3 dual calls in the
+    dequantize path), the second none, and both give the bits of a call without the cache; the cache holds the
+    documented memory."""
     monkeypatch.setenv(fused.MX_WEIGHTS_ENV, path)
     seed = fresh_seed()
     inputs = _inputs(shape, seed)
@@ -92,7 +101,7 @@ def test_same_bits_and_each_weight_quantized_once(quantizer_calls, monkeypatch, 
     assert sorted(_weight_calls(quantizer_calls)) == CALLS[path]
     with mok.mxfp8_weight_cache():
         first = run_level(fused, inputs, precision="mxfp8", swiglu_limit=0.7)
-        assert sorted(_weight_calls(quantizer_calls)) == CALLS[path], f"seed {seed}"
+        assert sorted(_weight_calls(quantizer_calls)) == CACHED[path], f"seed {seed}"
         second = run_level(fused, inputs, precision="mxfp8", swiglu_limit=0.7)
         assert _weight_calls(quantizer_calls) == [], f"second call quantized weights again (seed {seed})"
         n = sum(inputs[w].numel() for w in WEIGHTS)
@@ -104,8 +113,8 @@ def test_same_bits_and_each_weight_quantized_once(quantizer_calls, monkeypatch, 
 
 def test_gradient_accumulation_through_mok_moe(quantizer_calls):
     """The use it is for: micro-batches through the autograd op with one set of weights; the accumulated
-    weight gradients are the uncached ones bit for bit, from 6 weight round trips in all instead of 6 per
-    micro-batch."""
+    weight gradients are the uncached ones bit for bit, from 3 dual weight round trips in all instead of 6 round
+    trips per micro-batch."""
     seed = fresh_seed()
     batches = [make_inputs(TINY_SHAPES["tiny"], seed=seed + i) for i in range(3)]  # fresh x, routing, d_out
     names = [n for n in batches[0] if n.startswith("w_")]  # routed and shared weights
@@ -120,15 +129,15 @@ def test_gradient_accumulation_through_mok_moe(quantizer_calls):
     plain = accumulate(contextlib.nullcontext())
     assert len(_weight_calls(quantizer_calls)) == 6 * len(batches)
     cached = accumulate(mok.mxfp8_weight_cache())
-    assert len(_weight_calls(quantizer_calls)) == 6
+    assert _weight_calls(quantizer_calls) == CACHED["dequantize"]
     for n, a, b in zip(names, cached, plain):
         assert bitwise_equal(a, b), f"{n} (seed {seed})"
 
 
 @pytest.mark.parametrize("name", WEIGHTS)
 def test_in_place_update_inside_the_context_recomputes(quantizer_calls, name):
-    """An optimizer-like in-place update bumps the weight's _version: its two round trips are recomputed (the
-    others reused), and the results are a fresh uncached run's with the updated weight."""
+    """An optimizer-like in-place update bumps the weight's _version: its round trips are recomputed, by one
+    dual call (the others reused), and the results are a fresh uncached run's with the updated weight."""
     seed = fresh_seed()
     inputs = _inputs("tiny", seed)
     with mok.mxfp8_weight_cache():
@@ -137,7 +146,7 @@ def test_in_place_update_inside_the_context_recomputes(quantizer_calls, name):
         with torch.no_grad():
             inputs[name].add_(1)
         after = run_level(fused, inputs, precision="mxfp8")
-        assert len(_weight_calls(quantizer_calls)) == 2, f"{name}: forward and backward round trips again"
+        assert _weight_calls(quantizer_calls) == CACHED["dequantize"][:1], f"{name}: both round trips again"
     fresh = run_level(fused, inputs, precision="mxfp8")
     _assert_same_bits(after, fresh, f"{name} updated (seed {seed})")
     assert not bitwise_equal(after[0], before[0]), f"{name}: the update changed nothing to test (seed {seed})"
@@ -245,23 +254,29 @@ def test_a_new_tensor_at_a_freed_weights_address_is_a_miss():
 @pytest.mark.sm90
 def test_cached_weights_give_the_uncached_bits_on_the_gpu(monkeypatch):
     """The kernels themselves (no twins): two forward+backward calls inside the context give the bits of a call
-    outside it, and the second call runs no weight round trip (the kernels' outputs are reused, not recomputed)."""
+    outside it, and the second call runs no weight round trip (the kernels' outputs are reused, not recomputed):
+    the first runs one dual round trip per routed weight."""
     seed = fresh_seed()
     inputs = make_inputs(TINY_SHAPES["tiny-top8"], device="cuda", seed=seed, draw_on="cuda")
     expected = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
     weight_calls = []
-    kernel = ops.mxfp8_fake_quantize
+    kernel, dual = ops.mxfp8_fake_quantize, ops.mxfp8_fake_quantize_dual
 
     def counted(x, dim=-1, counts=None):
         weight_calls.extend([dim] if x.dim() == 3 else [])
         return kernel(x, dim, counts=counts)
 
+    def counted_dual(x, counts=None):
+        weight_calls.extend(["dual"] if x.dim() == 3 else [])
+        return dual(x, counts=counts)
+
     monkeypatch.setattr(ops, "mxfp8_fake_quantize", counted)
+    monkeypatch.setattr(ops, "mxfp8_fake_quantize_dual", counted_dual)
     with mok.mxfp8_weight_cache():
         for call in range(2):
             out, grads = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
             assert bitwise_equal(out, expected[0]), f"out: call {call} differs from the uncached bits (seed {seed})"
             for name, a, b in zip(GRAD_NAMES, grads, expected[1]):
                 assert bitwise_equal(a, b), f"{name}: call {call} differs from the uncached bits (seed {seed})"
-            assert sorted(weight_calls) == ([-2] * 3 + [-1] * 3 if call == 0 else []), weight_calls
+            assert weight_calls == (["dual"] * 3 if call == 0 else []), weight_calls
             weight_calls.clear()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mok import ops, twins
+from mok import fused, ops, twins
 from mok.config import TINY_SHAPES
 from mok.testing import bitwise_equal, fresh_seed, make_inputs
 
@@ -18,12 +18,15 @@ spec.loader.exec_module(mx_steps_ab)
 
 
 def _flat(out) -> list[torch.Tensor]:
-    return [t for item in out for t in _flat(item)] if isinstance(out, tuple) else [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _flat(item)]
+    return [] if out is None else [out]
 
 
 def test_both_ways_of_every_step_give_the_same_bits(monkeypatch):
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, getattr(twins, name))
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)  # cache_step runs the level
     seed = fresh_seed()
     cfg = TINY_SHAPES["tiny"]
     inputs = make_inputs(cfg, seed=seed)

@@ -9,14 +9,19 @@ kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained c
             backward: four kernels) against grouped_gemm_bf16_dgrad_swiglu_mxfp8 (its SwiGLU kernel reads them)
     row_round_trips  the backward's round trips over row buffers of a no-sync schedule (dy, d_gate, d_up dual;
             h column-wise) over every row against stopping at the real rows (counts=sched.counts)
+    weights the routed weights' two round trips (row-wise, column-wise: 4 + 4 bytes per element) against one dual
+            kernel (6 bytes), what mok.mxfp8_weight_cache computes at a weight's first use
+    cache_step  one forward + backward of the level in mxfp8: uncached against inside a fresh
+            mok.mxfp8_weight_cache() (an optimizer step of one micro-batch; the cache then holds 2x the weights)
 
-    python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad row_round_trips] [--rounds 5]
+    python tools/mx_steps_ab.py [--steps x_rows gemm1 dgrad row_round_trips weights cache_step] [--rounds 5]
     (device step `mx_steps_ab`; rows to $OUT/mx_steps_ab.csv when OUT is set)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -24,9 +29,9 @@ import sys
 import pandas as pd
 import torch
 
-from mok import bench, ops
+from mok import bench, fused, mx_cache, ops
 from mok.config import STANDARD_SHAPES, get_shape
-from mok.testing import make_inputs
+from mok.testing import make_inputs, run_level
 
 
 def _gemm1_then_quantizers(x, w_gate, w_up, sched):
@@ -47,6 +52,20 @@ def _row_round_trips(i, counts):
             ops.mxfp8_fake_quantize_dual(a, counts=counts), ops.mxfp8_fake_quantize(a, -2, counts=counts))
 
 
+def _weights_per_direction(i):
+    return [ops.mxfp8_fake_quantize(i[w], d) for w in WEIGHTS for d in (-1, -2)]
+
+
+def _weights_dual(i):
+    return [t for w in WEIGHTS for t in ops.mxfp8_fake_quantize_dual(i[w])]
+
+
+def _layer_step(i, cached: bool):
+    """(out, grads) of the fused level's mxfp8 forward + backward, inside a fresh weight cache if `cached`."""
+    with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
+        return run_level(fused, i, precision="mxfp8")
+
+
 def with_backward_operands(inputs: dict, sched) -> dict:
     """inputs plus what the dgrad step reads: dy_rows (x's rows in the schedule's order: zeros in padding rows)
     and the MXFP8 gate/up of the forward's GEMM1; and the row_round_trips step's: a no-sync schedule of the same
@@ -59,6 +78,8 @@ def with_backward_operands(inputs: dict, sched) -> dict:
              "a_rows": torch.randn(nosync.num_rows, inputs["w_gate"].shape[1], device=x.device).to(x.dtype)}
     return {**inputs, "dy_rows": ops.gather_rows_cuda(x, sched), "gate_mx": gate_mx, "up_mx": up_mx, "spare": spare}
 
+
+WEIGHTS = ("w_gate", "w_up", "w_down")  # the routed weights
 
 # step -> {way: fn(inputs, sched)}, the separate kernels first
 STEPS = {
@@ -73,6 +94,8 @@ STEPS = {
                                                                                           i["gate_mx"], i["up_mx"], s)},
     "row_round_trips": {"every_row": lambda i, s: _row_round_trips(i, None),
                         "real_rows": lambda i, s: _row_round_trips(i, i["spare"]["sched"].counts)},
+    "weights": {"per_direction": lambda i, s: _weights_per_direction(i), "dual": lambda i, s: _weights_dual(i)},
+    "cache_step": {"uncached": lambda i, s: _layer_step(i, False), "fresh_cache": lambda i, s: _layer_step(i, True)},
 }
 
 
