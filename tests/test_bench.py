@@ -103,7 +103,7 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     """`moe --mx-weight-cache` (the fused level on its L0 twins): the mxfp8 rows say so in their notes, carry
     the cache's size, and go to their own CSV (KEY has no notes); the timed runs reuse the warm-up's weight
     round trips, so the weights are quantized only by the saved_gb forward (3, outside) and the first warm-up
-    (6) instead of in every run (3 + 13 forward + backward runs x 6)."""
+    (3 dual calls) instead of in every run (3 + 13 forward + backward runs x 6)."""
     monkeypatch.setattr(bench, "DATA", tmp_path)
     argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
             "--peers", "--iters", "2", "--warmup-ms", "0"] + (["--mx-weight-cache"] if cached else [])
@@ -113,8 +113,9 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     row = bench.read_rows(csv).query("level == 'fused'").iloc[0]
     assert row.notes == f"{fused.MX_WEIGHTS_ENV}=dequantize" + ("; mxfp8_weight_cache" if cached else "")
     weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
-                       if name == "mxfp8_fake_quantize" and len(dict(args)["x"][0]) == 3)  # [E, *, *]: a weight
-    assert weight_calls == (3 + 6 if cached else 3 + (3 + 10) * 6)
+                       if name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
+                       and len(dict(args)["x"][0]) == 3)  # [E, *, *]: a weight
+    assert weight_calls == (3 + 3 if cached else 3 + (3 + 10) * 6)
     cfg = TINY_SHAPES["tiny"]
     weight_bytes = 3 * cfg.num_experts * cfg.intermediate * cfg.hidden * 2  # w_gate, w_up, w_down in bf16
     if cached:  # one bf16 round trip per weight and direction
