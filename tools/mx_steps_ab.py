@@ -1,5 +1,5 @@
-"""MXFP8 steps both ways in one process, per standard shape: the separate kernels they replaced against the one
-kernel of the level today. Every timing after mok.bench.WARMUP_MS of sustained calls, in alternating rounds.
+"""MXFP8 steps both ways in one process, per standard shape: the way the level ran them before against the way
+it runs them today. Every timing after mok.bench.WARMUP_MS of sustained calls, in alternating rounds.
 
     x_rows  the backward's x rows: gather_rows_cuda then the column-wise round trip (two kernels, the gathered copy
             written and read back) against mxfp8_fake_quantize_gathered
@@ -32,6 +32,8 @@ import torch
 from mok import bench, fused, mx_cache, ops
 from mok.config import STANDARD_SHAPES, get_shape
 from mok.testing import make_inputs, run_level
+
+WEIGHTS = ("w_gate", "w_up", "w_down")  # the routed weights
 
 
 def _gemm1_then_quantizers(x, w_gate, w_up, sched):
@@ -78,8 +80,6 @@ def with_backward_operands(inputs: dict, sched) -> dict:
              "a_rows": torch.randn(nosync.num_rows, inputs["w_gate"].shape[1], device=x.device).to(x.dtype)}
     return {**inputs, "dy_rows": ops.gather_rows_cuda(x, sched), "gate_mx": gate_mx, "up_mx": up_mx, "spare": spare}
 
-
-WEIGHTS = ("w_gate", "w_up", "w_down")  # the routed weights
 
 # step -> {way: fn(inputs, sched)}, the separate kernels first
 STEPS = {

@@ -96,7 +96,7 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
     return out
 
 
-def check_counts(counts, x: torch.Tensor) -> None:
+def _check_counts(counts, x: torch.Tensor) -> None:
     """counts of a round trip over a schedule's row buffer x [rows, cols]: None, or the schedule's device counts
     (Schedule.counts: int32, counts[0] its real row count; the rows from there on are spare)."""
     if counts is None:
@@ -121,7 +121,7 @@ def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1, counts: torch.Tensor | N
         fail("dim", f"-1 or -2 (or {x.dim() - 1} / {x.dim() - 2}) for x of rank {x.dim()}", dim)
     rowwise = dim in (-1, x.dim() - 1)
     _check_blocks("x", tuple(x.shape), rowwise=rowwise, colwise=not rowwise)
-    check_counts(counts, x)
+    _check_counts(counts, x)
     if rowwise and counts is not None:
         fail("counts", "None for a row-wise round trip (dim -1)", "a tensor")
     out = torch.empty_like(x)  # x.shape, bf16
@@ -134,7 +134,7 @@ def mxfp8_fake_quantize_dual(x: torch.Tensor, counts: torch.Tensor | None = None
     as mxfp8_fake_quantize's (both outputs' spare blocks left alone)."""
     check_cuda_tensor("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
-    check_counts(counts, x)
+    _check_counts(counts, x)
     out_row, out_col = torch.empty_like(x), torch.empty_like(x)  # x.shape each
     load_extension().mxfp8_fake_quantize(x, out_col, out_row, False, counts)
     return out_row, out_col
