@@ -82,6 +82,17 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0) -> flo
     return statistics.median(times)
 
 
+def alternating_rounds(ways: dict, rounds: int, iters: int = 20) -> list[dict]:
+    """[{"way", "round", "time_ms"}]: each fn() of `ways` (name -> fn) timed by time_ms after WARMUP_MS of sustained
+    calls, once per round, in the given order on even rounds and reversed on odd ones, so that a drift of the
+    machine over the rounds (clocks, power cap) falls on every way alike: the in-process A/B of the tools."""
+    rows = []
+    for r in range(rounds):
+        for way in list(ways)[:: 1 if r % 2 == 0 else -1]:
+            rows.append({"way": way, "round": r, "time_ms": time_ms(ways[way], iters, warmup_ms=WARMUP_MS)})
+    return rows
+
+
 def timings(pass_: str, iters: int) -> int:
     """Timed runs of a pass (DESIGN §8): `iters` (≥ 20) forward, half of it, at least 10, with a backward."""
     return iters if pass_ == "fwd" else max(10, iters // 2)

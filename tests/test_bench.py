@@ -295,3 +295,14 @@ def test_parts_rows_on_hopper(shape):
             assert r["tflops"] > 0 and r["frac_of_ceiling"] > 0, r
         if r["kind"] in ("gemm", "memory"):
             assert r["share_of_pass"] > 0, r
+
+
+def test_alternating_rounds_reverse_the_order_every_other_round(monkeypatch):
+    """Each way once per round, in order on even rounds and reversed on odd ones (a drift falls on all alike)."""
+    monkeypatch.setattr(bench, "WARMUP_MS", 0.0)
+    calls = []
+    ways = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    rows = bench.alternating_rounds(ways, rounds=3, iters=1)
+    assert [(r["round"], r["way"]) for r in rows] == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                     (2, "a"), (2, "b"), (2, "c")]
+    assert all(r["time_ms"] >= 0 for r in rows) and set(calls) == {"a", "b", "c"}

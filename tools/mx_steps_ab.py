@@ -104,7 +104,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS))
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
-    time_fn = functools.partial(bench.time_ms, warmup_ms=bench.WARMUP_MS)
     rows = []
     for name in STANDARD_SHAPES:
         cfg = get_shape(name)
@@ -112,12 +111,9 @@ def main(argv=None) -> int:
         sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts)
         inputs = with_backward_operands(inputs, sched)
         for step in args.steps:
-            ways = STEPS[step]
-            for r in range(args.rounds):
-                for way in (ways if r % 2 == 0 else reversed(list(ways))):
-                    ms = time_fn(functools.partial(ways[way], inputs, sched), 20)
-                    rows.append({"shape": name, "step": step, "way": way, "round": r, "time_ms": ms,
-                                 "num_rows": sched.num_rows, **bench.provenance()})
+            ways = {way: functools.partial(fn, inputs, sched) for way, fn in STEPS[step].items()}
+            rows += [{"shape": name, "step": step, **row, "num_rows": sched.num_rows, **bench.provenance()}
+                     for row in bench.alternating_rounds(ways, args.rounds)]
     df = pd.DataFrame(rows)
     for step in args.steps:
         table = df[df.step == step].pivot_table(index="shape", columns="way", values="time_ms", aggfunc="median")

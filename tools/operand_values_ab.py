@@ -58,15 +58,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    time_fn = functools.partial(bench.time_ms, warmup_ms=bench.WARMUP_MS)
     rows = []
     for name in args.shapes:
         gemms = operands(get_shape(name), device)
         for gemm in [g for g in args.gemms if g in gemms]:
-            for r in range(args.rounds):
-                for way in (WAYS if r % 2 == 0 else reversed(WAYS)):
-                    rows.append({"shape": name, "gemm": gemm, "way": way, "round": r,
-                                 "time_ms": time_fn(gemms[gemm][way], args.iters), **bench.provenance()})
+            rows += [{"shape": name, "gemm": gemm, **row, **bench.provenance()}
+                     for row in bench.alternating_rounds(gemms[gemm], args.rounds, args.iters)]
     df = pd.DataFrame(rows)
     table = df.pivot_table(index=["shape", "gemm"], columns="way", values="time_ms", aggfunc="median")
     table["ratio"] = table["mxfp8_values"] / table["bf16_values"]
