@@ -93,6 +93,14 @@ def alternating_rounds(ways: dict, rounds: int, iters: int = 20) -> list[dict]:
     return rows
 
 
+def ab_table(rows: pd.DataFrame, index, before: str, after: str) -> str:
+    """The A/B tools' printout of alternating_rounds rows: median time_ms per `index` and way, and ratio = the
+    `after` way's median over the `before` way's."""
+    table = rows.pivot_table(index=index, columns="way", values="time_ms", aggfunc="median")
+    table["ratio"] = table[after] / table[before]
+    return table.to_string(float_format=lambda v: f"{v:.4g}")
+
+
 def timings(pass_: str, iters: int) -> int:
     """Timed runs of a pass (DESIGN §8): `iters` (≥ 20) forward, half of it, at least 10, with a backward."""
     return iters if pass_ == "fwd" else max(10, iters // 2)

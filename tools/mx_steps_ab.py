@@ -116,10 +116,9 @@ def main(argv=None) -> int:
                      for row in bench.alternating_rounds(ways, args.rounds)]
     df = pd.DataFrame(rows)
     for step in args.steps:
-        table = df[df.step == step].pivot_table(index="shape", columns="way", values="time_ms", aggfunc="median")
-        separate, one = STEPS[step]
-        table["ratio"] = table[one] / table[separate]
-        print(f"{step}: median ms over {args.rounds} rounds\n" + table.to_string(float_format=lambda v: f"{v:.4g}"))
+        before, after = STEPS[step]
+        table = bench.ab_table(df[df.step == step], "shape", before, after)
+        print(f"{step}: median ms over {args.rounds} rounds\n{table}")
     if os.environ.get("OUT"):
         df.to_csv(os.path.join(os.environ["OUT"], "mx_steps_ab.csv"), index=False)
     return 0

@@ -65,9 +65,7 @@ def main(argv=None) -> int:
             rows += [{"shape": name, "gemm": gemm, **row, **bench.provenance()}
                      for row in bench.alternating_rounds(gemms[gemm], args.rounds, args.iters)]
     df = pd.DataFrame(rows)
-    table = df.pivot_table(index=["shape", "gemm"], columns="way", values="time_ms", aggfunc="median")
-    table["ratio"] = table["mxfp8_values"] / table["bf16_values"]
-    print(f"median ms over {args.rounds} rounds\n" + table.to_string(float_format=lambda v: f"{v:.4g}"))
+    print(f"median ms over {args.rounds} rounds\n" + bench.ab_table(df, ["shape", "gemm"], *WAYS))
     if os.environ.get("OUT"):
         df.to_csv(os.path.join(os.environ["OUT"], "operand_values_ab.csv"), index=False)
     return 0
