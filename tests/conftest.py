@@ -1,4 +1,5 @@
-"""Central skipping of hardware marks: gpu (any CUDA GPU), sm90 (Hopper), multigpu (≥ 2 GPUs).
+"""Central skipping of hardware marks: gpu (any CUDA GPU), sm90 (Hopper), multigpu (≥ 2 GPUs), bigmem (a GPU
+with at least BIGMEM_GIB of memory).
 
 A test asks for hardware with a mark; it never checks for it itself. Skips are listed by -ra.
 """
@@ -6,17 +7,21 @@ A test asks for hardware with a mark; it never checks for it itself. Skips are l
 import pytest
 import torch
 
+BIGMEM_GIB = 100  # tests/test_fused_large.py peaks near 80 GB
+
 
 def _hardware() -> dict[str, str | None]:
     """mark -> reason to skip, or None when the hardware is there."""
     if not torch.cuda.is_available():
         none = "no CUDA GPU on this machine"
-        return {"gpu": none, "sm90": none, "multigpu": none}
+        return {"gpu": none, "sm90": none, "multigpu": none, "bigmem": none}
     major, minor = torch.cuda.get_device_capability()
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     return {
         "gpu": None,
         "sm90": None if (major, minor) == (9, 0) else f"needs sm_90 (Hopper), found sm_{major}{minor}",
         "multigpu": None if torch.cuda.device_count() >= 2 else "needs 2 or more CUDA GPUs",
+        "bigmem": None if gib >= BIGMEM_GIB else f"needs a GPU with {BIGMEM_GIB} GiB, found {gib:.0f}",
     }
 
 
