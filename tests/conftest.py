@@ -7,7 +7,7 @@ A test asks for hardware with a mark; it never checks for it itself. Skips are l
 import pytest
 import torch
 
-BIGMEM_GIB = 100  # tests/test_fused_large.py peaks near 80 GB
+BIGMEM_GIB = 72  # tests/test_fused_large.py peaks at 62 GB (H200, 78e18e2): an 80 GB H100 runs it
 
 
 def _hardware() -> dict[str, str | None]:

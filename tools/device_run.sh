@@ -138,7 +138,7 @@ step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sani
 step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
   python tools/sanitize.py mainloop
 step quant 90 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
-# `large`: the level on tensors past 2^31 elements, bitwise against the last expert's tokens alone (~80 GB).
+# `large`: the level on tensors past 2^31 elements, bitwise against the last expert's tokens alone (62 GB at its peak).
 step large 300 "passed|failed|FAILED|Error" python -m pytest -q tests/test_fused_large.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
 # `qdual`: dual quantization alone (its default, or the variants MOK_QVARIANTS="16,22,23") beside the copy kernels'
