@@ -138,6 +138,11 @@ step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sani
 step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
   python tools/sanitize.py mainloop
 step quant 90 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
+# `fp8_probe`: FP8 wgmma with MXFP8's per-k32 promotion against the BF16 mainloop's MMAs, operands in shared memory,
+# and one FP8 wgmma's bits against BF16's and the exact sum (tools/fp8_wgmma_probe.cu, built here).
+step fp8_probe 120 "way|bf16|fp8|bits|worst" bash -c '"$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
+  -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/include tools/fp8_wgmma_probe.cu -o /tmp/fp8_probe &&
+  /tmp/fp8_probe "$0/fp8_wgmma_probe.csv"' "$out"
 # `large`: the level on tensors past 2^31 elements, bitwise against the last expert's tokens alone (62 GB at its peak).
 step large 300 "passed|failed|FAILED|Error" python -m pytest -q tests/test_fused_large.py
 step qbench 90 "dual|rowwise|colwise|copy" python -m mok.bench_quant --variants 0 --out "$out/quant.csv"
