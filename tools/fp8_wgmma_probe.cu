@@ -27,7 +27,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #include "mok/gemm/ptx.cuh"
@@ -284,7 +286,16 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  if (csv) std::fprintf(csv, "probe,way,value,rounds,gpu\n");
+  // provenance columns of data/bench/ rows: the commit (MOK_COMMIT, set by tools/device_run.sh), CUDA, the date
+  const char* commit = std::getenv("MOK_COMMIT") ? std::getenv("MOK_COMMIT") : "unknown";
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  int runtime = 0;
+  CHECK(cudaRuntimeGetVersion(&runtime));
+  char tail[256];
+  std::snprintf(tail, sizeof tail, "%s,%d.%d,%s,%s", prop.name, runtime / 1000, runtime % 1000 / 10, commit, date);
+  if (csv) std::fprintf(csv, "probe,way,value,rounds,gpu,cuda,commit,date\n");
 
   // rate: 3 rounds over the ways, each way's median per round; the median of the rounds
   constexpr int kRounds = 3, kKBlocks = 20000, kTimed = 5;
@@ -301,7 +312,7 @@ int main(int argc, char** argv) {
     const double median = tflops[w][kRounds / 2];
     if (w == 0) base = median;
     std::printf("%-14s %9.1f %9.3f\n", kWayNames[w], median, median / base);
-    if (csv) std::fprintf(csv, "rate_tflops,%s,%.2f,%d,%s\n", kWayNames[w], median, kRounds, prop.name);
+    if (csv) std::fprintf(csv, "rate_tflops,%s,%.2f,%d,%s\n", kWayNames[w], median, kRounds, tail);
   }
 
   // bits: 16 random problems of 64 x 128 outputs
@@ -350,11 +361,11 @@ int main(int argc, char** argv) {
               total, double(fp8_exact) / total, double(bf16_exact) / total, double(fp8_is_bf16) / total, fp8_worst,
               bf16_worst);
   if (csv) {
-    std::fprintf(csv, "bits_equal_exact,fp8,%.5f,%d,%s\n", double(fp8_exact) / total, kProblems, prop.name);
-    std::fprintf(csv, "bits_equal_exact,bf16,%.5f,%d,%s\n", double(bf16_exact) / total, kProblems, prop.name);
-    std::fprintf(csv, "bits_fp8_equal_bf16,fp8,%.5f,%d,%s\n", double(fp8_is_bf16) / total, kProblems, prop.name);
-    std::fprintf(csv, "worst_rel_err,fp8,%.4g,%d,%s\n", fp8_worst, kProblems, prop.name);
-    std::fprintf(csv, "worst_rel_err,bf16,%.4g,%d,%s\n", bf16_worst, kProblems, prop.name);
+    std::fprintf(csv, "bits_equal_exact,fp8,%.5f,%d,%s\n", double(fp8_exact) / total, kProblems, tail);
+    std::fprintf(csv, "bits_equal_exact,bf16,%.5f,%d,%s\n", double(bf16_exact) / total, kProblems, tail);
+    std::fprintf(csv, "bits_fp8_equal_bf16,fp8,%.5f,%d,%s\n", double(fp8_is_bf16) / total, kProblems, tail);
+    std::fprintf(csv, "worst_rel_err,fp8,%.4g,%d,%s\n", fp8_worst, kProblems, tail);
+    std::fprintf(csv, "worst_rel_err,bf16,%.4g,%d,%s\n", bf16_worst, kProblems, tail);
     std::fclose(csv);
   }
   return 0;
