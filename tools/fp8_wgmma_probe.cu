@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <string>
 #include <vector>
 
 #include "mok/gemm/ptx.cuh"
@@ -293,8 +294,9 @@ int main(int argc, char** argv) {
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   int runtime = 0;
   CHECK(cudaRuntimeGetVersion(&runtime));
-  char tail[256];
-  std::snprintf(tail, sizeof tail, "%s,%d.%d,%s,%s", prop.name, runtime / 1000, runtime % 1000 / 10, commit, date);
+  const std::string tail_text = std::string(prop.name) + "," + std::to_string(runtime / 1000) + "." +
+                                std::to_string(runtime % 1000 / 10) + "," + commit + "," + date;
+  const char* tail = tail_text.c_str();
   if (csv) std::fprintf(csv, "probe,way,value,rounds,gpu,cuda,commit,date\n");
 
   // rate: 3 rounds over the ways, each way's median per round; the median of the rounds
