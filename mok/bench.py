@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from mok import fused, mx_cache
+from mok import clocks, fused, mx_cache
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
 from mok.layer import get_level
 from mok.testing import make_inputs, moe_args, saved_nbytes
@@ -52,10 +52,11 @@ WARMUP_MS = 100.0
 
 # --- timing and provenance ------------------------------------------------------------------------
 
-def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0) -> float:
+def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during=None) -> float:
     """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU. The warm-up is `warmup`
     calls, then more until `warmup_ms` of wall time have passed since the first (0: none more): after an idle
-    spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/l2_fused.md, "Next" 6)."""
+    spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/l2_fused.md, "Next" 6).
+    `during`: a context manager entered around the timed calls only (a clocks.Sampler)."""
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -67,36 +68,40 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0) -> flo
             break
         fn()
     times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    with during if during is not None else contextlib.nullcontext():
+        for _ in range(iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def alternating_rounds(ways: dict, rounds: int, iters: int = 20) -> list[dict]:
-    """[{"way", "round", "time_ms"}]: each fn() of `ways` (name -> fn) timed by time_ms after WARMUP_MS of sustained
-    calls, once per round, in the given order on even rounds and reversed on odd ones, so that a drift of the
-    machine over the rounds (clocks, power cap) falls on every way alike: the in-process A/B of the tools."""
+    """[{"way", "round", "time_ms", "sm_mhz", "power_w", "power_capped"}]: each fn() of `ways` (name -> fn) timed by
+    time_ms after WARMUP_MS of sustained calls, once per round, in the given order on even rounds and reversed on
+    odd ones, so that a drift of the machine over the rounds (clocks, power cap) falls on every way alike: the
+    in-process A/B of the tools. The clock columns are clocks.Sampler's over the timed calls (NaN off a GPU)."""
     rows = []
     for r in range(rounds):
         for way in list(ways)[:: 1 if r % 2 == 0 else -1]:
-            rows.append({"way": way, "round": r, "time_ms": time_ms(ways[way], iters, warmup_ms=WARMUP_MS)})
+            sampler = clocks.Sampler()
+            ms = time_ms(ways[way], iters, warmup_ms=WARMUP_MS, during=sampler)
+            rows.append({"way": way, "round": r, "time_ms": ms, **sampler.summary()})
     return rows
 
 
-def ab_table(rows: pd.DataFrame, index, before: str, after: str) -> str:
-    """The A/B tools' printout of alternating_rounds rows: median time_ms per `index` and way, and ratio = the
+def ab_table(rows: pd.DataFrame, index, before: str, after: str, value: str = "time_ms") -> str:
+    """The A/B tools' printout of alternating_rounds rows: the median `value` per `index` and way, and ratio = the
     `after` way's median over the `before` way's."""
-    table = rows.pivot_table(index=index, columns="way", values="time_ms", aggfunc="median")
+    table = rows.pivot_table(index=index, columns="way", values=value, aggfunc="median", dropna=False)
     table["ratio"] = table[after] / table[before]
     return table.to_string(float_format=lambda v: f"{v:.4g}")
 

@@ -7,7 +7,8 @@ cached MXFP8 forward running at 0.92-0.95x BF16's time with the same kernels (do
     gemm2  the level's down GEMM (ops.grouped_gemm_bf16_nt_contiguous) on the shape's schedule (CUDA only)
 
     python tools/operand_values_ab.py [--gemms mm gemm2] [--rounds 5] [--shapes ...]
-    (device step `values_ab`; rows to $OUT/operand_values_ab.csv when OUT is set)
+    (device step `values_ab`; rows to $OUT/operand_values_ab.csv when OUT is set, with the SM clock, power and
+    power-cap fraction of each timing: mok.clocks)
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def main(argv=None) -> int:
                      for row in bench.alternating_rounds(gemms[gemm], args.rounds, args.iters)]
     df = pd.DataFrame(rows)
     print(f"median ms over {args.rounds} rounds\n" + bench.ab_table(df, ["shape", "gemm"], *WAYS))
+    if df["sm_mhz"].notna().any():  # the clocks the timings ran at (NVML; NaN off a GPU)
+        for value, what in (("sm_mhz", "SM clock, MHz"), ("power_w", "power, W"),
+                            ("power_capped", "fraction of samples under the software power cap")):
+            print(f"median {what}\n" + bench.ab_table(df, ["shape", "gemm"], *WAYS, value=value))
     if os.environ.get("OUT"):
         df.to_csv(os.path.join(os.environ["OUT"], "operand_values_ab.csv"), index=False)
     return 0
