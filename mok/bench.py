@@ -253,7 +253,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
     time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
     rows = []
 
-    def row(level, kind, precision, pass_, ms, ceiling_ms, mem, saved_gb=float("nan")):
+    def row(level, kind, precision, pass_, ms, ceiling_ms, mem, clock: clocks.Sampler, saved_gb=float("nan")):
         tflops = cfg.flops(pass_) / ms / 1e9
         ceiling = cfg.flops(pass_) / ceiling_ms / 1e9
         rows.append(dict(shape=cfg.name, level=level, kind=kind, precision=precision, **{"pass": pass_},
@@ -261,14 +261,20 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
                          shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters),
-                         warmup_ms=warmup_ms, **prov))
+                         warmup_ms=warmup_ms, **clock.summary(), **prov))
+
+    def clocked(fn, n) -> tuple[float, clocks.Sampler]:
+        """time_fn(fn, n) and the clocks it ran at."""
+        clock = clocks.Sampler()
+        return time_fn(fn, n, during=clock), clock
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
 
     for pass_ in passes:
         n = timings(pass_, iters)
-        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, time_fn)
-        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"))
+        ceiling_clock = clocks.Sampler()  # over all of the ceiling's GEMMs
+        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=ceiling_clock))
+        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock)
         for precision in precisions:
             for level in levels:
                 fn = level_pass_fn(level, inputs, precision, pass_)
@@ -277,8 +283,8 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
-                    ms, mem, cache_gb = time_fn(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
-                row(level, "mok", precision, pass_, ms, ceiling_ms, mem, saved[level, precision])
+                    (ms, clock), mem, cache_gb = clocked(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
+                row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
                     rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
                     if cached:
@@ -288,7 +294,8 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)
                 if fn is not None:
-                    row("liger", "peer", "bf16", pass_, time_fn(fn, n), ceiling_ms, peak_mem_gb(fn))
+                    ms, clock = clocked(fn, n)
+                    row("liger", "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
                     rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
                     del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}

@@ -66,7 +66,8 @@ def read() -> tuple[float, float, float]:
 
 class Sampler:
     """A context manager that reads the clock every `period_ms` from a background thread (NVML calls release the
-    GIL) from entry to exit, and at both ends; `summary()` then gives the medians and the capped fraction."""
+    GIL) from entry to exit, and at both ends; `summary()` then gives the medians and the capped fraction over
+    every block it bracketed (one sampler across the dense ceiling's several GEMMs sums up all of them)."""
 
     def __init__(self, period_ms: float = 10.0):
         self.period_s = period_ms / 1e3
@@ -79,7 +80,8 @@ class Sampler:
             self.samples.append(read())
 
     def __enter__(self) -> "Sampler":
-        self.samples, self._stop = [read()], threading.Event()
+        self.samples.append(read())
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self

@@ -17,6 +17,7 @@ from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_
 
 COLUMNS = {"shape", "level", "precision", "pass", "time_ms", "tflops", "ceiling_tflops", "frac_of_ceiling",
            "speedup_vs_torch", "peak_mem_gb", "saved_gb", "gpu", "torch", "cuda", "commit", "date"}
+CLOCK_COLUMNS = ("sm_mhz", "power_w", "power_capped")  # the clocks each timing ran at (mok.clocks)
 
 
 @pytest.mark.parametrize("cfg", list(STANDARD_SHAPES.values()) + list(TINY_SHAPES.values()), ids=lambda c: c.name)
@@ -51,6 +52,7 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     for r in rows:
         assert COLUMNS <= set(r), COLUMNS - set(r)
         assert r["time_ms"] > 0 and math.isclose(r["tflops"], cfg.flops(r["pass"]) / r["time_ms"] / 1e9)
+        assert all(math.isnan(r[c]) for c in CLOCK_COLUMNS)  # mok.clocks: no NVML on the CPU
     torch_rows = [r for r in rows if r["level"] == "torch"]
     assert all(r["speedup_vs_torch"] == 1.0 for r in torch_rows)
     assert all(r["saved_gb"] > 0 for r in rows if r["kind"] == "mok")
@@ -77,7 +79,7 @@ def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
     """The ceiling's GEMMs and every level take the same warm-up (by default WARMUP_MS), and the rows say which."""
     seen = []
 
-    def spy(fn, iters=20, warmup=3, warmup_ms=0.0):
+    def spy(fn, iters=20, warmup=3, warmup_ms=0.0, during=None):
         seen.append(warmup_ms)
         return 1.0
 
@@ -274,7 +276,7 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
 def test_parts_cli_warms_every_timing_alike(twin_calls, monkeypatch, tmp_path):
     """`parts --warmup-ms`: the passes, their steps and the ceilings' GEMMs get the same warm-up, the rows say it."""
     seen = []
-    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0: seen.append(warmup_ms) or 1.0)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None: seen.append(warmup_ms) or 1.0)
     out = tmp_path / "parts.csv"
     assert bench_parts.main(["--shapes", "tiny", "--iters", "2", "--warmup-ms", "7", "--out", str(out)]) == 0
     assert len(seen) > 10 and set(seen) == {7.0}

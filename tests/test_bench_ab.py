@@ -123,7 +123,7 @@ def test_ab_parts_rejects_what_it_would_ignore(capsys):
 def test_ab_cli_warms_every_timing_alike(kernel_twins, monkeypatch, tmp_path, parts):
     """`ab --warmup-ms`: every timing of both builds gets the same warm-up, and the rows say which."""
     seen = []
-    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0: seen.append(warmup_ms) or 1.0)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None: seen.append(warmup_ms) or 1.0)
     out = tmp_path / "ab.csv"
     argv = ["MOK_GEMM_TMA_STORE=0", "--shapes", "tiny", "--rounds", "1", "--iters", "2", "--warmup-ms", "7",
             "--out", str(out)] + (["--parts"] if parts else ["--passes", "fwd"])
