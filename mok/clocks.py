@@ -9,7 +9,9 @@ speed"). A timing that records the clock it ran at can be read without guessing:
     ms = bench.time_ms(fn, during=sampler)
     sampler.summary()  # {"sm_mhz": median, "power_w": median, "power_capped": fraction of samples}
 
-Off a GPU, or where libnvidia-ml cannot be loaded, every value is NaN.
+The clock and the cap flag are current values; the power is NVML's average over the last second on Hopper, so
+it lags a timing shorter than that (the first ceiling timed after an idle spell reads ~200 W). Samples come every
+10 ms: a timing of 30 ms has about 4. Off a GPU, or where libnvidia-ml cannot be loaded, every value is NaN.
 """
 
 from __future__ import annotations
