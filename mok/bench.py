@@ -84,6 +84,12 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during
     return statistics.median(times)
 
 
+def clocked(time_fn, fn, iters: int) -> tuple[float, dict]:
+    """(time_fn(fn, iters) in ms, the clocks it ran at: clocks.Sampler's summary over the timed calls)."""
+    sampler = clocks.Sampler()
+    return time_fn(fn, iters, during=sampler), sampler.summary()
+
+
 def alternating_rounds(ways: dict, rounds: int, iters: int = 20) -> list[dict]:
     """[{"way", "round", "time_ms", "sm_mhz", "power_w", "power_capped"}]: each fn() of `ways` (name -> fn) timed by
     time_ms after WARMUP_MS of sustained calls, once per round, in the given order on even rounds and reversed on
@@ -92,9 +98,8 @@ def alternating_rounds(ways: dict, rounds: int, iters: int = 20) -> list[dict]:
     rows = []
     for r in range(rounds):
         for way in list(ways)[:: 1 if r % 2 == 0 else -1]:
-            sampler = clocks.Sampler()
-            ms = time_ms(ways[way], iters, warmup_ms=WARMUP_MS, during=sampler)
-            rows.append({"way": way, "round": r, "time_ms": ms, **sampler.summary()})
+            ms, clock = clocked(functools.partial(time_ms, warmup_ms=WARMUP_MS), ways[way], iters)
+            rows.append({"way": way, "round": r, "time_ms": ms, **clock})
     return rows
 
 
@@ -253,7 +258,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
     time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
     rows = []
 
-    def row(level, kind, precision, pass_, ms, ceiling_ms, mem, clock: clocks.Sampler, saved_gb=float("nan")):
+    def row(level, kind, precision, pass_, ms, ceiling_ms, mem, clock: dict, saved_gb=float("nan")):
         tflops = cfg.flops(pass_) / ms / 1e9
         ceiling = cfg.flops(pass_) / ceiling_ms / 1e9
         rows.append(dict(shape=cfg.name, level=level, kind=kind, precision=precision, **{"pass": pass_},
@@ -261,12 +266,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
                          shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters),
-                         warmup_ms=warmup_ms, **clock.summary(), **prov))
-
-    def clocked(fn, n) -> tuple[float, clocks.Sampler]:
-        """time_fn(fn, n) and the clocks it ran at."""
-        clock = clocks.Sampler()
-        return time_fn(fn, n, during=clock), clock
+                         warmup_ms=warmup_ms, **clock, **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
 
@@ -274,7 +274,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
         n = timings(pass_, iters)
         ceiling_clock = clocks.Sampler()  # over all of the ceiling's GEMMs
         ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=ceiling_clock))
-        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock)
+        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock.summary())
         for precision in precisions:
             for level in levels:
                 fn = level_pass_fn(level, inputs, precision, pass_)
@@ -283,7 +283,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
-                    (ms, clock), mem, cache_gb = clocked(fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
+                    (ms, clock), mem, cache_gb = clocked(time_fn, fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
                     rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
@@ -294,7 +294,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
             if "liger" in peers and precision == "bf16":
                 fn = liger_pass_fn(inputs, pass_)
                 if fn is not None:
-                    ms, clock = clocked(fn, n)
+                    ms, clock = clocked(time_fn, fn, n)
                     row("liger", "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
                     rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
                     del fn

@@ -67,24 +67,26 @@ def _interleaved(builds: dict, rounds: int, items, timing):
 
 def ab_shape(cfg: MoEConfig, switch: dict, passes, rounds: int, iters: int, precision="bf16", level="fused",
              device="cuda", time_fn=bench.time_ms, seed: int = 0) -> list[dict]:
-    """Rows for one shape: each pass of `level`, on the default build and on `switch`, `rounds` times.
-    time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own)."""
+    """Rows for one shape: each pass of `level`, on the default build and on `switch`, `rounds` times, with the
+    clocks of each timing (mok.bench.clocked). time_fn(fn, iters, during) -> ms (mok.bench.time_ms; tests inject
+    their own)."""
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
     builds = _builds(switch)
     fns = {}
     for build, switches in builds.items():
         with built_with(switches):  # a bwd fn runs its forward now: each build saves its own state
             fns[build] = {pass_: bench.level_pass_fn(level, inputs, precision, pass_) for pass_ in passes}
-    timings = _interleaved(builds, rounds, passes, lambda pass_, build: time_fn(fns[build][pass_],
-                                                                                bench.timings(pass_, iters)))
-    return [{"shape": cfg.name, "precision": precision, "pass": pass_, "build": build, "round": r, "time_ms": ms}
-            for r, pass_, build, ms in timings]
+    timings = _interleaved(builds, rounds, passes, lambda pass_, build: bench.clocked(
+        time_fn, fns[build][pass_], bench.timings(pass_, iters)))
+    return [{"shape": cfg.name, "precision": precision, "pass": pass_, "build": build, "round": r, "time_ms": ms,
+             **clock} for r, pass_, build, (ms, clock) in timings]
 
 
 def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device="cuda", time_fn=bench.time_ms,
                    seed: int = 0) -> list[dict]:
     """Rows for one shape: every step of mok.bench_parts, on the default build and on `switch`, `rounds` times,
-    interleaved as ab_shape interleaves passes. time_fn(fn, iters) -> ms (tests inject their own)."""
+    interleaved as ab_shape interleaves passes, with their clocks. time_fn(fn, iters, during) -> ms (tests inject
+    their own)."""
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
     builds = _builds(switch)
     with built_with({}):
@@ -96,10 +98,10 @@ def ab_parts_shape(cfg: MoEConfig, switch: dict, rounds: int, iters: int, device
     with built_with(switch):  # the variant's JIT build and first launches, before any timing
         for step in steps:
             step.run(states[step.pass_])
-    timings = _interleaved(builds, rounds, steps, lambda step, build: time_fn(
-        functools.partial(step.run, states[step.pass_]), iters))
-    return [{"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r, "time_ms": ms}
-            for r, step, build, ms in timings]
+    timings = _interleaved(builds, rounds, steps, lambda step, build: bench.clocked(
+        time_fn, functools.partial(step.run, states[step.pass_]), iters))
+    return [{"shape": cfg.name, "pass": step.pass_, "step": step.name, "build": build, "round": r, "time_ms": ms,
+             **clock} for r, step, build, (ms, clock) in timings]
 
 
 def ab_table(rows: pd.DataFrame) -> pd.DataFrame:
