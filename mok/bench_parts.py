@@ -34,7 +34,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from mok import bench, fused, ops
+from mok import bench, clocks, fused, ops
 from mok.config import STANDARD_SHAPES, MoEConfig
 from mok.schedule import Schedule
 from mok.testing import make_inputs, moe_args
@@ -205,9 +205,15 @@ def run_steps(steps: list[Step], state: dict) -> dict:
 
 # --- timing and rows ----------------------------------------------------------------------------------
 
-def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float) -> dict:
+NO_CLOCK = {"sm_mhz": math.nan, "power_w": math.nan, "power_capped": math.nan}
+
+
+def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float, clock: dict = NO_CLOCK,
+             ceiling_clock: dict = NO_CLOCK) -> dict:
+    """One step's row; `clock` the clocks its timing ran at, ceiling_sm_mhz its dense GEMM's (mok.bench.clocked)."""
     gemm = step.mnk is not None
-    return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms,
+    return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms, **clock,
+            "ceiling_sm_mhz": ceiling_clock["sm_mhz"],
             "share_of_pass": ms / pass_ms, "flops": step.flops, "padded_flops": step.padded_flops,
             "tflops": step.flops / ms / 1e9, "ceiling_tflops": step.flops / ceiling_ms / 1e9,
             "frac_of_ceiling": ceiling_ms / ms, "bytes": step.nbytes if not gemm else math.nan,
@@ -215,14 +221,16 @@ def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float) -> dict:
             "mnk": "x".join(map(str, step.mnk)) if gemm else ""}
 
 
-def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], ceiling_ms: float) -> list[dict]:
+def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], ceiling_ms: float,
+              whole_clock: dict = NO_CLOCK) -> list[dict]:
     """The whole pass (MoK's flops against the GEMM steps' summed ceiling) and the sum of its steps."""
     padded = sum(r["padded_flops"] for r in rows if r["kind"] == "gemm")
     flops = cfg.flops(pass_)
     out = []
-    for step, kind, ms in ((f"whole_{pass_}", "pass", whole_ms), (f"steps_{pass_}", "sum",
-                                                                   sum(r["time_ms"] for r in rows))):
-        out.append({"pass": pass_, "step": step, "kind": kind, "time_ms": ms, "share_of_pass": ms / whole_ms,
+    for step, kind, ms, clock in ((f"whole_{pass_}", "pass", whole_ms, whole_clock),
+                                  (f"steps_{pass_}", "sum", sum(r["time_ms"] for r in rows), NO_CLOCK)):
+        out.append({"pass": pass_, "step": step, "kind": kind, "time_ms": ms, **clock, "ceiling_sm_mhz": math.nan,
+                    "share_of_pass": ms / whole_ms,
                     "flops": flops, "padded_flops": padded, "tflops": flops / ms / 1e9,
                     "ceiling_tflops": flops / ceiling_ms / 1e9, "frac_of_ceiling": ceiling_ms / ms,
                     "bytes": math.nan, "gbps": math.nan, "mnk": ""})
@@ -239,15 +247,19 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
     for pass_, state in (("fwd", forward_state(inputs)), ("bwd", backward_state(inputs, saved))):
         pass_steps = [s for s in steps if s.pass_ == pass_]
         run_steps(pass_steps, state)
-        whole_ms = time_fn(bench.level_pass_fn("fused", inputs, "bf16", pass_), iters)
+        whole_ms, whole_clock = bench.clocked(time_fn, bench.level_pass_fn("fused", inputs, "bf16", pass_), iters)
         step_rows = []
         for step in pass_steps:
-            ms = time_fn(functools.partial(step.run, state), iters)
+            ms, clock = bench.clocked(time_fn, functools.partial(step.run, state), iters)
             if step.mnk is not None and step.mnk not in ceilings:
-                ceilings[step.mnk] = bench.dense_gemm_ms(step.mnk, iters, device, time_fn)
-            step_rows.append(step_row(step, ms, whole_ms, ceilings.get(step.mnk, math.nan)))
-        ceiling_ms = sum(ceilings[s.mnk] for s in pass_steps if s.mnk is not None)
-        rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms)
+                clock_of_ceiling = clocks.Sampler()
+                ms_of_ceiling = bench.dense_gemm_ms(step.mnk, iters, device,
+                                                    functools.partial(time_fn, during=clock_of_ceiling))
+                ceilings[step.mnk] = ms_of_ceiling, clock_of_ceiling.summary()
+            ceiling_ms, ceiling_clock = ceilings.get(step.mnk, (math.nan, NO_CLOCK))
+            step_rows.append(step_row(step, ms, whole_ms, ceiling_ms, clock, ceiling_clock))
+        ceiling_ms = sum(ceilings[s.mnk][0] for s in pass_steps if s.mnk is not None)
+        rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms, whole_clock)
         del state
     prov = bench.provenance()
     return [{"shape": cfg.name, **r, "iters": iters, **prov} for r in rows]

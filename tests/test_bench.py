@@ -247,6 +247,7 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
     cfg = TINY_SHAPES[shape]
     rows = bench_parts.bench_parts_shape(cfg, iters=3, device="cpu")
     assert all(PARTS_COLUMNS <= set(r) for r in rows)
+    assert all(set(CLOCK_COLUMNS) | {"ceiling_sm_mhz"} <= set(r) for r in rows)  # each step's clocks and its GEMM's
     names = [r["step"] for r in rows]
     assert set(names) == _expected_steps(cfg.has_shared) | {"whole_fwd", "steps_fwd", "whole_bwd", "steps_bwd"}
     assert len(set(names)) == len(names)
