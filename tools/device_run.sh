@@ -63,7 +63,7 @@ step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test
   -k "build_switches and ${switch%%=*}"
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
-  tests/test_mx_cache.py
+  tests/test_mx_cache.py tests/test_clocks.py
 step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
