@@ -205,7 +205,7 @@ def run_steps(steps: list[Step], state: dict) -> dict:
 
 # --- timing and rows ----------------------------------------------------------------------------------
 
-NO_CLOCK = {"sm_mhz": math.nan, "power_w": math.nan, "power_capped": math.nan}
+NO_CLOCK = dict.fromkeys(clocks.COLUMNS, math.nan)
 
 
 def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float, clock: dict = NO_CLOCK,

@@ -23,15 +23,17 @@ import threading
 
 import torch
 
-__all__ = ["Sampler", "read"]
+__all__ = ["COLUMNS", "Sampler", "read"]
+
+COLUMNS = ("sm_mhz", "power_w", "power_capped")  # Sampler.summary()'s keys: the clock columns of benchmark rows
 
 _CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
 _SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap: the clock is held down to stay under the power limit
-_nvml = None  # (library, device handle) once loaded; False when it cannot be
+_nvml = None  # (library, device handle, clock-reasons function) once loaded; False when it cannot be
 
 
 def _device():
-    """(libnvidia-ml, the NVML handle of the current CUDA device), or None."""
+    """(libnvidia-ml, the NVML handle of the current CUDA device, its clock-reasons function), or None."""
     global _nvml
     if _nvml is None:
         _nvml = False
@@ -43,9 +45,11 @@ def _device():
                 except Exception:  # a private helper of torch: fall back to the CUDA index
                     index = torch.cuda.current_device()
                 handle = ctypes.c_void_p()
+                reasons = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                    lib.nvmlDeviceGetCurrentClocksThrottleReasons  # the name before CUDA 12.2's driver
                 if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0:
-                    _nvml = (lib, handle)
-            except OSError:
+                    _nvml = (lib, handle, reasons)
+            except (OSError, AttributeError):  # no libnvidia-ml, or one without these functions
                 pass
     return _nvml or None
 
@@ -55,10 +59,8 @@ def read() -> tuple[float, float, float]:
     device = _device()
     if device is None:
         return math.nan, math.nan, math.nan
-    lib, handle = device
+    lib, handle, reasons_fn = device
     mhz, milliwatts, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-    reasons_fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        lib.nvmlDeviceGetCurrentClocksThrottleReasons  # the name before CUDA 12.2's driver
     ok = (lib.nvmlDeviceGetClockInfo(handle, _CLOCK_SM, ctypes.byref(mhz)) == 0,
           lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(milliwatts)) == 0,
           reasons_fn(handle, ctypes.byref(reasons)) == 0)
@@ -94,11 +96,10 @@ class Sampler:
         self.samples.append(read())
 
     def summary(self) -> dict:
-        """{"sm_mhz", "power_w", "power_capped"}: medians of the readings, and the fraction capped (NaN: none)."""
+        """COLUMNS -> the median clock and power of the readings, and the fraction capped (NaN: none)."""
         def median(i):
             values = [s[i] for s in self.samples if not math.isnan(s[i])]
             return statistics.median(values) if values else math.nan
 
         capped = [s[2] for s in self.samples if not math.isnan(s[2])]
-        return {"sm_mhz": median(0), "power_w": median(1),
-                "power_capped": sum(capped) / len(capped) if capped else math.nan}
+        return dict(zip(COLUMNS, (median(0), median(1), sum(capped) / len(capped) if capped else math.nan)))

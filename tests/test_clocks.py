@@ -38,6 +38,29 @@ def test_sampler_summary_is_nan_without_nvml_and_brackets_its_block(monkeypatch)
     assert all(math.isnan(v) for v in sampler.summary().values())
 
 
+class _FakeNvml:
+    """NVML's three readings as ctypes hands them back: through byref'd outputs, 0 for success."""
+
+    def nvmlDeviceGetClockInfo(self, handle, clock, out):
+        assert clock == 1  # NVML_CLOCK_SM
+        out._obj.value = 1605
+        return 0
+
+    def nvmlDeviceGetPowerUsage(self, handle, out):
+        out._obj.value = 690_500  # mW
+        return 0
+
+    def reasons(self, handle, out):
+        out._obj.value = 0x4 | 0x1  # software power cap, and idle
+        return 0
+
+
+def test_read_decodes_nvml(monkeypatch):
+    fake = _FakeNvml()
+    monkeypatch.setattr(clocks, "_device", lambda: (fake, None, fake.reasons))
+    assert clocks.read() == (1605.0, 690.5, 1.0)
+
+
 def test_sampler_summary_medians_and_capped_fraction():
     sampler = clocks.Sampler()
     sampler.samples = [(1980.0, 500.0, 0.0), (1700.0, 690.0, 1.0), (1750.0, math.nan, 1.0), (math.nan,) * 3]
