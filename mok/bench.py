@@ -17,6 +17,9 @@ With --mx-weight-cache the fused level's mxfp8 rows are timed inside mok.mxfp8_w
 warm-up fills (the steady state of a gradient-accumulation step: no weight round trips); their notes say
 `mxfp8_weight_cache`, peak_mem_gb is on top of the warm cache and mx_cache_gb is the cache's size. KEY has no
 notes, so such rows go to their own CSV by default (moe_mx_cache.csv) instead of replacing moe.csv's.
+With the fused level, each pass also gets a `bound` row (level cublas-executed): the ceiling's GEMMs over the
+rows that level executes, each expert's routes rounded up to its tiles (--bound-block-m), so its
+frac_of_ceiling is the most any kernel that multiplies those padding rows can reach.
 Peers (Liger-Kernel's Triton fused MoE) run side by side when importable.
 """
 
@@ -40,6 +43,7 @@ from tqdm import tqdm
 from mok import clocks, fused, mx_cache
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
 from mok.layer import get_level
+from mok.ops.gemm import GEMM_BLOCK_K
 from mok.testing import make_inputs, moe_args, saved_nbytes
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
@@ -173,18 +177,31 @@ def write_rows(rows: list[dict], path: Path, key=KEY) -> pd.DataFrame:
 
 # --- the dense ceiling ------------------------------------------------------------------------------
 
-def gemm_shapes(cfg: MoEConfig, pass_: str) -> list[tuple[int, int, int]]:
-    """(M, N, K) of the dense GEMMs with the MoE's aggregate shapes; their FLOPs are cfg.flops(pass_)."""
+def gemm_shapes(cfg: MoEConfig, pass_: str, rows: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the dense GEMMs with the MoE's aggregate shapes; their FLOPs are cfg.flops(pass_).
+    rows: the routed experts' (rows of the row-wise GEMMs, K of the weight gradients) if not the routes
+    (cfg.num_routes), e.g. the rows a level executes, padding included (executed_rows)."""
+    routed_rows, routed_k = rows or (cfg.num_routes, cfg.num_routes)
     out = []
-    for rows, width in ((cfg.num_routes, cfg.intermediate), (cfg.num_tokens, cfg.shared_intermediate)):
+    for m, k, width in ((routed_rows, routed_k, cfg.intermediate),
+                        (cfg.num_tokens, cfg.num_tokens, cfg.shared_intermediate)):
         if width == 0:
             continue
         H = cfg.hidden
-        fwd = [(rows, 2 * width, H), (rows, H, width)]  # gate+up, down
-        bwd = [(rows, width, H), (rows, H, 2 * width),  # dgrad of down, of gate+up
-               (H, width, rows), (2 * width, H, rows)]  # wgrad of down, of gate+up
+        fwd = [(m, 2 * width, H), (m, H, width)]  # gate+up, down
+        bwd = [(m, width, H), (m, H, 2 * width),  # dgrad of down, of gate+up
+               (H, width, k), (2 * width, H, k)]  # wgrad of down, of gate+up
         out += {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
     return out
+
+
+def executed_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int = fused.BLOCK_M) -> tuple[int, int]:
+    """The routed rows the fused level's GEMMs execute for this routing: each expert's routes rounded up to
+    the schedule's tile (block_m, fused.BLOCK_M) in the row-wise GEMMs, and to the k-block (GEMM_BLOCK_K) as the
+    weight gradients' K. For the `bound` rows: cuBLAS on these rows is the best time any kernel that
+    multiplies the padding rows can reach, at the ceiling's own speed."""
+    counts = torch.bincount(topk_idx.flatten().cpu(), minlength=num_experts)  # [E]
+    return tuple(int(((counts + b - 1) // b * b).sum()) for b in (block_m, min(block_m, GEMM_BLOCK_K)))
 
 
 def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms) -> float:
@@ -195,8 +212,8 @@ def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms
     return time_fn(functools.partial(torch.mm, a, b.T), iters)
 
 
-def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms) -> float:
-    return sum(dense_gemm_ms(mnk, iters, device, time_fn) for mnk in gemm_shapes(cfg, pass_))
+def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms, rows=None) -> float:
+    return sum(dense_gemm_ms(mnk, iters, device, time_fn) for mnk in gemm_shapes(cfg, pass_, rows))
 
 
 # --- levels and peers -------------------------------------------------------------------------------
@@ -252,7 +269,7 @@ def liger_pass_fn(inputs: dict, pass_: str):
 
 
 def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0,
-                mx_weight_cache=False, warmup_ms=WARMUP_MS) -> list[dict]:
+                mx_weight_cache=False, warmup_ms=WARMUP_MS, bound_block_m=fused.BLOCK_M) -> list[dict]:
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
     prov = provenance()
     time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
@@ -275,6 +292,12 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
         ceiling_clock = clocks.Sampler()  # over all of the ceiling's GEMMs
         ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=ceiling_clock))
         row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock.summary())
+        if "fused" in levels:  # the fused level's padding rows at the ceiling's speed: the most it can reach
+            bound_clock = clocks.Sampler()
+            bound_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=bound_clock),
+                                        rows=executed_rows(inputs["topk_idx"], cfg.num_experts, bound_block_m))
+            row("cublas-executed", "bound", "bf16", pass_, bound_ms, ceiling_ms, float("nan"), bound_clock.summary())
+            rows[-1]["notes"] = f"block_m={bound_block_m}"
         for precision in precisions:
             for level in levels:
                 fn = level_pass_fn(level, inputs, precision, pass_)
@@ -313,7 +336,7 @@ def summary_markdown(df: pd.DataFrame, precision: str = "bf16") -> str:
     d = df[(df.precision == precision) | (df.level == "cublas-dense")]  # the ceiling runs in bf16
     t = d.pivot_table(index=["shape", "pass"], columns="level", values="tflops", sort=False)
     cols = ["cublas-dense"] + [c for c in t.columns if c != "cublas-dense"]
-    mok_levels = [c for c in cols if c in d[d.kind == "mok"].level.unique()]
+    mok_levels = [c for c in cols if c in d[d.kind.isin(["mok", "bound"])].level.unique()]
     frac = d.pivot_table(index=["shape", "pass"], columns="level", values="frac_of_ceiling", sort=False)
     lines = ["| shape | pass | " + " | ".join(f"{c} TFLOP/s" for c in cols) + " | "
              + " | ".join(f"{c} / ceiling" for c in mok_levels) + " |",
@@ -367,6 +390,10 @@ def main(argv=None) -> int:
                         "and peers alike): the clocks of a sustained load, under the GPU's power cap; 0: 3 calls "
                         "only, which time the dense ceiling in a transient above the cap (docs/l2_fused.md, "
                         "\"The ceiling under a sustained load\")")
+    p.add_argument("--bound-block-m", type=int, default=fused.BLOCK_M,
+                   help="with --levels fused: the tile each expert's rows are rounded up to in the `bound` rows "
+                        "(cuBLAS on the rows executed); another value than the level's asks what a schedule padded "
+                        "to it could reach")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV the rows merge into (default: data/bench/moe.csv; with --mx-weight-cache "
                         "data/bench/moe_mx_cache.csv, since KEY has no notes and would replace the uncached rows)")
@@ -375,7 +402,8 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     all_rows = sweep(args.shapes, lambda cfg: bench_shape(cfg, args.levels, args.precisions, args.passes, args.peers,
                                                           args.iters, device, mx_weight_cache=args.mx_weight_cache,
-                                                          warmup_ms=args.warmup_ms),
+                                                          warmup_ms=args.warmup_ms,
+                                                          bound_block_m=args.bound_block_m),
                      out)
     cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]
     print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

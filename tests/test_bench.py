@@ -28,6 +28,31 @@ def test_ceiling_gemms_carry_the_moe_flops(cfg, pass_):
     assert flops == cfg.flops(pass_)
 
 
+def test_executed_rows_round_each_expert_up():
+    """Experts with 0, 1, 64, 65 and 129 routes: the row-wise GEMMs run 0 + 128 + 128 + 128 + 256 rows, the
+    weight gradients' K 0 + 64 + 64 + 128 + 192; an expert's routes are counted wherever they sit in [T, K]."""
+    counts = [0, 1, 64, 65, 129]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    topk_idx = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(fresh_seed()))].view(-1, 1)
+    assert bench.executed_rows(topk_idx, num_experts=6) == (640, 448)
+    assert bench.executed_rows(topk_idx.view(-1, 7), num_experts=5) == (640, 448)
+    assert bench.executed_rows(topk_idx, num_experts=5, block_m=64) == (448, 448)  # a schedule of 64-row tiles
+    assert bench.executed_rows(topk_idx, num_experts=5, block_m=1) == (259, 259)  # no padding: the routes
+
+
+@pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"], TINY_SHAPES["tiny"]], ids=lambda c: c.name)
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_executed_gemms_scale_only_the_routed_flops(cfg, pass_):
+    """With rows = (M, K): the routed row-wise GEMMs carry M / routes of their FLOPs, the routed weight
+    gradients K / routes, the shared expert's GEMMs are unchanged."""
+    m, k = cfg.num_routes + 128 * 5, cfg.num_routes + 64 * 3
+    flops = sum(2 * a * b * c for a, b, c in bench.gemm_shapes(cfg, pass_, rows=(m, k)))
+    routed = cfg.scaled(shared_intermediate=0).flops(pass_)
+    shared = cfg.flops(pass_) - routed
+    row_wise, wgrad = (routed, 0) if pass_ == "fwd" else (routed / 2, routed / 2)
+    assert flops == pytest.approx(shared + row_wise * m / cfg.num_routes + wgrad * k / cfg.num_routes, rel=1e-12)
+
+
 @pytest.mark.parametrize("warmup_ms, warm_calls", [(0.0, 1), (50.0, 5), (55.0, 6)])
 def test_time_ms_warms_up_for_warmup_ms(monkeypatch, warmup_ms, warm_calls):
     """On a fake clock where each call takes 10 ms: one warm-up call, then more until warmup_ms have passed, then
@@ -124,6 +149,32 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
         assert math.isclose(row.mx_cache_gb, 2 * weight_bytes / 1e9)
     else:
         assert "mx_cache_gb" not in row
+
+
+def test_bound_rows_time_the_fused_levels_executed_rows(twin_calls, monkeypatch):
+    """With the fused level, each pass gets a `bound` row: the ceiling's GEMMs over the rows the level executes
+    for this routing (each expert's routes rounded up to its tiles), timed like the ceiling; without it, none."""
+    timed = []
+    monkeypatch.setattr(bench, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
+    cfg = TINY_SHAPES["tiny"]
+    rows = bench.bench_shape(cfg, ["fused"], ["bf16"], ["fwd", "bwd"], peers=[], iters=2, device="cpu",
+                             warmup_ms=0.0)
+    inputs = make_inputs(cfg, device="cpu", seed=0, draw_on="cpu")  # bench_shape's inputs
+    executed = bench.executed_rows(inputs["topk_idx"], cfg.num_experts)
+    assert executed[0] > executed[1] > cfg.num_routes  # tiny's experts have padding rows
+    expected = []
+    for pass_ in ("fwd", "bwd"):
+        expected += bench.gemm_shapes(cfg, pass_) + bench.gemm_shapes(cfg, pass_, rows=executed)
+    assert timed == expected
+    bound = [r for r in rows if r["kind"] == "bound"]
+    assert [(r["level"], r["pass"]) for r in bound] == [("cublas-executed", "fwd"), ("cublas-executed", "bwd")]
+    for r in bound:  # 1 ms per fake GEMM: the bound's time is its GEMM count, its fraction ceiling / bound
+        assert r["time_ms"] == len(bench.gemm_shapes(cfg, r["pass"])) and r["frac_of_ceiling"] == 1.0
+        assert r["notes"] == "block_m=128"
+    assert "cublas-executed / ceiling" in bench.summary_markdown(pd.DataFrame(rows))
+    timed.clear()
+    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0)
+    assert not [r for r in rows if r["kind"] == "bound"] and timed == bench.gemm_shapes(cfg, "fwd")
 
 
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
