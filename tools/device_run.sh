@@ -39,7 +39,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mx` is `bench` for L2 alone (both precisions, no peers): the quick A/B of an MXFP8 change;
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
-# round trips reused across calls); `bench_3calls` is `bench` with every timing after 3 warm-up calls only
+# round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_3calls` is `bench` with every timing after 3 warm-up calls only
 # (`--warmup-ms 0`, the method of record before a012d45); `ncu` profiles every GEMM once
 # (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
 
@@ -64,7 +65,9 @@ step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py tests/test_clocks.py
-step bench 240 "fused|liger" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
+step bench 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
+step bench_bound64 120 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
+  --bound-block-m 64 --out "$out/moe_bound64.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
 step bench_mx 240 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
