@@ -13,6 +13,12 @@ set -u
 commit=${1:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
 budget=${2:?usage: tools/device_run.sh COMMIT BUDGET_SECONDS}
 out=${OUT:-/tmp/mok_out}
+# A COMMIT computed here (`git rev-parse HEAD` in the device command) names the device's stale .git, not the tree
+# that came: refuse it when the tree differs from that commit, or every row would carry the wrong provenance.
+if [[ $(git rev-parse --short HEAD 2>/dev/null) == "${commit:0:7}" ]] && ! git diff --quiet HEAD 2>/dev/null; then
+  echo "COMMIT $commit is the device's own HEAD, but the tree differs from it: pass the hash from your machine"
+  exit 2
+fi
 logs=$(mktemp -d)  # the logs come back as one archive, $out/logs.tgz: the device returns only a few files
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
