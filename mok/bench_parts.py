@@ -11,11 +11,14 @@ Per (shape, step) one row:
     GEMM steps     flops = 2·M·N·K on real rows (M = routes, or tokens for the shared expert; for the weight
                    gradients those rows are K), padded_flops on the schedule's rows (padding included: what
                    the kernel runs), tflops on the useful flops, the cuBLAS dense ceiling of the same (M, N, K)
-                   (torch.mm on bf16 randn, same timing, same process) and frac_of_ceiling
+                   (torch.mm on bf16 randn, same timing, same process) and frac_of_ceiling; frac_of_executed
+                   against the same on the padded (M, N, K): how close the kernel comes to cuBLAS on the work it
+                   is given, padding apart (mok.bench's `bound` rows, kernel by kernel)
     memory steps   bytes = the fewest bytes the step must move (every input byte read once, every output
                    byte written once, as mok.bench_quant counts) and gbps
     whole_fwd/bwd  the level's passes (mok.bench.level_pass_fn, as `python -m mok.bench moe` times them)
-                   with MoK's flops (mok.config) against the sum of the GEMM steps' ceilings
+                   with MoK's flops (mok.config) against the sum of the GEMM steps' ceilings (frac_of_executed:
+                   against the sum of their padded ones)
     steps_fwd/bwd  the sum of the pass's steps; 1 - its share_of_pass is launch gaps and anything missed
 share_of_pass = time_ms / the whole pass's time_ms.
 
@@ -209,21 +212,24 @@ NO_CLOCK = dict.fromkeys(clocks.COLUMNS, math.nan)
 
 
 def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float, clock: dict = NO_CLOCK,
-             ceiling_clock: dict = NO_CLOCK) -> dict:
-    """One step's row; `clock` the clocks its timing ran at, ceiling_sm_mhz its dense GEMM's (mok.bench.clocked)."""
+             ceiling_clock: dict = NO_CLOCK, executed_ms: float = math.nan) -> dict:
+    """One step's row; `clock` the clocks its timing ran at, ceiling_sm_mhz its dense GEMM's (mok.bench.clocked),
+    executed_ms that GEMM's time on the padded rows."""
     gemm = step.mnk is not None
     return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms, **clock,
             "ceiling_sm_mhz": ceiling_clock["sm_mhz"],
             "share_of_pass": ms / pass_ms, "flops": step.flops, "padded_flops": step.padded_flops,
             "tflops": step.flops / ms / 1e9, "ceiling_tflops": step.flops / ceiling_ms / 1e9,
-            "frac_of_ceiling": ceiling_ms / ms, "bytes": step.nbytes if not gemm else math.nan,
+            "frac_of_ceiling": ceiling_ms / ms, "frac_of_executed": executed_ms / ms,
+            "bytes": step.nbytes if not gemm else math.nan,
             "gbps": step.nbytes / ms / 1e6 if not gemm else math.nan,
             "mnk": "x".join(map(str, step.mnk)) if gemm else ""}
 
 
 def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], ceiling_ms: float,
-              whole_clock: dict = NO_CLOCK) -> list[dict]:
-    """The whole pass (MoK's flops against the GEMM steps' summed ceiling) and the sum of its steps."""
+              whole_clock: dict = NO_CLOCK, executed_ms: float = math.nan) -> list[dict]:
+    """The whole pass (MoK's flops against the GEMM steps' summed ceiling, and their summed padded one) and the sum
+    of its steps."""
     padded = sum(r["padded_flops"] for r in rows if r["kind"] == "gemm")
     flops = cfg.flops(pass_)
     out = []
@@ -233,7 +239,7 @@ def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], cei
                     "share_of_pass": ms / whole_ms,
                     "flops": flops, "padded_flops": padded, "tflops": flops / ms / 1e9,
                     "ceiling_tflops": flops / ceiling_ms / 1e9, "frac_of_ceiling": ceiling_ms / ms,
-                    "bytes": math.nan, "gbps": math.nan, "mnk": ""})
+                    "frac_of_executed": executed_ms / ms, "bytes": math.nan, "gbps": math.nan, "mnk": ""})
     return out
 
 
@@ -251,15 +257,19 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
         step_rows = []
         for step in pass_steps:
             ms, clock = bench.clocked(time_fn, functools.partial(step.run, state), iters)
-            if step.mnk is not None and step.mnk not in ceilings:
-                clock_of_ceiling = clocks.Sampler()
-                ms_of_ceiling = bench.dense_gemm_ms(step.mnk, iters, device,
-                                                    functools.partial(time_fn, during=clock_of_ceiling))
-                ceilings[step.mnk] = ms_of_ceiling, clock_of_ceiling.summary()
+            for mnk in (step.mnk, step.padded_mnk):
+                if mnk is not None and mnk not in ceilings:
+                    clock_of_ceiling = clocks.Sampler()
+                    ms_of_ceiling = bench.dense_gemm_ms(mnk, iters, device,
+                                                        functools.partial(time_fn, during=clock_of_ceiling))
+                    ceilings[mnk] = ms_of_ceiling, clock_of_ceiling.summary()
             ceiling_ms, ceiling_clock = ceilings.get(step.mnk, (math.nan, NO_CLOCK))
-            step_rows.append(step_row(step, ms, whole_ms, ceiling_ms, clock, ceiling_clock))
-        ceiling_ms = sum(ceilings[s.mnk][0] for s in pass_steps if s.mnk is not None)
-        rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms, whole_clock)
+            executed_ms = ceilings.get(step.padded_mnk, (math.nan,))[0]
+            step_rows.append(step_row(step, ms, whole_ms, ceiling_ms, clock, ceiling_clock, executed_ms))
+        gemms = [s for s in pass_steps if s.mnk is not None]
+        ceiling_ms = sum(ceilings[s.mnk][0] for s in gemms)
+        executed_ms = sum(ceilings[s.padded_mnk][0] for s in gemms)
+        rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms, whole_clock, executed_ms)
         del state
     prov = bench.provenance()
     return [{"shape": cfg.name, **r, "iters": iters, **prov} for r in rows]

@@ -186,7 +186,8 @@ SHARED_FWD_STEPS = ["shared_gemm1", "shared_gemm2"]
 SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_wgrad_gate",
                     "shared_wgrad_up", "shared_wgrad_down"]
 PARTS_COLUMNS = {"shape", "pass", "step", "time_ms", "share_of_pass", "flops", "padded_flops", "tflops",
-                 "ceiling_tflops", "frac_of_ceiling", "bytes", "gbps", "gpu", "torch", "cuda", "commit", "date"}
+                 "ceiling_tflops", "frac_of_ceiling", "frac_of_executed", "bytes", "gbps", "gpu", "torch", "cuda",
+                 "commit", "date"}
 
 
 def _describe(v):
@@ -314,9 +315,10 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
             if r["kind"] == "gemm":
                 assert math.isclose(r["tflops"], r["flops"] / r["time_ms"] / 1e9)
                 assert math.isclose(r["frac_of_ceiling"], r["tflops"] / r["ceiling_tflops"])
-                assert math.isnan(r["gbps"])
+                assert r["frac_of_executed"] > 0 and math.isnan(r["gbps"])
             else:
                 assert math.isclose(r["gbps"], r["bytes"] / r["time_ms"] / 1e6) and math.isnan(r["tflops"])
+                assert math.isnan(r["frac_of_executed"])
 
     path = tmp_path / "parts.csv"
     bench.write_rows(rows, path, key=bench_parts.KEY)
@@ -333,6 +335,32 @@ def test_parts_cli_warms_every_timing_alike(twin_calls, monkeypatch, tmp_path):
     assert bench_parts.main(["--shapes", "tiny", "--iters", "2", "--warmup-ms", "7", "--out", str(out)]) == 0
     assert len(seen) > 10 and set(seen) == {7.0}
     assert set(pd.read_csv(out)["warmup_ms"]) == {7.0}
+
+
+def test_parts_time_each_gemm_on_its_padded_rows(twin_calls, monkeypatch):
+    """Each GEMM step is held against cuBLAS on its useful (M, N, K) and on its padded one, each shape timed once:
+    with a fake dense_gemm_ms of 1 ms per million rows of M or K, frac_of_executed is that time over the step's."""
+    timed = []
+
+    def dense_gemm_ms(mnk, iters, device, time_fn):
+        timed.append(mnk)
+        return min(mnk[0], mnk[2]) / 1e6
+
+    monkeypatch.setattr(bench_parts.bench, "dense_gemm_ms", dense_gemm_ms)
+    cfg = TINY_SHAPES["tiny"]
+    rows = bench_parts.bench_parts_shape(cfg, iters=2, device="cpu")
+    assert len(timed) == len(set(timed))  # each shape once
+    steps = {s.name: s for s in bench_parts.steps_of(fused.forward(*moe_args(make_inputs(cfg, device="cpu")))[1])}
+    for r in rows:
+        if r["kind"] == "gemm":
+            s = steps[r["step"]]
+            assert s.mnk in timed and s.padded_mnk in timed
+            assert math.isclose(r["frac_of_executed"], min(s.padded_mnk[0], s.padded_mnk[2]) / 1e6 / r["time_ms"])
+    for pass_ in ("fwd", "bwd"):
+        whole = next(r for r in rows if r["step"] == f"whole_{pass_}")
+        executed = sum(min(steps[r["step"]].padded_mnk[0], steps[r["step"]].padded_mnk[2]) / 1e6
+                       for r in rows if r["kind"] == "gemm" and r["pass"] == pass_)
+        assert math.isclose(whole["frac_of_executed"], executed / whole["time_ms"])
 
 
 @pytest.mark.gpu

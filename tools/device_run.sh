@@ -84,7 +84,7 @@ step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" $ab_args --out "$out/ab.csv"
 step ab_parts 420 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts $ab_args --out "$out/ab_parts.csv"
-step parts 90 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
+step parts 150 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
 # untracked so that it travels), its own build: the A/B partner of `parts` in the same run when a change has no
