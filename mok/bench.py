@@ -197,9 +197,9 @@ def gemm_shapes(cfg: MoEConfig, pass_: str, rows: tuple[int, int] | None = None)
 
 def executed_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int = fused.BLOCK_M) -> tuple[int, int]:
     """The routed rows the fused level's GEMMs execute for this routing: each expert's routes rounded up to
-    the schedule's tile (block_m, fused.BLOCK_M) in the row-wise GEMMs, and to the k-block (GEMM_BLOCK_K) as the
-    weight gradients' K. For the `bound` rows: cuBLAS on these rows is the best time any kernel that
-    multiplies the padding rows can reach, at the ceiling's own speed."""
+    the schedule's tile (block_m, fused.BLOCK_M) in the row-wise GEMMs, and to the k-block (GEMM_BLOCK_K, or the
+    tile if smaller) as the weight gradients' K. For the `bound` rows: cuBLAS on these rows is the best time any
+    kernel that multiplies the padding rows can reach, at the ceiling's own speed."""
     counts = torch.bincount(topk_idx.flatten().cpu(), minlength=num_experts)  # [E]
     return tuple(int(((counts + b - 1) // b * b).sum()) for b in (block_m, min(block_m, GEMM_BLOCK_K)))
 
@@ -274,6 +274,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
     prov = provenance()
     time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
     rows = []
+    executed = executed_rows(inputs["topk_idx"], cfg.num_experts, bound_block_m)  # the `bound` rows' GEMMs
 
     def row(level, kind, precision, pass_, ms, ceiling_ms, mem, clock: dict, saved_gb=float("nan")):
         tflops = cfg.flops(pass_) / ms / 1e9
@@ -294,8 +295,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
         row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock.summary())
         if "fused" in levels:  # the fused level's padding rows at the ceiling's speed: the most it can reach
             bound_clock = clocks.Sampler()
-            bound_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=bound_clock),
-                                        rows=executed_rows(inputs["topk_idx"], cfg.num_experts, bound_block_m))
+            bound_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=bound_clock), executed)
             row("cublas-executed", "bound", "bf16", pass_, bound_ms, ceiling_ms, float("nan"), bound_clock.summary())
             rows[-1]["notes"] = f"block_m={bound_block_m}"
         for precision in precisions:
