@@ -46,9 +46,11 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
-# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_3calls` is `bench` with
-# every timing after 3 warm-up calls only (`--warmup-ms 0`, the method of record before a012d45); `ncu` profiles
-# every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones (tools/mx_gemm_ab.py).
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed), `bench_capped` L2's BF16 forward
+# beside the ceiling and the bound after 1 s of sustained calls each (every timing under the power cap);
+# `bench_3calls` is `bench` with every timing after 3 warm-up calls only (`--warmup-ms 0`, the method of record
+# before a012d45); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
+# the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
@@ -74,6 +76,8 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
 step bench 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_bound64 120 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
   --bound-block-m 64 --out "$out/moe_bound64.csv"
+step bench_capped 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --passes fwd --peers \
+  --warmup-ms 1000 --out "$out/moe_capped.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
 step bench_mx 240 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
