@@ -46,8 +46,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
-# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed), `bench_capped` L2's BF16 forward
-# beside the ceiling and the bound after 1 s of sustained calls each (every timing under the power cap);
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed), `bench_capped` `bench` in BF16 with
+# 1 s of sustained calls before every timing (the power cap's averaging window: every timing under the cap);
 # `bench_3calls` is `bench` with every timing after 3 warm-up calls only (`--warmup-ms 0`, the method of record
 # before a012d45); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
 # the BF16 ones (tools/mx_gemm_ab.py).
@@ -76,7 +76,7 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
 step bench 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_bound64 120 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
   --bound-block-m 64 --out "$out/moe_bound64.csv"
-step bench_capped 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --passes fwd --peers \
+step bench_capped 560 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --precisions bf16 \
   --warmup-ms 1000 --out "$out/moe_capped.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
