@@ -212,8 +212,15 @@ def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms
     return time_fn(functools.partial(torch.mm, a, b.T), iters)
 
 
-def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms, rows=None) -> float:
-    return sum(dense_gemm_ms(mnk, iters, device, time_fn) for mnk in gemm_shapes(cfg, pass_, rows))
+def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms) -> float:
+    return sum(dense_gemm_ms(mnk, iters, device, time_fn) for mnk in gemm_shapes(cfg, pass_))
+
+
+def clocked_dense_ms(mnks, iters: int, device, time_fn=time_ms) -> tuple[float, dict]:
+    """(cuBLAS's summed time over the GEMM shapes `mnks`, the clocks over all of them: clocks.Sampler's summary)."""
+    sampler = clocks.Sampler()
+    timed = functools.partial(time_fn, during=sampler)
+    return sum(dense_gemm_ms(mnk, iters, device, timed) for mnk in mnks), sampler.summary()
 
 
 # --- levels and peers -------------------------------------------------------------------------------
@@ -290,13 +297,11 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
 
     for pass_ in passes:
         n = timings(pass_, iters)
-        ceiling_clock = clocks.Sampler()  # over all of the ceiling's GEMMs
-        ceiling_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=ceiling_clock))
-        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), ceiling_clock.summary())
+        ceiling_ms, clock = clocked_dense_ms(gemm_shapes(cfg, pass_), n, device, time_fn)
+        row("cublas-dense", "ceiling", "bf16", pass_, ceiling_ms, ceiling_ms, float("nan"), clock)
         if "fused" in levels:  # the fused level's padding rows at the ceiling's speed: the most it can reach
-            bound_clock = clocks.Sampler()
-            bound_ms = dense_ceiling_ms(cfg, pass_, n, device, functools.partial(time_fn, during=bound_clock), executed)
-            row("cublas-executed", "bound", "bf16", pass_, bound_ms, ceiling_ms, float("nan"), bound_clock.summary())
+            bound_ms, clock = clocked_dense_ms(gemm_shapes(cfg, pass_, executed), n, device, time_fn)
+            row("cublas-executed", "bound", "bf16", pass_, bound_ms, ceiling_ms, float("nan"), clock)
             rows[-1]["notes"] = f"block_m={bound_block_m}"
         for precision in precisions:
             for level in levels:

@@ -259,10 +259,7 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
             ms, clock = bench.clocked(time_fn, functools.partial(step.run, state), iters)
             for mnk in (step.mnk, step.padded_mnk):
                 if mnk is not None and mnk not in ceilings:
-                    clock_of_ceiling = clocks.Sampler()
-                    ms_of_ceiling = bench.dense_gemm_ms(mnk, iters, device,
-                                                        functools.partial(time_fn, during=clock_of_ceiling))
-                    ceilings[mnk] = ms_of_ceiling, clock_of_ceiling.summary()
+                    ceilings[mnk] = bench.clocked_dense_ms([mnk], iters, device, time_fn)
             ceiling_ms, ceiling_clock = ceilings.get(step.mnk, (math.nan, NO_CLOCK))
             executed_ms = ceilings.get(step.padded_mnk, (math.nan,))[0]
             step_rows.append(step_row(step, ms, whole_ms, ceiling_ms, clock, ceiling_clock, executed_ms))
