@@ -70,6 +70,12 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TMA_STORE
 #define MOK_GEMM_TMA_STORE 1
 #endif
+// MOK_GEMM_DIRECT_STORE=1: the bf16 epilogues skip the staging and store from registers (store_tile_direct: a 4 × 4
+// transpose inside each quad of lanes, then 16-byte st.global), so no store waits for an earlier one to have read
+// its staging box; the E4M3 tiles of kGateUpMxOut still go through the staging. 0 (default): MOK_GEMM_TMA_STORE's path.
+#ifndef MOK_GEMM_DIRECT_STORE
+#define MOK_GEMM_DIRECT_STORE 0
+#endif
 #ifndef MOK_GEMM_NUM_STAGES
 #define MOK_GEMM_NUM_STAGES 4
 #endif
@@ -164,6 +170,7 @@ constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
 // writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later stores were issued.
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+constexpr bool kDirectStore = MOK_GEMM_DIRECT_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
 constexpr uint32_t kStoreBoxesRoom =
@@ -678,10 +685,48 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
   }
 }
 
+// Direct path (MOK_GEMM_DIRECT_STORE): the same 16 × 128 tile from registers, no staging. The 4 lanes of a quad
+// hold the 4 words of each 16-byte chunk of their row (columns 8i .. 8i + 7, word q = lane q's); a 4 × 4 transpose
+// over chunks i0 .. i0 + 3 (two butterfly stages of shuffles, xor 2 then xor 1) gives lane q all of chunk i0 + q,
+// written by one 16-byte st.global: each warp instruction writes 8 rows × 64 contiguous bytes (full sectors).
+template <typename Values>
+MOK_DEVICE void store_tile_direct(const Output& out, int row0, int col0, uint32_t lane, Values values) {
+  const uint32_t q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + static_cast<int>(lane / 4) + 8 * h;
+#pragma unroll
+    for (int i0 = 0; i0 < BLOCK_N_B / 8; i0 += 4) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[j] = values(i0 + j, h);  // word q of chunk i0 + j
+#pragma unroll
+      for (int stage = 2; stage >= 1; stage /= 2) {  // lanes q and q ^ stage swap the words whose index bit differs
+        const bool high = (q & stage) != 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if ((j & stage) != 0) continue;  // the pair (j, j + stage): send one, keep the other
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[j] : w[j + stage], stage);
+          if (high) {
+            w[j] = got;
+          } else {
+            w[j + stage] = got;
+          }
+        }
+      }
+      const int col = col0 + 8 * (i0 + static_cast<int>(q));  // n % 8 == 0: a chunk is all in or all out
+      if (row < out.num_rows && col < out.n)
+        st_v4(out.ptr + static_cast<int64_t>(row) * out.n + col, make_uint4(w[0], w[1], w[2], w[3]));
+    }
+  }
+}
+
 // Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
 template <typename Values>
 MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
-  if constexpr (kTmaStore) {
+  if constexpr (kDirectStore) {
+    store_tile_direct(out, row0, col0, lane, values);
+  } else if constexpr (kTmaStore) {
     store_tile_tma(st, out, row0, col0, lane, values);
   } else {
     store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
@@ -971,11 +1016,11 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
+  // Only the weight gradients hold a tile (and only on the TMA or direct path, where it fits in registers): their tasks
   // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
   // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
   // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
-  constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
+  constexpr bool kDefer = kDeferEpilogue && (kTmaStore || kDirectStore) && kGemm == Gemm::kWeightGrad;
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
