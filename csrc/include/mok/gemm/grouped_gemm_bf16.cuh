@@ -115,8 +115,8 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TRACE
 #define MOK_GEMM_TRACE 0
 #endif
-// MOK_GEMM_SWIGLU_WARPS=1: GEMM1 (kGateUp) computes h in the producer warpgroup's last two warps, from the gate and up
-// rows its consumers stored, one task behind them (swiglu_rows); the first two warps gather A. The consumers'
+// MOK_GEMM_SWIGLU_WARPS=1: GEMM1 (kGateUp) computes h in the producer warpgroup's last two warps, from the gate and
+// up rows its consumers stored, one task behind them (swiglu_rows); the first two warps gather A. The consumers'
 // epilogue is then the gate and up stores: the SwiGLU's instructions (~9 k of the ~44 k cycles of a qwen3-30b
 // task with only 8 consumer warps to issue them, MOK_GEMM_TRACE at 27f0146) run under the next task's MMAs.
 // 0 (default): the consumers compute h at the end of each task.
@@ -311,7 +311,8 @@ struct Tile {
   static constexpr bool kGather = kSwiGLU;  // A gathered by cp.async, else by TMA
   // h from the stored gate and up in producer warps 2 and 3 (MOK_GEMM_SWIGLU_WARPS; the bf16 GEMM1 only)
   static constexpr bool kSwiGLUWarps = kSwiGLUWarpsBuild && kGemm == Gemm::kGateUp;
-  static constexpr int kGatherThreads = kSwiGLUWarps ? kNumProducerThreads / 2 : kNumProducerThreads;
+  // then warps 0 and 1 gather (one warp's 32 rows of tokens spilled)
+  static constexpr int kGatherThreads = kSwiGLUWarps ? 2 * kWarpSize : kNumProducerThreads;
   static constexpr int kRowStride = kGatherThreads / kChunksPerRow;  // a gathering thread's rows are this far apart
   static constexpr int kRowsPerThread = BLOCK_M / kRowStride;
   static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kGatherThreads,
@@ -617,8 +618,9 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
 // MOK_GEMM_SWIGLU_WARPS: producer warps 2 and 3 (64 threads) walk the CTA's tasks as the consumers do and, once the
 // consumers' gate and up stores of a task have landed (`stored[j % kNumHandoff]`: every consumer thread arrives
 // after its st.global, and mbarrier's release/acquire at CTA scope orders global memory too), compute that task's h
-// from them: thread t takes 16-byte chunk t % 16 of the tile's rows t / 16 + 4i, swiglu_n on the bf16 values (the
-// values the consumers' registers held: the same bits), one 16-byte store. Padding rows were stored as zeros, so
+// from them: thread t takes 16-byte chunk t % 16 (8 columns) of the tile's rows t / 16 + 4i, each loaded two rows
+// ahead of its swiglu_n (one warp's dependent chains cannot hide a load), on the bf16 values the consumers'
+// registers held (the same bits), and stores it by one 16-byte st.global. Padding rows were stored as zeros, so
 // their h is swiglu(0, 0) = +0, the zeros the consumers would write. `freed[slot]`: every SwiGLU thread has seen
 // the slot's phase, so the consumers may complete it again (kNumHandoff tasks ahead at most: a parity barrier
 // completed twice before a wait would hang it).
@@ -628,9 +630,21 @@ MOK_DEVICE void swiglu_rows(const Params& p, uint64_t* stored, uint64_t* freed, 
   constexpr int kThreads = kNumProducerThreads - T::kGatherThreads;
   constexpr int kChunks = T::kTaskN / 8;  // of a tile row
   constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && BLOCK_M % kRowStep == 0, "the SwiGLU threads cover a tile's chunks");
+  static_assert(kThreads % kChunks == 0, "a SwiGLU thread keeps its chunk from row to row");
   const int thread = static_cast<int>(threadIdx.x) - T::kGatherThreads;
-  const int chunk = thread % kChunks;
+  const int first_row = thread / kChunks;
+  const auto h_of = [&](uint4 gate, uint4 up) {
+    const uint32_t gw[4] = {gate.x, gate.y, gate.z, gate.w}, uw[4] = {up.x, up.y, up.z, up.w};
+    float g[8], u[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {  // bf16 → fp32 is exact: the bits shifted into the high half
+      g[2 * w] = __uint_as_float(gw[w] << 16), g[2 * w + 1] = __uint_as_float(gw[w] & 0xFFFF0000u);
+      u[2 * w] = __uint_as_float(uw[w] << 16), u[2 * w + 1] = __uint_as_float(uw[w] & 0xFFFF0000u);
+    }
+    swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
+    return make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
+                      pack_bf16x2(g[6], g[7]));
+  };
   const Units units = units_of<kGemm>(p, num_tasks);
   uint32_t j = 0;  // this CTA's tasks so far
   for (int unit = units.first; unit < units.count; unit += units.step, ++j) {
@@ -638,22 +652,20 @@ MOK_DEVICE void swiglu_rows(const Params& p, uint64_t* stored, uint64_t* freed, 
     const uint32_t slot = j % kNumHandoff;
     ptx::mbarrier_wait_parity(&stored[slot], (j / kNumHandoff) & 1);
     ptx::mbarrier_arrive(&freed[slot]);
-    const int col = t.n_tile * T::kTaskN + 8 * chunk;
+    const int col = t.n_tile * T::kTaskN + 8 * (thread % kChunks);
     if (col >= p.n) continue;  // n % 8 == 0: a chunk is all in or all out
-#pragma unroll 2
-    for (int row = thread / kChunks; row < BLOCK_M; row += kRowStep) {
-      const int64_t at = static_cast<int64_t>(t.m_tile * BLOCK_M + row) * p.n + col;
-      const uint4 gw = *reinterpret_cast<const uint4*>(p.gate + at), uw = *reinterpret_cast<const uint4*>(p.up + at);
-      const uint32_t gate[4] = {gw.x, gw.y, gw.z, gw.w}, up[4] = {uw.x, uw.y, uw.z, uw.w};
-      float g[8], u[8];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {  // bf16 → fp32 is exact: the bits shifted into the high half
-        g[2 * w] = __uint_as_float(gate[w] << 16), g[2 * w + 1] = __uint_as_float(gate[w] & 0xFFFF0000u);
-        u[2 * w] = __uint_as_float(up[w] << 16), u[2 * w + 1] = __uint_as_float(up[w] & 0xFFFF0000u);
-      }
-      swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
-      st_v4(p.out + at, make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
-                                   pack_bf16x2(g[6], g[7])));
+    const int64_t at = static_cast<int64_t>(t.m_tile * BLOCK_M + first_row) * p.n + col, step = kRowStep * p.n;
+    const uint4 *gate = reinterpret_cast<const uint4*>(p.gate + at), *up = reinterpret_cast<const uint4*>(p.up + at);
+    uint4* h = reinterpret_cast<uint4*>(p.out + at);
+    const int64_t next = step / 8;  // in uint4
+    // rows r (g0, u0) and r + kRowStep (g1, u1) in flight; first_row + kRowStep < BLOCK_M always
+    uint4 g0 = gate[0], u0 = up[0], g1 = gate[next], u1 = up[next];
+    for (int row = first_row; row < BLOCK_M; row += 2 * kRowStep, gate += 2 * next, up += 2 * next, h += 2 * next) {
+      const uint4 ga = g0, ua = u0, gb = g1, ub = u1;
+      if (row + 2 * kRowStep < BLOCK_M) g0 = gate[2 * next], u0 = up[2 * next];
+      if (row + 3 * kRowStep < BLOCK_M) g1 = gate[3 * next], u1 = up[3 * next];
+      h[0] = h_of(ga, ua);
+      if (row + kRowStep < BLOCK_M) h[next] = h_of(gb, ub);
     }
   }
 }
