@@ -275,14 +275,12 @@ pybind11::dict gemm_build_switches() {
   const mok::GemmBuildSwitches built = mok::grouped_gemm_bf16_build_switches();
   pybind11::dict switches;
   switches["MOK_GEMM_TMA_STORE"] = built.tma_store;
-  switches["MOK_GEMM_DIRECT_STORE"] = built.direct_store;
   switches["MOK_GEMM_NUM_STAGES"] = built.num_stages;
   switches["MOK_GEMM_MULTICAST"] = built.multicast;
   switches["MOK_GEMM_DEFER_EPILOGUE"] = built.defer_epilogue;
   switches["MOK_GEMM_GROUP_M"] = built.group_m;
   switches["MOK_GEMM_SKIP_PADDING_HALF"] = built.skip_padding_half;
   switches["MOK_GEMM_TRACE"] = built.trace;
-  switches["MOK_GEMM_SWIGLU_WARPS"] = built.swiglu_warps;
   return switches;
 }
 

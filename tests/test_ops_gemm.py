@@ -438,14 +438,13 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
 
 # The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, the weight
 # gradients' tile held into the next task, tasks in groups of 8 m-tiles, every warpgroup multiplying), each variant
-# its own extension (built here on first use, about a minute each): the st.global epilogue, the bf16 tiles stored
-# from registers, 3 stages (5 staging
+# its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5 staging
 # boxes per warp instead of 2), B multicast over 2-CTA clusters, every tile stored at once, the row-wise tasks
 # m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple) and no
 # MMAs for an all-padding half tile must store the same bits in the same places.
-SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_DIRECT_STORE": 1}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
+SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
                    {"MOK_GEMM_DEFER_EPILOGUE": 0}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4},
-                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_SWIGLU_WARPS": 1}]
+                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}]
 
 
 @pytest.mark.gpu
@@ -461,9 +460,9 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     sched = sched.to("cuda")
     default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_DIRECT_STORE": 0, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
+    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
                 "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_SWIGLU_WARPS": 0}
+                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit

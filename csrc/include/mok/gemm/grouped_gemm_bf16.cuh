@@ -70,12 +70,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TMA_STORE
 #define MOK_GEMM_TMA_STORE 1
 #endif
-// MOK_GEMM_DIRECT_STORE=1: the bf16 epilogues skip the staging and store from registers (store_tile_direct: a 4 × 4
-// transpose inside each quad of lanes, then 16-byte st.global), so no store waits for an earlier one to have read
-// its staging box; the E4M3 tiles of kGateUpMxOut still go through the staging. 0 (default): MOK_GEMM_TMA_STORE's path.
-#ifndef MOK_GEMM_DIRECT_STORE
-#define MOK_GEMM_DIRECT_STORE 0
-#endif
 #ifndef MOK_GEMM_NUM_STAGES
 #define MOK_GEMM_NUM_STAGES 4
 #endif
@@ -115,14 +109,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TRACE
 #define MOK_GEMM_TRACE 0
 #endif
-// MOK_GEMM_SWIGLU_WARPS=1: GEMM1 (kGateUp) computes h in the producer warpgroup's last two warps, from the gate and
-// up rows its consumers stored, one task behind them (swiglu_rows); the first two warps gather A. The consumers'
-// epilogue is then the gate and up stores: the SwiGLU's instructions (~9 k of the ~44 k cycles of a qwen3-30b
-// task with only 8 consumer warps to issue them, MOK_GEMM_TRACE at 27f0146) run under the next task's MMAs.
-// 0 (default): the consumers compute h at the end of each task.
-#ifndef MOK_GEMM_SWIGLU_WARPS
-#define MOK_GEMM_SWIGLU_WARPS 0
-#endif
 
 #if MOK_GEMM_TRACE
 constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
@@ -143,8 +129,6 @@ constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
-constexpr bool kSwiGLUWarpsBuild = MOK_GEMM_SWIGLU_WARPS != 0;
-constexpr int kNumHandoff = 2;  // MOK_GEMM_SWIGLU_WARPS: tasks the consumers may be ahead of the SwiGLU warps
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -174,13 +158,12 @@ constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
-constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding + kNumHandoff) * 8;
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
 // writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later stores were issued.
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
-constexpr bool kDirectStore = MOK_GEMM_DIRECT_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
 constexpr uint32_t kStoreBoxesRoom =
@@ -191,14 +174,18 @@ constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
 constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
 
-// The producer warpgroup (or its first kGatherThreads, Tile) gathers an A tile as 128 rows × 8 chunks of 16 bytes:
-// thread t copies chunk t % 8 of rows t / 8 + (kGatherThreads / 8)·j (8 threads read one row's 128 contiguous bytes).
+// The producer warpgroup gathers an A tile as 128 rows × 8 chunks of 16 bytes: thread t copies chunk t % 8
+// of rows t / 8 + 16j, j in [0, 8) (8 threads read one row's 128 contiguous bytes).
 constexpr int kChunksPerRow = kRowBytes / 16;
+constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
+constexpr int kRowsPerThread = BLOCK_M / kRowStride;
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
 static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
                   kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
               "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
+static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
+              "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
 static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
 static_assert(kMxStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
@@ -309,14 +296,6 @@ struct Tile {
   static constexpr bool kSwiGLU =  // B0 = Wg, B1 = Wu
       kGemm == Gemm::kGateUp || kGemm == Gemm::kGateUpMx || kMxOut;
   static constexpr bool kGather = kSwiGLU;  // A gathered by cp.async, else by TMA
-  // h from the stored gate and up in producer warps 2 and 3 (MOK_GEMM_SWIGLU_WARPS; the bf16 GEMM1 only)
-  static constexpr bool kSwiGLUWarps = kSwiGLUWarpsBuild && kGemm == Gemm::kGateUp;
-  // then warps 0 and 1 gather (one warp's 32 rows of tokens spilled)
-  static constexpr int kGatherThreads = kSwiGLUWarps ? 2 * kWarpSize : kNumProducerThreads;
-  static constexpr int kRowStride = kGatherThreads / kChunksPerRow;  // a gathering thread's rows are this far apart
-  static constexpr int kRowsPerThread = BLOCK_M / kRowStride;
-  static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kGatherThreads,
-                "the gathering threads cover every (row, chunk) of an A tile exactly once");
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
       kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
   static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
@@ -332,14 +311,14 @@ struct Tile {
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
   static constexpr uint32_t kFullArrivals =
-      (kGather ? kGatherThreads : 0) + (kMx ? kNumProducerThreads : 0) + (kTmaIntoStage ? 1 : 0);
+      (kGather ? kNumProducerThreads : 0) + (kMx ? kNumProducerThreads : 0) + (kTmaIntoStage ? 1 : 0);
   static constexpr uint32_t kTmaBytes = (kGather ? 0 : kATileBytes) + (kMx ? 0 : 2 * kBTileBytes);
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
   // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere. A producer that only issues TMA
-  // (one thread) needs few: 40 leaves the consumers 232 for the held tile. SwiGLU warps: 88 spilled 16 bytes.
-  static constexpr int kProducerRegs = kMx ? 120 : kSwiGLUWarps ? 104 : kGather ? 56 : 40;
-  static constexpr int kConsumerRegs = kMx ? 192 : kSwiGLUWarps ? 200 : kGather ? 224 : 232;
+  // (one thread) needs few: 40 leaves the consumers 232 for the held tile.
+  static constexpr int kProducerRegs = kMx ? 120 : kGather ? 56 : 40;
+  static constexpr int kConsumerRegs = kMx ? 192 : kGather ? 224 : 232;
   static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
                     kNumThreads * kLaunchRegs &&
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
@@ -560,7 +539,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
-  const uint32_t chunk = thread % kChunksPerRow;  // gathering threads: thread < T::kGatherThreads
+  const uint32_t chunk = thread % kChunksPerRow;
   const uint32_t row_in_tile = thread / kChunksPerRow;
   // MXFP8: thread 0 keeps the landing ring kNumLanding - 1 k-blocks ahead of the stage it fills.
   int num_landings = 0;  // this CTA's k-blocks
@@ -575,11 +554,11 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
-    int32_t token[T::kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
+    int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     if constexpr (T::kGather) {
 #pragma unroll
-      for (int j = 0; j < T::kRowsPerThread; ++j)
-        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + T::kRowStride * j];
+      for (int j = 0; j < kRowsPerThread; ++j)
+        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
@@ -595,10 +574,10 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
-        for (int j = 0; j < T::kRowsPerThread; ++j) {
+        for (int j = 0; j < kRowsPerThread; ++j) {
           const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
           const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
-          ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + T::kRowStride * j, chunk), src, real ? 16 : 0);
+          ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
       }
@@ -613,61 +592,6 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
     }
   }
   if constexpr (T::kGather) ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
-}
-
-// MOK_GEMM_SWIGLU_WARPS: producer warps 2 and 3 (64 threads) walk the CTA's tasks as the consumers do and, once the
-// consumers' gate and up stores of a task have landed (`stored[j % kNumHandoff]`: every consumer thread arrives
-// after its st.global, and mbarrier's release/acquire at CTA scope orders global memory too), compute that task's h
-// from them: thread t takes 16-byte chunk t % 16 (8 columns) of the tile's rows t / 16 + 4i, each loaded two rows
-// ahead of its swiglu_n (one warp's dependent chains cannot hide a load), on the bf16 values the consumers'
-// registers held (the same bits), and stores it by one 16-byte st.global. Padding rows were stored as zeros, so
-// their h is swiglu(0, 0) = +0, the zeros the consumers would write. `freed[slot]`: every SwiGLU thread has seen
-// the slot's phase, so the consumers may complete it again (kNumHandoff tasks ahead at most: a parity barrier
-// completed twice before a wait would hang it).
-template <Gemm kGemm>
-MOK_DEVICE void swiglu_rows(const Params& p, uint64_t* stored, uint64_t* freed, int num_tasks, int num_k_blocks) {
-  using T = Tile<kGemm>;
-  constexpr int kThreads = kNumProducerThreads - T::kGatherThreads;
-  constexpr int kChunks = T::kTaskN / 8;  // of a tile row
-  constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0, "a SwiGLU thread keeps its chunk from row to row");
-  const int thread = static_cast<int>(threadIdx.x) - T::kGatherThreads;
-  const int first_row = thread / kChunks;
-  const auto h_of = [&](uint4 gate, uint4 up) {
-    const uint32_t gw[4] = {gate.x, gate.y, gate.z, gate.w}, uw[4] = {up.x, up.y, up.z, up.w};
-    float g[8], u[8];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {  // bf16 → fp32 is exact: the bits shifted into the high half
-      g[2 * w] = __uint_as_float(gw[w] << 16), g[2 * w + 1] = __uint_as_float(gw[w] & 0xFFFF0000u);
-      u[2 * w] = __uint_as_float(uw[w] << 16), u[2 * w + 1] = __uint_as_float(uw[w] & 0xFFFF0000u);
-    }
-    swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
-    return make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
-                      pack_bf16x2(g[6], g[7]));
-  };
-  const Units units = units_of<kGemm>(p, num_tasks);
-  uint32_t j = 0;  // this CTA's tasks so far
-  for (int unit = units.first; unit < units.count; unit += units.step, ++j) {
-    const Task t = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks).t;
-    const uint32_t slot = j % kNumHandoff;
-    ptx::mbarrier_wait_parity(&stored[slot], (j / kNumHandoff) & 1);
-    ptx::mbarrier_arrive(&freed[slot]);
-    const int col = t.n_tile * T::kTaskN + 8 * (thread % kChunks);
-    if (col >= p.n) continue;  // n % 8 == 0: a chunk is all in or all out
-    const int64_t at = static_cast<int64_t>(t.m_tile * BLOCK_M + first_row) * p.n + col, step = kRowStep * p.n;
-    const uint4 *gate = reinterpret_cast<const uint4*>(p.gate + at), *up = reinterpret_cast<const uint4*>(p.up + at);
-    uint4* h = reinterpret_cast<uint4*>(p.out + at);
-    const int64_t next = step / 8;  // in uint4
-    // rows r (g0, u0) and r + kRowStep (g1, u1) in flight; first_row + kRowStep < BLOCK_M always
-    uint4 g0 = gate[0], u0 = up[0], g1 = gate[next], u1 = up[next];
-    for (int row = first_row; row < BLOCK_M; row += 2 * kRowStep, gate += 2 * next, up += 2 * next, h += 2 * next) {
-      const uint4 ga = g0, ua = u0, gb = g1, ub = u1;
-      if (row + 2 * kRowStep < BLOCK_M) g0 = gate[2 * next], u0 = up[2 * next];
-      if (row + 3 * kRowStep < BLOCK_M) g1 = gate[3 * next], u1 = up[3 * next];
-      h[0] = h_of(ga, ua);
-      if (row + kRowStep < BLOCK_M) h[next] = h_of(gb, ub);
-    }
-  }
 }
 
 // ---- epilogues: registers -> shared memory -> global --------------------------------------------------
@@ -754,48 +678,10 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
   }
 }
 
-// Direct path (MOK_GEMM_DIRECT_STORE): the same 16 × 128 tile from registers, no staging. The 4 lanes of a quad
-// hold the 4 words of each 16-byte chunk of their row (columns 8i .. 8i + 7, word q = lane q's); a 4 × 4 transpose
-// over chunks i0 .. i0 + 3 (two butterfly stages of shuffles, xor 2 then xor 1) gives lane q all of chunk i0 + q,
-// written by one 16-byte st.global: each warp instruction writes 8 rows × 64 contiguous bytes (full sectors).
-template <typename Values>
-MOK_DEVICE void store_tile_direct(const Output& out, int row0, int col0, uint32_t lane, Values values) {
-  const uint32_t q = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + static_cast<int>(lane / 4) + 8 * h;
-#pragma unroll
-    for (int i0 = 0; i0 < BLOCK_N_B / 8; i0 += 4) {
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w[j] = values(i0 + j, h);  // word q of chunk i0 + j
-#pragma unroll
-      for (int stage = 2; stage >= 1; stage /= 2) {  // lanes q and q ^ stage swap the words whose index bit differs
-        const bool high = (q & stage) != 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if ((j & stage) != 0) continue;  // the pair (j, j + stage): send one, keep the other
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[j] : w[j + stage], stage);
-          if (high) {
-            w[j] = got;
-          } else {
-            w[j + stage] = got;
-          }
-        }
-      }
-      const int col = col0 + 8 * (i0 + static_cast<int>(q));  // n % 8 == 0: a chunk is all in or all out
-      if (row < out.num_rows && col < out.n)
-        st_v4(out.ptr + static_cast<int64_t>(row) * out.n + col, make_uint4(w[0], w[1], w[2], w[3]));
-    }
-  }
-}
-
 // Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
 template <typename Values>
 MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
-  if constexpr (kDirectStore) {
-    store_tile_direct(out, row0, col0, lane, values);
-  } else if constexpr (kTmaStore) {
+  if constexpr (kTmaStore) {
     store_tile_tma(st, out, row0, col0, lane, values);
   } else {
     store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
@@ -898,16 +784,11 @@ struct Epilogue {
     if constexpr (T::kMxOut) {
       store_mx_piece(mx_of(p.gate, p), o.gate, p, st, lane, acc0);
       store_mx_piece(mx_of(p.up, p), o.up, p, st, lane, acc1);
-    } else if constexpr (T::kSwiGLUWarps) {  // by st.global: the SwiGLU warps read them once they have landed
-      store_tile_direct({p.gate, nullptr, 0, p.n, kAllRows}, row0, n0, lane, acc_values(acc0));
-      store_tile_direct({p.up, nullptr, 0, p.n, kAllRows}, row0, n0, lane, acc_values(acc1));
     } else if constexpr (T::kSwiGLU) {
       store_piece_from(p, o, st, lane, 0, acc_values(acc0));
       store_piece_from(p, o, st, lane, 1, acc_values(acc1));
     }
-    if constexpr (T::kSwiGLUWarps) {
-      // h is swiglu_rows' (the producer warpgroup's), from the gate and up just stored
-    } else if constexpr (T::kSwiGLU) {
+    if constexpr (T::kSwiGLU) {
       // h in batches of 8 elements (swiglu_n: see mok/swiglu.cuh for why batches; 16 spilled), packed as the
       // stores read it: word k = elements 2k, 2k + 1
       constexpr int kBatch = 8;
@@ -1081,7 +962,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        uint64_t* stored, uint64_t* freed, int num_tasks, int num_k_blocks) {
+                        int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
@@ -1090,17 +971,16 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Only the weight gradients hold a tile (and only on the TMA or direct path, where it fits in registers): their tasks
+  // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
   // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
   // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
   // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
-  constexpr bool kDefer = kDeferEpilogue && (kTmaStore || kDirectStore) && kGemm == Gemm::kWeightGrad;
+  constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
-  uint32_t j = 0;  // this CTA's tasks so far (the SwiGLU warps' hand-off)
   const Units units = units_of<kGemm>(p, num_tasks);
-  for (int unit = units.first; unit < units.count; unit += units.step, ++j) {
+  for (int unit = units.first; unit < units.count; unit += units.step) {
     Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
     // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
@@ -1153,11 +1033,6 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
       }
     }
 #endif
-    if constexpr (T::kSwiGLUWarps) {  // this thread's gate and up stores are done: swiglu_rows may read the tile
-      const uint32_t slot = j % kNumHandoff;
-      ptx::mbarrier_wait_parity(&freed[slot], ((j / kNumHandoff) & 1) ^ 1);  // its last phase was seen
-      ptx::mbarrier_arrive(&stored[slot]);
-    }
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
   }
   epilogue.store_rest(p, outputs, staging, lane);
@@ -1188,8 +1063,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
-  uint64_t* stored = empty + kNumStages + 2 * kNumLanding;  // [kNumHandoff] each: MOK_GEMM_SWIGLU_WARPS' hand-off
-  uint64_t* freed = stored + kNumHandoff;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
@@ -1201,12 +1074,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
         ptx::mbarrier_init(&land.empty[s], kNumProducerThreads);
-      }
-    }
-    if constexpr (T::kSwiGLUWarps) {
-      for (int s = 0; s < kNumHandoff; ++s) {
-        ptx::mbarrier_init(&stored[s], kNumConsumerGroups * kWarpgroup);
-        ptx::mbarrier_init(&freed[s], kNumProducerThreads - T::kGatherThreads);
       }
     }
     ptx::fence_mbarrier_init();
@@ -1231,16 +1098,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    bool gathers = true;  // or computes h (MOK_GEMM_SWIGLU_WARPS)
-    if constexpr (T::kSwiGLUWarps) {
-      gathers = threadIdx.x < T::kGatherThreads;
-      if (!gathers) swiglu_rows<kGemm>(p, stored, freed, num_tasks, num_k_blocks);
-    }
-    if (gathers)
-      produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, stored, freed, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
   // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
   if constexpr (T::kMulticast) ptx::cluster_sync();
