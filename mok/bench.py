@@ -7,8 +7,8 @@
     python -m mok.bench ab MOK_GEMM_MULTICAST=1    (a build switch against the default, in one process: mok.bench_ab)
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
 
-Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings after warm-up: 3 calls,
-then more until 100 ms have passed, --warmup-ms; the row's warmup_ms),
+Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings of calls queued back to back,
+after warm-up: 3 calls, then more until 1 s has passed, --warmup-ms; the row's warmup_ms and timing, time_ms),
 tflops (MoK's FLOP convention, mok.config), the cuBLAS dense ceiling measured in the same process
 on the same aggregate GEMM shapes, frac_of_ceiling, speedup_vs_torch (L1), peak_mem_gb (memory the
 pass allocates on top of its inputs), saved_gb (the activations a forward keeps for the backward,
@@ -48,19 +48,27 @@ from mok.testing import make_inputs, moe_args, saved_nbytes
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
 KEY = ["shape", "level", "precision", "pass"]
-# The layer benchmark's warm-up beyond 3 calls: sustained calls put the GPU under its power cap, where a dense GEMM
-# runs 6-18% slower than in the first milliseconds and our passes do not move (docs/l2_fused.md, "The ceiling
-# under a sustained load"); a training step is a sustained load.
-WARMUP_MS = 100.0
+# The method of record times every call as a training step runs it. WARMUP_MS: the warm-up beyond 3 calls. Sustained
+# calls put the GPU under its power cap, where a dense GEMM runs 6-18% slower than in the first milliseconds; the
+# cap averages power over about a second, and after 100 ms the shortest ceilings still ran partly above it (dsv4pro's
+# forward: 743 TFLOP/s at 100 ms, 618 at 1 s; docs/l2_fused.md, "The ceiling under a sustained load" and "What the
+# forward goal needs"). QUEUED: the timed calls go back to back, one sync at the end, so the host's launch time hides
+# behind the previous call as it does in a training loop (a call from an idle GPU also paid it: qwen3-30b's forward
+# 5% more, "Host time on the path to GEMM1"); a host slower than the GPU still shows, as the GPU's idle time.
+WARMUP_MS = 1000.0
+QUEUED = True
 
 
 # --- timing and provenance ------------------------------------------------------------------------
 
-def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during=None) -> float:
+def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during=None, queued: bool = QUEUED) -> float:
     """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU. The warm-up is `warmup`
     calls, then more until `warmup_ms` of wall time have passed since the first (0: none more): after an idle
     spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/l2_fused.md, "Next" 6).
-    `during`: a context manager entered around the timed calls only (a clocks.Sampler)."""
+    `queued` (a GPU): the timed calls are queued back to back behind one more call, each between its own two
+    events, and synchronized once at the end, so each time is the GPU's from the end of the call before; else
+    each call starts from an idle GPU (start event, fn, end event, sync) and pays the host's time to its first
+    kernel. `during`: a context manager entered around the timed calls only (a clocks.Sampler)."""
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -73,6 +81,15 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during
         fn()
     times = []
     with during if during is not None else contextlib.nullcontext():
+        if cuda and queued:
+            events = [tuple(torch.cuda.Event(enable_timing=True) for _ in "se") for _ in range(iters)]
+            fn()  # the first timed call starts behind a call, as every later one does
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            events[-1][1].synchronize()
+            return statistics.median(start.elapsed_time(end) for start, end in events)
         for _ in range(iters):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,6 +103,29 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def timing_name(queued: bool) -> str:
+    """The rows' `timing` column: how time_ms ran the timed calls."""
+    return "queued" if queued else "from_idle"
+
+
+def add_timing_options(p: argparse.ArgumentParser) -> None:
+    """--warmup-ms and --from-idle, the method options of every CLI that times on the GPU (moe, parts, ab)."""
+    p.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
+                   help="after 3 warm-up calls, keep calling for this long before every timing (ceilings, levels "
+                        "and peers alike): the clocks of a sustained load, under the GPU's power cap; 100 was the "
+                        "method of record before 2026-12-04, 0 (3 calls only) before a012d45")
+    p.add_argument("--from-idle", action="store_true",
+                   help="time every call from an idle GPU (each synchronized), paying the host's time to its "
+                        "first kernel: the method of record before 2026-12-04 (default: calls queued back to back)")
+
+
+def timing_of(args) -> tuple:
+    """(time_ms with the method `args` ask for, the columns every row records it by)."""
+    queued = not args.from_idle
+    return (functools.partial(time_ms, warmup_ms=args.warmup_ms, queued=queued),
+            {"warmup_ms": args.warmup_ms, "timing": timing_name(queued)})
 
 
 def clocked(time_fn, fn, iters: int) -> tuple[float, dict]:
@@ -276,10 +316,10 @@ def liger_pass_fn(inputs: dict, pass_: str):
 
 
 def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0,
-                mx_weight_cache=False, warmup_ms=WARMUP_MS, bound_block_m=fused.BLOCK_M) -> list[dict]:
+                mx_weight_cache=False, warmup_ms=WARMUP_MS, queued=QUEUED, bound_block_m=fused.BLOCK_M) -> list[dict]:
     inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
     prov = provenance()
-    time_fn = functools.partial(time_ms, warmup_ms=warmup_ms)  # every row alike: ceiling, levels, peers
+    time_fn = functools.partial(time_ms, warmup_ms=warmup_ms, queued=queued)  # every row alike: ceiling, levels, peers
     rows = []
     executed = executed_rows(inputs["topk_idx"], cfg.num_experts, bound_block_m)  # the `bound` rows' GEMMs
 
@@ -291,7 +331,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
                          shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters),
-                         warmup_ms=warmup_ms, **clock, **prov))
+                         warmup_ms=warmup_ms, timing=timing_name(queued), **clock, **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
 
@@ -390,11 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--mx-weight-cache", action="store_true",
                    help="time the fused level's mxfp8 rows inside mok.mxfp8_weight_cache(), warmed by the warm-up "
                         "(a gradient-accumulation step's steady state)")
-    p.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
-                   help="after 3 warm-up calls, keep calling for this long before every timing (ceiling, levels "
-                        "and peers alike): the clocks of a sustained load, under the GPU's power cap; 0: 3 calls "
-                        "only, which time the dense ceiling in a transient above the cap (docs/l2_fused.md, "
-                        "\"The ceiling under a sustained load\")")
+    add_timing_options(p)
     p.add_argument("--bound-block-m", type=int, default=fused.BLOCK_M,
                    help="with --levels fused: the tile each expert's rows are rounded up to in the `bound` rows "
                         "(cuBLAS on the rows executed); another value than the level's asks what a schedule padded "
@@ -407,7 +443,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     all_rows = sweep(args.shapes, lambda cfg: bench_shape(cfg, args.levels, args.precisions, args.passes, args.peers,
                                                           args.iters, device, mx_weight_cache=args.mx_weight_cache,
-                                                          warmup_ms=args.warmup_ms,
+                                                          warmup_ms=args.warmup_ms, queued=not args.from_idle,
                                                           bound_block_m=args.bound_block_m),
                      out)
     cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]

@@ -125,8 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None,
                    help="timings of each pass (default 7) or kernel (default 3) and build; the median is kept")
     p.add_argument("--iters", type=int, default=20, help="timed runs per forward timing (half, ≥ 10, with backward)")
-    p.add_argument("--warmup-ms", type=float, default=bench.WARMUP_MS,
-                   help="sustained calls before every timing (mok.bench.WARMUP_MS; 0: 3 calls only)")
+    bench.add_timing_options(p)
     p.add_argument("--out", type=Path, default=None, help="default data/bench/ab.csv, with --parts ab_parts.csv")
     args = p.parse_args(argv)
     try:
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rounds = args.rounds if args.rounds is not None else 3 if args.parts else 7
     out = args.out or bench.DATA / ("ab_parts.csv" if args.parts else "ab.csv")
-    time_fn = functools.partial(bench.time_ms, warmup_ms=args.warmup_ms)
+    time_fn, method = bench.timing_of(args)
 
     def rows_of(cfg):
         if args.parts:
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
         else:
             rows = ab_shape(cfg, switch, args.passes, rounds, args.iters, args.precision, device=device,
                             time_fn=time_fn)
-        return [{**r, "iters": args.iters, "warmup_ms": args.warmup_ms, **bench.provenance()} for r in rows]
+        return [{**r, "iters": args.iters, **method, **bench.provenance()} for r in rows]
 
     all_rows = bench.sweep(args.shapes, rows_of, out, PARTS_KEY if args.parts else KEY)
     print(ab_table(pd.DataFrame(all_rows)).to_string(index=False, float_format=lambda v: f"{v:.4g}"))

@@ -279,13 +279,12 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--iters", type=int, default=20, help="timed runs of every step, pass and ceiling (≥ 20)")
-    p.add_argument("--warmup-ms", type=float, default=bench.WARMUP_MS,
-                   help="sustained calls before every timing (mok.bench.WARMUP_MS; 0: 3 calls only)")
+    bench.add_timing_options(p)
     p.add_argument("--out", type=Path, default=bench.DATA / "parts.csv")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    time_fn = functools.partial(bench.time_ms, warmup_ms=args.warmup_ms)
-    all_rows = bench.sweep(args.shapes, lambda cfg: [{**r, "warmup_ms": args.warmup_ms}
+    time_fn, method = bench.timing_of(args)
+    all_rows = bench.sweep(args.shapes, lambda cfg: [{**r, **method}
                                                      for r in bench_parts_shape(cfg, args.iters, device, time_fn)],
                            args.out, KEY)
     cols = ["shape", "step", "time_ms", "share_of_pass", "tflops", "frac_of_ceiling", "gbps"]

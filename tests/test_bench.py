@@ -69,6 +69,59 @@ def test_time_ms_warms_up_for_warmup_ms(monkeypatch, warmup_ms, warm_calls):
     assert len(calls) == warm_calls + 3
 
 
+class FakeGpu:
+    """torch.cuda's timing surface on a log: each call of `fn` takes 1 ms of GPU time and the host 3 ms to launch it
+    from an idle GPU (the queue hides it behind the call before); events record their time, synchronizations their
+    name."""
+
+    def __init__(self):
+        self.log, self.gpu_ms, self.queue_busy = [], 0.0, False
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                gpu.log.append("record")
+                self.at = gpu.gpu_ms
+
+            def synchronize(self):
+                gpu.log.append("event sync")
+                gpu.queue_busy = False
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        self.Event = Event
+
+    def fn(self):
+        self.log.append("fn")
+        self.gpu_ms += 1.0 if self.queue_busy else 4.0
+        self.queue_busy = True
+
+    def synchronize(self):
+        self.log.append("sync")
+        self.queue_busy = False
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_time_ms_queues_the_timed_calls_or_starts_each_from_idle(monkeypatch, queued):
+    """Queued (the method of record): one more call, then every timed call between its two events with no sync
+    until the last event, so each time is the GPU's own (1 ms); from idle: a sync after every call, so each pays
+    the host's launch (4 ms)."""
+    gpu = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    ms = bench.time_ms(gpu.fn, iters=3, warmup=2, queued=queued)
+    timed = gpu.log[2:]  # after the warm-up calls
+    if queued:
+        assert ms == 1.0 and timed == ["fn"] + ["record", "fn", "record"] * 3 + ["event sync"]
+    else:
+        assert ms == 4.0 and timed == ["record", "fn", "record", "event sync"] * 3
+
+
 def test_bench_rows_on_cpu(tmp_path, capsys):
     cfg = TINY_SHAPES["tiny-top1"]
     rows = bench.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
@@ -104,15 +157,20 @@ def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
     """The ceiling's GEMMs and every level take the same warm-up (by default WARMUP_MS), and the rows say which."""
     seen = []
 
-    def spy(fn, iters=20, warmup=3, warmup_ms=0.0, during=None):
-        seen.append(warmup_ms)
+    def spy(fn, iters=20, warmup=3, warmup_ms=0.0, during=None, queued=False):
+        seen.append((warmup_ms, queued))
         return 1.0
 
     monkeypatch.setattr(bench, "time_ms", spy)
     cfg = TINY_SHAPES["tiny-top1"]
     rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu")
-    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1 and set(seen) == {bench.WARMUP_MS} == {100.0}
-    assert {r["warmup_ms"] for r in rows} == {100.0} and len(rows) == 2
+    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1
+    assert set(seen) == {(bench.WARMUP_MS, bench.QUEUED)} == {(1000.0, True)}
+    assert {(r["warmup_ms"], r["timing"]) for r in rows} == {(1000.0, "queued")} and len(rows) == 2
+    seen.clear()
+    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=7.0,
+                             queued=False)
+    assert set(seen) == {(7.0, False)} and {(r["warmup_ms"], r["timing"]) for r in rows} == {(7.0, "from_idle")}
 
 
 def test_committed_rows_have_provenance():
@@ -327,14 +385,19 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
     assert len(df) == len(rows) and not df.duplicated(subset=bench_parts.KEY).any()
 
 
-def test_parts_cli_warms_every_timing_alike(twin_calls, monkeypatch, tmp_path):
-    """`parts --warmup-ms`: the passes, their steps and the ceilings' GEMMs get the same warm-up, the rows say it."""
+@pytest.mark.parametrize("options, method", [([], (bench.WARMUP_MS, True, "queued")),
+                                             (["--warmup-ms", "7", "--from-idle"], (7.0, False, "from_idle"))])
+def test_parts_cli_times_every_step_alike(twin_calls, monkeypatch, tmp_path, options, method):
+    """`parts --warmup-ms --from-idle`: the passes, their steps and the ceilings' GEMMs are timed by the same method,
+    and the rows say which."""
     seen = []
-    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None: seen.append(warmup_ms) or 1.0)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None, queued=False:
+                        seen.append((warmup_ms, queued)) or 1.0)
     out = tmp_path / "parts.csv"
-    assert bench_parts.main(["--shapes", "tiny", "--iters", "2", "--warmup-ms", "7", "--out", str(out)]) == 0
-    assert len(seen) > 10 and set(seen) == {7.0}
-    assert set(pd.read_csv(out)["warmup_ms"]) == {7.0}
+    assert bench_parts.main(["--shapes", "tiny", "--iters", "2", *options, "--out", str(out)]) == 0
+    assert len(seen) > 10 and set(seen) == {method[:2]}
+    df = pd.read_csv(out)
+    assert set(zip(df["warmup_ms"], df["timing"])) == {(method[0], method[2])}
 
 
 def test_parts_time_each_gemm_on_its_padded_rows(twin_calls, monkeypatch):

@@ -121,13 +121,17 @@ def test_ab_parts_rejects_what_it_would_ignore(capsys):
 
 
 @pytest.mark.parametrize("parts", [False, True])
-def test_ab_cli_warms_every_timing_alike(kernel_twins, monkeypatch, tmp_path, parts):
-    """`ab --warmup-ms`: every timing of both builds gets the same warm-up, and the rows say which."""
+@pytest.mark.parametrize("from_idle", [False, True])
+def test_ab_cli_times_every_timing_alike(kernel_twins, monkeypatch, tmp_path, parts, from_idle):
+    """`ab --warmup-ms [--from-idle]`: every timing of both builds gets the same method, and the rows say which."""
     seen = []
-    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None: seen.append(warmup_ms) or 1.0)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None, queued=False:
+                        seen.append((warmup_ms, queued)) or 1.0)
     out = tmp_path / "ab.csv"
     argv = ["MOK_GEMM_TMA_STORE=0", "--shapes", "tiny", "--rounds", "1", "--iters", "2", "--warmup-ms", "7",
-            "--out", str(out)] + (["--parts"] if parts else ["--passes", "fwd"])
+            "--out", str(out), *(["--parts"] if parts else ["--passes", "fwd"]),
+            *(["--from-idle"] if from_idle else [])]
     assert bench_ab.main(argv) == 0
-    assert seen and set(seen) == {7.0}
-    assert set(pd.read_csv(out)["warmup_ms"]) == {7.0}
+    assert seen and set(seen) == {(7.0, not from_idle)}
+    df = pd.read_csv(out)
+    assert set(zip(df["warmup_ms"], df["timing"])) == {(7.0, "from_idle" if from_idle else "queued")}

@@ -46,10 +46,9 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
-# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed), `bench_capped` `bench` in BF16 with
-# 1 s of sustained calls before every timing (the power cap's averaging window: every timing under the cap);
-# `bench_3calls` is `bench` with every timing after 3 warm-up calls only (`--warmup-ms 0`, the method of record
-# before a012d45); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_100ms` is `bench` by the method
+# of record before 2026-12-04 (100 ms of sustained calls, each timed call from an idle GPU: `--warmup-ms 100
+# --from-idle`) and `bench_3calls` by the one before a012d45 (every timing after 3 warm-up calls only, queued); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
 # the BF16 ones (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
@@ -73,31 +72,31 @@ step switches_sw 200 "passed|failed|FAILED|Error" python -m pytest -q tests/test
 step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/test_ops_combine.py tests/test_fused.py \
   tests/test_ops_gather.py tests/test_ops_schedule.py tests/test_ops_route_grads.py tests/test_nosync.py \
   tests/test_mx_cache.py tests/test_clocks.py
-step bench 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
-step bench_bound64 120 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
+step bench 580 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
+step bench_bound64 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
   --bound-block-m 64 --out "$out/moe_bound64.csv"
-step bench_capped 560 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --precisions bf16 \
-  --warmup-ms 1000 --out "$out/moe_capped.csv"
+step bench_100ms 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --warmup-ms 100 --from-idle \
+  --out "$out/moe_100ms.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
   --out "$out/moe_3calls.csv"
-step bench_mx 240 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
-step bench_mxloop 180 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
+step bench_mx 360 "fused" python -m mok.bench moe --levels fused --peers --out "$out/moe_mx.csv"
+step bench_mxloop 300 "fused" env MOK_MX_WEIGHTS=mainloop python -m mok.bench moe --levels fused --precisions mxfp8 \
   --peers --out "$out/moe_mx_mainloop.csv"
-step bench_mxcache 180 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
+step bench_mxcache 300 "fused" python -m mok.bench moe --levels fused --peers --mx-weight-cache \
   --out "$out/moe_mx_cache.csv"
 step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
-step ab 300 "shape|bf16|wrote" python -m mok.bench ab "$switch" $ab_args --out "$out/ab.csv"
-step ab_parts 420 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts $ab_args --out "$out/ab_parts.csv"
-step parts 150 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
+step ab 560 "shape|bf16|wrote" python -m mok.bench ab "$switch" $ab_args --out "$out/ab.csv"
+step ab_parts 580 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts $ab_args --out "$out/ab_parts.csv"
+step parts 320 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
 # `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
 # lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
 # untracked so that it travels), its own build: the A/B partner of `parts` in the same run when a change has no
 # build switch. MOK_BASE_COMMIT labels its rows (default: MOK_BASE).
-step parts_base 240 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then cd "$1"; else
+step parts_base 320 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then cd "$1"; else
   git worktree add -f /tmp/mok_base "$1" >/dev/null && cd /tmp/mok_base; fi &&
   MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
   python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}"
-step parts_sw 240 "whole|steps|gemm|wgrad|dgrad" env "$switch" python -m mok.bench parts --out "$out/parts_switch.csv"
+step parts_sw 320 "whole|steps|gemm|wgrad|dgrad" env "$switch" python -m mok.bench parts --out "$out/parts_switch.csv"
 step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
   --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
