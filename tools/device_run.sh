@@ -46,7 +46,8 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
-# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_100ms` is `bench` by the method
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_l2` is `bench` for L2's BF16
+# alone beside its ceiling and bound (a second sample of the fractions, ~2 minutes); `bench_100ms` is `bench` by the method
 # of record before 2026-12-04 (100 ms of sustained calls, each timed call from an idle GPU: `--warmup-ms 100
 # --from-idle`) and `bench_3calls` by the one before a012d45 (every timing after 3 warm-up calls only, queued); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
 # the BF16 ones (tools/mx_gemm_ab.py).
@@ -75,6 +76,8 @@ step l2 150 "passed|failed|FAILED|Error" python -m pytest -q --maxfail=5 tests/t
 step bench 580 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --out "$out/moe.csv"
 step bench_bound64 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
   --bound-block-m 64 --out "$out/moe_bound64.csv"
+step bench_l2 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
+  --out "$out/moe_l2.csv"
 step bench_100ms 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --warmup-ms 100 --from-idle \
   --out "$out/moe_100ms.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
