@@ -8,7 +8,7 @@
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings of calls queued back to back,
-after warm-up: 3 calls, then more until 1 s has passed, --warmup-ms; the row's warmup_ms and timing, time_ms),
+after warm-up: 3 calls, then more until 1 s has passed, --warmup-ms; the row's warmup_ms and timing say how),
 tflops (MoK's FLOP convention, mok.config), the cuBLAS dense ceiling measured in the same process
 on the same aggregate GEMM shapes, frac_of_ceiling, speedup_vs_torch (L1), peak_mem_gb (memory the
 pass allocates on top of its inputs), saved_gb (the activations a forward keeps for the backward,
@@ -82,7 +82,8 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during
     times = []
     with during if during is not None else contextlib.nullcontext():
         if cuda and queued:
-            events = [tuple(torch.cuda.Event(enable_timing=True) for _ in "se") for _ in range(iters)]
+            event = functools.partial(torch.cuda.Event, enable_timing=True)
+            events = [(event(), event()) for _ in range(iters)]
             fn()  # the first timed call starts behind a call, as every later one does
             for start, end in events:
                 start.record()
