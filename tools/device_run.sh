@@ -46,11 +46,12 @@ timeout 300 python -c "from mok.ops import load_extension; load_extension()" || 
 # `bench_mxloop` the same for mxfp8 with the forward's weights dequantized in the GEMM mainloops
 # (MOK_MX_WEIGHTS=mainloop); `bench_mxcache` is `bench_mx` inside mok.mxfp8_weight_cache (the weights'
 # round trips reused across calls); `bench_bound64` is `bench` for L2's BF16 alone with its bound rows over
-# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_l2` is `bench` for L2's BF16
-# alone beside its ceiling and bound (a second sample of the fractions, ~2 minutes); `bench_100ms` is `bench` by the method
-# of record before 2026-12-04 (100 ms of sustained calls, each timed call from an idle GPU: `--warmup-ms 100
-# --from-idle`) and `bench_3calls` by the one before a012d45 (every timing after 3 warm-up calls only, queued); `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against
-# the BF16 ones (tools/mx_gemm_ab.py).
+# 64-row tiles (what a schedule padded to 64 rows could reach at cuBLAS speed); `bench_l2` is `bench` for L2's
+# BF16 alone beside its ceiling and bound (a second sample of the fractions, ~2 minutes); `bench_100ms` is `bench`
+# by the method of record before 2026-12-04 (100 ms of sustained calls, each timed call from an idle GPU:
+# `--warmup-ms 100 --from-idle`) and `bench_3calls` by the one before a012d45 (3 warm-up calls only, queued);
+# `ncu` profiles every GEMM once (tools/profile_gemms.py); `mx_ab` times those GEMMs alone against the BF16 ones
+# (tools/mx_gemm_ab.py).
 
 step() {  # step NAME TIMEOUT GREP_PATTERN CMD...: run CMD with its log in $out/NAME.log, print the matching lines
   local name=$1 tmo=$2 pattern=$3
