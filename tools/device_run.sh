@@ -144,6 +144,9 @@ step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.
 step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py $ab_args
 # `values_ab`: the same BF16 GEMMs on random bf16 operands and on their MXFP8 round trips (tools/operand_values_ab.py).
 step values_ab 180 "shape|mm|gemm2|  " env OUT="$out" python tools/operand_values_ab.py
+# `padding_ab`: the forward's routed GEMMs by cuBLAS with the padding rows random, zeros, padded to 64 rows, or none
+# (tools/padding_rows_ab.py).
+step padding_ab 200 "shape|ms|  " env OUT="$out" python tools/padding_rows_ab.py
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py
