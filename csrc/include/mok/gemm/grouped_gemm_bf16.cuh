@@ -118,7 +118,7 @@ namespace mok::gemm {
 #endif
 
 #if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, second half (0 / 1 padding / 2 mixed), 3 clocks
 constexpr int kTraceRecords = 1 << 18;
 __device__ long long g_trace[kTraceRecords * kTraceWords];
 __device__ int g_trace_count;
@@ -1121,9 +1121,9 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     if (warp == 0 && lane == 0) {
       const int slot = atomicAdd(&g_trace_count, 1);
       if (slot < kTraceRecords) {
-        const bool half_padding =
-            kGemm != Gemm::kWeightGrad && (t.absent1 || p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0);
-        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, half_padding,
+        const int second_half = kGemm == Gemm::kWeightGrad ? 0 : t.mixed ? 2
+                                : t.absent1 || p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0 ? 1 : 0;
+        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, second_half,
                                                clock_start, clock_mma, clock64()};
         for (int i = 0; i < kTraceWords; ++i) g_trace[static_cast<int64_t>(slot) * kTraceWords + i] = record[i];
       }
