@@ -118,7 +118,7 @@ namespace mok::gemm {
 #endif
 
 #if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, second half (0 / 1 padding / 2 mixed), 3 clocks
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, second half (1 padding, 2 mixed), 3 clocks
 constexpr int kTraceRecords = 1 << 18;
 __device__ long long g_trace[kTraceRecords * kTraceWords];
 __device__ int g_trace_count;
