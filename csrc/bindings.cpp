@@ -107,18 +107,18 @@ void copy_bytes(const at::Tensor& src, at::Tensor& dst, int64_t variant) {
 }
 
 void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                        const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                        const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                         const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
                         double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(gate, "gate"), check_arg(up, "up");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::grouped_gemm_bf16_swiglu_gather(
                  x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate.data_ptr(),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate.data_ptr(),
                  up.data_ptr(),
                  row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0), static_cast<float>(swiglu_limit),
                  has_limit, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
@@ -126,21 +126,21 @@ void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at:
 }
 
 void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                                  const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                                  const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                                   const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate_mx,
                                   at::Tensor& up_mx, double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(gate_mx, "gate_mx"), check_arg(up_mx, "up_mx");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const int64_t mx_bytes = h.numel() + h.numel() / 32;  // E4M3 data, then one scale byte per 32
   TORCH_CHECK(gate_mx.nbytes() == mx_bytes && up_mx.nbytes() == mx_bytes,
               "gate_mx, up_mx: expected the data and scales of h's shape in one buffer");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out(
                  x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate_mx.data_ptr(),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate_mx.data_ptr(),
                  up_mx.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0),
                  static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
@@ -148,15 +148,15 @@ void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate,
 }
 
 void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
-                        const at::Tensor& half_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
+                        const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
                         int64_t num_sms) {
-  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(half_to_expert, "half_to_expert"), check_arg(out, "out");
+  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(out, "out");
   check_arg(row_to_token, "row_to_token");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(a_rows.device());
   check_cuda(mok::grouped_gemm_bf16_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                                                  half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                                                  tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
                                                   out.data_ptr(), a_rows.size(0), w.size(1), w.size(2), w.size(0),
                                                   static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_nt_contiguous");
@@ -164,18 +164,18 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
 
 void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_gate_scales,
                            const at::Tensor& w_up, const at::Tensor& w_up_scales, const at::Tensor& row_to_token,
-                           const at::Tensor& half_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& h,
+                           const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& h,
                            at::Tensor& gate, at::Tensor& up, double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
   check_arg(w_gate_scales, "w_gate_scales"), check_arg(w_up_scales, "w_up_scales");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(gate, "gate"), check_arg(up, "up");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::grouped_gemm_mxfp8_swiglu_gather(
                  x.data_ptr(), w_gate.data_ptr(), w_gate_scales.data_ptr(), w_up.data_ptr(), w_up_scales.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
                  h.data_ptr(), gate.data_ptr(), up.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1),
                  w_gate.size(0), static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
@@ -183,15 +183,15 @@ void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const 
 }
 
 void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& w_scales,
-                           const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                           const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                            const std::optional<at::Tensor>& counts, at::Tensor& out, int64_t num_sms) {
   check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(w_scales, "w_scales"), check_arg(out, "out");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(a_rows.device());
   check_cuda(mok::grouped_gemm_mxfp8_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), w_scales.data_ptr(),
-                                                   row_to_token.data_ptr<int32_t>(), half_to_expert.data_ptr<int32_t>(),
+                                                   row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(),
                                                    real_num_rows_ptr(counts), out.data_ptr(), a_rows.size(0), w.size(1),
                                                    w.size(2), w.size(0), static_cast<int>(num_sms),
                                                    c10::cuda::getCurrentCUDAStream()),
@@ -199,18 +199,18 @@ void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const 
 }
 
 void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
-                       const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                       const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                        const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h,
                        double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(
                  dy_rows.data_ptr(), w_down.data_ptr(), gate.data_ptr(), up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
                  d_gate.data_ptr(), d_up.data_ptr(), h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
                  static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
@@ -219,20 +219,20 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
 
 void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate_data,
                              const at::Tensor& gate_scales, const at::Tensor& up_data, const at::Tensor& up_scales,
-                             const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                             const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                              const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up,
                              at::Tensor& h, double swiglu_limit, bool has_limit, int64_t num_sms) {
   check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate_data, "gate_data");
   check_arg(gate_scales, "gate_scales"), check_arg(up_data, "up_data"), check_arg(up_scales, "up_scales");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8(
                  dy_rows.data_ptr(), w_down.data_ptr(), gate_data.data_ptr(), gate_scales.data_ptr(),
                  up_data.data_ptr(), up_scales.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), d_gate.data_ptr(), d_up.data_ptr(),
+                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), d_gate.data_ptr(), d_up.data_ptr(),
                  h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
                  static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
@@ -240,16 +240,16 @@ void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down
 }
 
 void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const at::Tensor& w_gate,
-                        const at::Tensor& w_up, const at::Tensor& row_to_token, const at::Tensor& half_to_expert,
+                        const at::Tensor& w_up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                         const std::optional<at::Tensor>& counts, at::Tensor& dx_rows, int64_t num_sms) {
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up");
-  check_arg(row_to_token, "row_to_token"), check_arg(half_to_expert, "half_to_expert"), check_arg(dx_rows, "dx_rows");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && half_to_expert.scalar_type() == at::kInt,
-              "row_to_token, half_to_expert: expected int32");
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(dx_rows, "dx_rows");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
   const c10::cuda::CUDAGuard guard(d_gate.device());
   check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(
                  d_gate.data_ptr(), d_up.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), half_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
+                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
                  dx_rows.data_ptr(),
                  d_gate.size(0), w_gate.size(2), w_gate.size(1), w_gate.size(0), static_cast<int>(num_sms),
                  c10::cuda::getCurrentCUDAStream()),
@@ -340,7 +340,7 @@ int64_t* int64_ptr(const at::Tensor& t, const char* name) {
 // The schedule's arrays are allocated here, not in mok.ops: carving one int64 and one int32 allocation into
 // 14 views cost ~40 us of Python per forward, on the path to GEMM1's launch (tools/host_time.py). Returned in
 // the order of mok.ops.moe._SCHEDULE_ARRAYS: the 11 int64 arrays (route_to_row as [num_tokens, num_topk]),
-// then the int32 counts [2], row_to_token [max_num_rows] and, with `gemm`, the GEMMs' half_to_expert
+// then the int32 counts [2], row_to_token [max_num_rows] and, with `gemm`, the per-128-row tile_to_expert
 // (else an empty tensor). Every array starts 256-byte aligned. The chunk-count scratch comes from the same
 // caching allocator, on the current stream.
 std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_experts, int64_t block_m,
@@ -361,7 +361,7 @@ std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_ex
   std::vector<at::Tensor> v;
   carve(at::kLong, {num_experts, num_experts, num_experts + 1, num_experts + 1, num_routes, rows, rows, rows, rows,
                     tiles, tiles}, v);
-  carve(at::kInt, {2, rows, gemm ? (max_num_rows + 127) / 128 * 2 : 0}, v);  // half_to_expert: 2 per 128 rows
+  carve(at::kInt, {2, rows, gemm ? max_num_rows / 128 : 0}, v);
   const mok::ScheduleOutputs out{
       v[0].data_ptr<int64_t>(), v[1].data_ptr<int64_t>(), v[2].data_ptr<int64_t>(),  v[3].data_ptr<int64_t>(),
       v[4].data_ptr<int64_t>(), v[5].data_ptr<int64_t>(), v[6].data_ptr<int64_t>(),  v[7].data_ptr<int64_t>(),
@@ -409,26 +409,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
         py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
-        "x, w_gate, w_up, row_to_token, half_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
+        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
         "num_sms");
   m.def("grouped_gemm_bf16_swiglu_gather_mxfp8_out", &gemm_swiglu_gather_mxfp8_out,
-        "x, w_gate, w_up, row_to_token, half_to_expert, counts (or None), h, gate_mx, up_mx (uint8: E4M3 data "
+        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate_mx, up_mx (uint8: E4M3 data "
         "then scales), swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous,
-        "a_rows, w, row_to_token, half_to_expert, counts (or None), out, num_sms");
+        "a_rows, w, row_to_token, tile_to_expert, counts (or None), out, num_sms");
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
-        "x, w_gate, w_gate_scales, w_up, w_up_scales, row_to_token, half_to_expert, counts (or None), h, gate, up, "
+        "x, w_gate, w_gate_scales, w_up, w_up_scales, row_to_token, tile_to_expert, counts (or None), h, gate, up, "
         "swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_mxfp8_nt_contiguous", &gemm_mx_nt_contiguous,
-        "a_rows, w, w_scales, row_to_token, half_to_expert, counts (or None), out, num_sms");
+        "a_rows, w, w_scales, row_to_token, tile_to_expert, counts (or None), out, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
-        "dy_rows, w_down, gate, up, row_to_token, half_to_expert, counts (or None), d_gate, d_up, h, swiglu_limit, "
+        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, counts (or None), d_gate, d_up, h, swiglu_limit, "
         "has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_swiglu_mxfp8", &gemm_dgrad_swiglu_mxfp8,
-        "dy_rows, w_down, gate_data, gate_scales, up_data, up_scales, row_to_token, half_to_expert, counts (or None), "
+        "dy_rows, w_down, gate_data, gate_scales, up_data, up_scales, row_to_token, tile_to_expert, counts (or None), "
         "d_gate, d_up, h, swiglu_limit, has_limit, num_sms");
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
-        "d_gate, d_up, w_gate, w_up, row_to_token, half_to_expert, counts (or None), dx_rows, num_sms");
+        "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
         "a_rows, b_rows, expert_offsets, expert_rows, d_w, num_sms");
   m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");

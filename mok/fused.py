@@ -10,7 +10,7 @@ forward:
                                                token order (row t = token t), weights viewed as [1, ...];
                                                BF16 in every precision (DESIGN §4); first: its schedule is
                                                cached, so its GEMMs run while the host prepares the routed ones
-    make_schedule_cuda(topk_idx, block_m=64,   kernels: counts, offsets, placement; no host sync: row buffers
+    make_schedule_cuda(topk_idx, block_m=128,  kernels: counts, offsets, placement; no host sync: row buffers
                        sync=False)             have max_num_rows rows, the kernels read the real count on the
                                                device (sched.counts) and never touch the spare rows; bad ids
                                                raise later, through mok.bad_ids
@@ -88,10 +88,7 @@ __all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "N
            "FusedSaved", "backward", "experts_forward", "forward", "gather_x_rows", "mx_weights_from_env",
            "num_sms_from_env", "pad_rows", "shared_schedule"]
 
-# Segments padded to 64 rows: the GEMM kernels' 128-row tile is two 64-row halves, each multiplied by its own
-# expert's weights, so a tile may straddle two segments (docs/l2_fused.md, "The 64-row schedule"). Against 128:
-# 9.4% of dsv4pro-rank's routes in padding rows instead of 18.8%.
-BLOCK_M = 64
+BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
 # How the mxfp8 forward feeds its weights to GEMM1/GEMM2 (the same bits either way):
 #   "dequantize": quantize, dequantize to bf16 in HBM, the BF16 kernels (the default: faster on 3 of the 4
@@ -159,7 +156,7 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 # but for the forward's weights with MOK_MX_WEIGHTS=mainloop (their GEMMs dequantize to the same bf16).
 #
 # Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
-# once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 64 (so at a block
+# once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
 # boundary) and their padding rows are zero (the GEMM and route_grads_prep kernels write zeros there, h
 # recomputed by the dgrad kernel included, and gather_x_rows too), just as L0 pads each expert's rows to 32
 # with zero rows; zeros never change a block's amax, and padding rows of a zero-padded block stay zero.

@@ -36,9 +36,7 @@ CASES = {
 NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
 
 
-def _problem(case: str, seed: int, block_m: int = 64) -> tuple[dict, object]:
-    """The case's inputs and schedule, by default the fused level's (segments padded to 64 rows: kernel tiles that
-    straddle two experts, and a last tile whose second half lies past the rows when their count is odd)."""
+def _problem(case: str, seed: int, block_m: int = 128) -> tuple[dict, object]:
     cfg, kind = CASES[case]
     inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(kind))  # CPU tensors
     return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts, block_m=block_m)
@@ -69,32 +67,16 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, seed:
 # ---- CPU: the pure-Python pieces ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_m", [64, 128, 192, 256])
-def test_gemm_schedule_tensors_give_each_half_tile_its_expert(block_m):
-    """half_to_expert: one entry per 64 rows, two per 128-row kernel tile, -1 for a half past the rows."""
+@pytest.mark.parametrize("block_m", [128, 256, 384])
+def test_gemm_schedule_tensors_split_tiles_into_kernel_tiles(block_m):
     topk_idx = routing.random_routing(45, 5, 3, skew=1.0, generator=torch.Generator().manual_seed(block_m))[0]
     sched = make_schedule(topk_idx, 5, block_m=block_m)
-    row_to_token, half_to_expert = ops.gemm_schedule_tensors(sched, "cpu")
-    assert row_to_token.dtype == half_to_expert.dtype == torch.int32
+    row_to_token, tile_to_expert = ops.gemm_schedule_tensors(sched, "cpu")
+    assert row_to_token.dtype == tile_to_expert.dtype == torch.int32
     assert torch.equal(row_to_token.long(), sched.row_to_token)
-    halves = sched.row_to_expert[:: gemm_ops.GEMM_HALF_M]  # [num_rows / 64]
-    assert len(half_to_expert) == -(-sched.num_rows // ops.GEMM_BLOCK_M) * 2
-    assert torch.equal(half_to_expert[: len(halves)].long(), halves) and (half_to_expert[len(halves):] == -1).all()
-    with pytest.raises(ValueError, match="sched: expected block_m a multiple of 64"):
-        ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=32), "cpu")
-
-
-def test_64_row_segments_make_mixed_and_half_tiles():
-    """The cases the kernels' two-pass tiles and absent halves must meet on the GPU: with 64-row segments some
-    kernel tiles hold two experts' rows, and a row count that is an odd multiple of 64 leaves a last half empty."""
-    mixed = absent = 0
-    for case in CASES:
-        for seed in range(4):
-            _, sched = _problem(case, seed)
-            halves = ops.gemm_schedule_tensors(sched, "cpu")[1].view(-1, 2)  # [tiles, 2]
-            mixed += int(((halves[:, 1] >= 0) & (halves[:, 0] != halves[:, 1])).sum())
-            absent += int((halves[:, 1] < 0).sum())
-    assert mixed > 0 and absent > 0
+    assert torch.equal(tile_to_expert.long(), sched.row_to_expert[:: ops.GEMM_BLOCK_M])  # [num_rows / 128]
+    with pytest.raises(ValueError, match="sched: expected block_m a multiple of 128"):
+        ops.gemm_schedule_tensors(make_schedule(topk_idx, 5, block_m=64), "cpu")
 
 
 def test_weight_grad_schedule_tensors_are_the_offsets_and_real_rows_made_once():
@@ -398,10 +380,9 @@ def test_weight_grad_matches_l0(case, which):
 @pytest.mark.parametrize("case", ["tiny-top8", "hot-expert", "two-experts-of-8", "pairs"])
 def test_weight_grad_stops_at_the_64_row_block_of_the_real_rows(case):
     """K runs over each expert's real rows rounded up to 64, not over all of its padding: padding rows past that
-    block hold NaN here, and the result must not see them (those before it must be zeros: the API's rule). On
-    segments padded to 128 rows: with 64 no whole 64-row block of padding is left."""
+    block hold NaN here, and the result must not see them (those before it must be zeros: the API's rule)."""
     seed = fresh_seed()
-    _, sched = _problem(case, seed, block_m=128)
+    _, sched = _problem(case, seed)
     cfg = CASES[case][0]
     b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
     a_rows, b_rows = b["gate"], b["dy_rows"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import fused, ops
+from mok import ops
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.reference import BF16
 from mok.schedule import make_schedule
@@ -29,7 +29,7 @@ CASES = {
 def _problem(case: str, seed: int):
     cfg, kind = CASES[case]
     inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(kind))  # CPU tensors
-    return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts, block_m=fused.BLOCK_M)  # two-expert tiles
+    return inputs, make_schedule(inputs["topk_idx"], cfg.num_experts)
 
 
 def _with_edge_values(w: torch.Tensor, seed: int) -> torch.Tensor:

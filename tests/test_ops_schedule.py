@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mok import ops
-from mok.ops.gemm import GEMM_HALF_M
 from mok.routing import check_topk_idx, hot_expert_routing, random_routing
 from mok.schedule import ROW_FIELDS, make_schedule, max_num_rows
 from mok.testing import fresh_seed, poison_allocator
@@ -43,38 +42,38 @@ def _routing(kind: str, num_tokens: int, num_experts: int, num_topk: int, seed: 
 
 # (kind, num_tokens, num_experts, num_topk, block_m). T around the chunk (1024 routes) and fill (1024 rows)
 # sizes and off every multiple; K = 1, 3, 8; E = 1 and E above 48 KB of shared memory (opt-in path) up to
-# the limit; block_m 64 (the fused level's), 128 and 256 (the GEMMs' too), 1 and 7 (the schedule's generality).
+# the limit; block_m 128 and 256 (the GEMMs'), 1, 7 and 64 (the schedule's generality).
 CASES = [
     ("uniform", 1, 1, 1, 128),
-    ("uniform", 37, 16, 8, 64),
-    ("uniform", 1000, 128, 8, 64),
+    ("uniform", 37, 16, 8, 128),
+    ("uniform", 1000, 128, 8, 128),
     ("uniform", 1025, 128, 1, 256),
     ("uniform", 129, 7, 8, 1),
     ("uniform", 333, 9, 3, 7),
     ("skewed", 4099, 128, 8, 128),
     ("skewed", 4099, 64, 6, 256),
     ("skewed", 517, 48, 6, 64),
-    ("hot", 3001, 32, 8, 64),
+    ("hot", 3001, 32, 8, 128),
     ("hot", 2048, 128, 1, 256),
     ("sparse", 999, 8, 2, 128),
     ("sparse", 130, 300, 4, 256),
     ("one-expert", 1500, 5, 3, 128),
     ("one-expert", 77, 1, 8, 256),
-    ("uniform", 9000, 1000, 8, 64),
+    ("uniform", 9000, 1000, 8, 128),
     ("uniform", 600, 2048, 4, 128),
     ("skewed", 2000, ops.SCHEDULE_MAX_EXPERTS, 8, 128),
 ]
 
 
 def _check_layout(sched, expected) -> None:
-    """Fields contiguous on the GPU; gemm_tensors (with block_m a multiple of 64) equal to what the GEMM
+    """Fields contiguous on the GPU; gemm_tensors (with block_m a multiple of 128) equal to what the GEMM
     wrappers build from make_schedule's Schedule (`expected`, which has no gemm_tensors)."""
     for name, t in vars(sched).items():
         if isinstance(t, torch.Tensor):
             assert t.is_cuda and t.is_contiguous(), name
-    if sched.block_m % GEMM_HALF_M == 0:
+    if sched.block_m % ops.GEMM_BLOCK_M == 0:
         want = ops.gemm_schedule_tensors(expected, expected.route_to_row.device)
-        for name, got, w in zip(("row_to_token", "half_to_expert"), sched.gemm_tensors, want):
+        for name, got, w in zip(("row_to_token", "tile_to_expert"), sched.gemm_tensors, want):
             assert got.is_contiguous() and got.dtype == torch.int32 and torch.equal(got, w), f"gemm_tensors {name}"
     else:
         assert not hasattr(sched, "gemm_tensors")
@@ -157,12 +156,12 @@ def test_make_schedule_cuda_without_sync_is_make_schedule_plus_spare_rows(case):
     for name in ROW_FIELDS:
         assert bool((getattr(got, name)[n:] == -1).all()), f"{what}: spare {name}"
     assert bool((got.tile_to_expert[n // block_m:] == -1).all() and (got.tile_num_rows[n // block_m:] == 0).all())
-    if block_m % GEMM_HALF_M == 0:  # half_to_expert: -1 from the first half past the real rows on
-        row_to_token, half_to_expert = got.gemm_tensors
+    if block_m % ops.GEMM_BLOCK_M == 0:
+        row_to_token, tile_to_expert = got.gemm_tensors
         assert row_to_token.numel() == rows and bool((row_to_token[n:] == -1).all()), what
-        assert half_to_expert.numel() == -(-rows // 128) * 2 and bool((half_to_expert[n // 64:] == -1).all()), what
+        assert tile_to_expert.numel() == rows // 128 and bool((tile_to_expert[n // 128:] == -1).all()), what
         want = ops.gemm_schedule_tensors(expected, expected.route_to_row.device)
-        assert torch.equal(row_to_token[:n], want[0]) and torch.equal(half_to_expert[:len(want[1])], want[1]), what
+        assert torch.equal(row_to_token[:n], want[0]) and torch.equal(tile_to_expert[:n // 128], want[1]), what
 
 
 @pytest.mark.gpu

@@ -144,8 +144,6 @@ step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.
 step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py $ab_args
 # `values_ab`: the same BF16 GEMMs on random bf16 operands and on their MXFP8 round trips (tools/operand_values_ab.py).
 step values_ab 180 "shape|mm|gemm2|  " env OUT="$out" python tools/operand_values_ab.py
-# `block_m_ab`: the fused level's BF16 passes with 128- and 64-row segments in one process (tools/block_m_ab.py).
-step block_m_ab 300 "shape|fwd|bwd|  " env OUT="$out" python tools/block_m_ab.py
 # `padding_ab`: the forward's routed GEMMs by cuBLAS with the padding rows random, zeros, padded to 64 rows, or none
 # (tools/padding_rows_ab.py).
 step padding_ab 200 "shape|ms|  " env OUT="$out" python tools/padding_rows_ab.py

@@ -47,7 +47,7 @@ def time_shape(name: str, calls: int) -> None:
     x, topk_idx, topk_weights, w_gate, w_up, w_down = moe_args(make_inputs(get_shape(name), device="cuda",
                                                                             draw_on="cuda"))[:6]
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], sync=False)
-    row_to_token, half_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
     counts = real_num_rows(sched, x.device)
     rows, inter, hidden = sched.num_rows, w_gate.shape[1], x.shape[1]
     h, gate, up = (torch.empty(rows, inter, dtype=x.dtype, device=x.device) for _ in range(3))
@@ -58,9 +58,9 @@ def time_shape(name: str, calls: int) -> None:
     cases = {
         "make_schedule (binding)": lambda: ext.make_schedule(topk_idx, w_gate.shape[0], 128, rows, True),
         "gemm1 (binding)": lambda: ext.grouped_gemm_bf16_swiglu_gather(
-            x, w_gate, w_up, row_to_token, half_to_expert, counts, h, gate, up, 0.0, False, sms),
+            x, w_gate, w_up, row_to_token, tile_to_expert, counts, h, gate, up, 0.0, False, sms),
         "gemm1 (mok.ops)": lambda: ops.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched),
-        "gemm2 (binding)": lambda: ext.grouped_gemm_bf16_nt_contiguous(h, w_down, row_to_token, half_to_expert,
+        "gemm2 (binding)": lambda: ext.grouped_gemm_bf16_nt_contiguous(h, w_down, row_to_token, tile_to_expert,
                                                                        counts, y_rows, sms),
         "combine (binding)": lambda: ext.combine_rows(y_rows, route_to_row, topk_weights, None, out),
         "3 x torch.empty [rows, intermediate]": lambda: [torch.empty(rows, inter, dtype=x.dtype, device=x.device)

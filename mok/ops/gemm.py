@@ -1,8 +1,7 @@
 """Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/l2_fused.md).
 
 Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
-multiple of 64: the kernels' 128-row tile is two 64-row halves, which may belong to two experts). Outputs stay
-in that row layout, `sched.num_rows` rows; the kernels
+multiple of the kernels' 128-row tile). Outputs stay in that row layout, `sched.num_rows` rows; the kernels
 run the schedule's real tiles only (their count read on the device from `sched.counts`), so the spare rows of
 a schedule built without a sync are left as allocated (torch.empty): never read, never written. Bitwise
 deterministic: every output is one fp32 sum over the full K in a fixed order, whatever `num_sms` (the
@@ -18,30 +17,23 @@ from mok.ops.core import check_cuda_tensor, load_extension
 from mok.ops.quant import BLOCK_SIZE
 
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
-GEMM_HALF_M = 64  # rows per consumer warpgroup (WG_M): a schedule's block_m is a multiple of it
 GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is each segment's real rows rounded up to it
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
 
 
-def check_gemm_block_m(sched) -> None:
-    if sched.block_m % GEMM_HALF_M:
-        fail("sched", f"block_m a multiple of {GEMM_HALF_M} (mok.fused.BLOCK_M = 64)", f"block_m={sched.block_m}")
-
-
 def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows], half_to_expert
-    int32 [2 · ceil(num_rows / 128)]: the expert of each 64-row half of the 128-row kernel tiles, -1 for a half
-    past the rows)."""
-    check_gemm_block_m(sched)
+    """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows],
+    tile_to_expert int32 [num_rows / 128], one entry per 128-row kernel tile)."""
+    if sched.block_m % GEMM_BLOCK_M:
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M} (make_schedule(..., block_m=128), the default)",
+              f"block_m={sched.block_m}")
     ready = getattr(sched, "gemm_tensors", None)  # written by make_schedule_cuda's own launches
     if ready is not None and ready[0].device == torch.device(device):
         return ready
     row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
-    halves = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
-    halves = halves.repeat_interleave(sched.block_m // GEMM_HALF_M)  # [num_rows / 64]
-    if len(halves) % 2:  # the last kernel tile's second half lies past the rows
-        halves = torch.cat([halves, halves.new_full((1,), -1)])
-    return row_to_token, halves.contiguous()
+    tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
+    tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
+    return row_to_token, tile_to_expert.contiguous()
 
 
 def weight_grad_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +99,7 @@ def _check_devices(device: torch.device, **tensors) -> None:
 
 def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=GEMM_K_ALIGN) -> tuple:
     """GEMM1's argument checks; returns what its kernels take besides the tensors and outputs:
-    (intermediate, schedule args (row_to_token, half_to_expert, counts), limit, has_limit, sms)."""
+    (intermediate, schedule args (row_to_token, tile_to_expert, counts), limit, has_limit, sms)."""
     _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
     hidden = x.shape[1]
     _check_gemm_dim("x", hidden, "hidden (dim 1)")
@@ -121,7 +113,7 @@ def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_mult
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
-    schedule = (*gemm_schedule_tensors(sched, x.device), real_num_rows(sched, x.device))  # [R], [R / 64], counts
+    schedule = (*gemm_schedule_tensors(sched, x.device), real_num_rows(sched, x.device))  # [R], [R / 128], counts
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     return intermediate, schedule, limit, swiglu_limit is not None, sms
 
@@ -178,9 +170,9 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     _check_gemm_dim("w", w.shape[1], "n (dim 1)")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, w=w)
-    row_to_token, half_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
-    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, half_to_expert,
+    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert,
                                                      real_num_rows(sched, a_rows.device), out_rows, sms)
     return out_rows
 
@@ -272,9 +264,9 @@ def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_
     _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
     sms = _check_num_sms(num_sms)
     _check_devices(d_gate.device, d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up)
-    row_to_token, half_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 128]
     dx_rows = torch.empty(sched.num_rows, w_gate.shape[2], dtype=torch.bfloat16, device=d_gate.device)
-    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, half_to_expert,
+    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
                                                      real_num_rows(sched, d_gate.device), dx_rows, sms)
     return dx_rows
 
@@ -290,7 +282,8 @@ def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sc
     _check_gemm_dim("a_rows", a_rows.shape[1], "m (dim 1)")
     _check_shape("b_rows", b_rows, (sched.num_rows, None), "[num_rows, n]")
     _check_gemm_dim("b_rows", b_rows.shape[1], "n (dim 1)")
-    check_gemm_block_m(sched)
+    if sched.block_m % GEMM_BLOCK_M:
+        fail("sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, b_rows=b_rows)
     offsets, expert_rows = weight_grad_schedule_tensors(sched, a_rows.device)  # [E + 1], [E]

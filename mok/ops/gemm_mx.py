@@ -90,12 +90,12 @@ def grouped_gemm_mxfp8_swiglu_gather(x: torch.Tensor, w_gate, w_up, sched, swigl
     _check_devices(x.device, x=x)
     for name, t in (("w_gate[0]", gate_w), ("w_gate[1]", gate_s), ("w_up[0]", up_w), ("w_up[1]", up_s)):
         _check_on(x.device, name, t)
-    row_to_token, half_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     load_extension().grouped_gemm_mxfp8_swiglu_gather(
-        x, gate_w, mx_scales_by_k_block(gate_s), up_w, mx_scales_by_k_block(up_s), row_to_token, half_to_expert,
+        x, gate_w, mx_scales_by_k_block(gate_s), up_w, mx_scales_by_k_block(up_s), row_to_token, tile_to_expert,
         real_num_rows(sched, x.device), h, gate, up, limit, swiglu_limit is not None, sms)
     return h, gate, up
 
@@ -111,9 +111,9 @@ def grouped_gemm_mxfp8_nt_contiguous(a_rows: torch.Tensor, w, sched, num_sms: in
     _check_devices(a_rows.device, a_rows=a_rows)
     _check_on(a_rows.device, "w[0]", data)
     _check_on(a_rows.device, "w[1]", scales)
-    row_to_token, half_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 64]
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, data.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [R, n]
     load_extension().grouped_gemm_mxfp8_nt_contiguous(a_rows, data, mx_scales_by_k_block(scales), row_to_token,
-                                                      half_to_expert, real_num_rows(sched, a_rows.device), out_rows,
+                                                      tile_to_expert, real_num_rows(sched, a_rows.device), out_rows,
                                                       sms)
     return out_rows

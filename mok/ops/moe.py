@@ -7,7 +7,7 @@ import torch
 
 from mok.checks import check_int, fail
 from mok.ops.core import load_extension
-from mok.ops.gemm import GEMM_BLOCK_M, GEMM_HALF_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
 from mok.routing import check_topk_idx
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
@@ -131,10 +131,10 @@ def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tens
 
 SCHEDULE_MAX_EXPERTS = 4096  # kScheduleMaxExperts (mok/api.h): per-warp expert cursors in shared memory
 # What the binding returns, in order (csrc/bindings.cpp, make_schedule): int64 arrays, then the int32 ones
-# ("gemm_" = the GEMM kernels' int32 row_to_token and half_to_expert).
+# ("gemm_" = the GEMM kernels' int32 row_to_token and per-128-row tile_to_expert).
 _SCHEDULE_ARRAYS = ("tokens_per_expert", "padded_per_expert", "expert_offsets", "tile_offsets", "route_to_row",
                     "row_to_token", "row_to_k", "row_to_route", "row_to_expert", "tile_to_expert", "tile_num_rows",
-                    "counts", "gemm_row_to_token", "gemm_half_to_expert")
+                    "counts", "gemm_row_to_token", "gemm_tile_to_expert")
 
 
 def _check_topk_idx_layout(topk_idx, num_experts: int) -> None:
@@ -154,8 +154,8 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
     and ids outside [0, num_experts) are not raised here: those routes get no row (route_to_row -1: their
     token's combine_rows output is NaN) and counts[1] counts them, for the caller to check.
     The row arrays are views of buffers sized for `max_num_rows` (a few MB at most; no copy). With block_m a
-    multiple of 64 the result also carries `gemm_tensors`, what `gemm_schedule_tensors(sched, device)`
-    returns (int32 row_to_token [num_rows], half_to_expert per 64-row half), written by the same launches;
+    multiple of 128 the result also carries `gemm_tensors`, what `gemm_schedule_tensors(sched, device)`
+    returns (int32 row_to_token [num_rows], tile_to_expert per 128-row tile), written by the same launches;
     it is not a dataclass field, so equality and `Schedule.to` ignore it. Beyond the kernels' limits
     (num_experts > SCHEDULE_MAX_EXPERTS, or max_num_rows >= 2^31) it returns make_schedule's result (syncs).
     """
@@ -167,7 +167,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
     rows = max_num_rows(num_tokens, num_topk, num_experts, block_m)
     if num_experts > SCHEDULE_MAX_EXPERTS or rows >= 2**31:  # beyond the kernels' int32 rows / smem cursors
         return make_schedule(topk_idx, num_experts, block_m)  # the same bits from torch ops
-    gemm = block_m % GEMM_HALF_M == 0
+    gemm = block_m % GEMM_BLOCK_M == 0
     v = dict(zip(_SCHEDULE_ARRAYS, load_extension().make_schedule(topk_idx.contiguous(), num_experts, block_m,
                                                                    rows, gemm)))  # views sized for `rows`
     num_rows = rows  # row arrays of max_num_rows entries, spare rows included
@@ -182,7 +182,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
                         ("row_to_expert", num_rows), ("tile_to_expert", tiles), ("tile_num_rows", tiles)):
             v[name] = v[name][:n]
         v["gemm_row_to_token"] = v["gemm_row_to_token"][:num_rows]
-        v["gemm_half_to_expert"] = v["gemm_half_to_expert"][:(num_rows + GEMM_BLOCK_M - 1) // GEMM_BLOCK_M * 2]
+        v["gemm_tile_to_expert"] = v["gemm_tile_to_expert"][:num_rows // GEMM_BLOCK_M]
     sched = Schedule(
         num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
         tokens_per_expert=v["tokens_per_expert"], padded_per_expert=v["padded_per_expert"],
@@ -191,7 +191,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
         route_to_row=v["route_to_row"], tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"],
         tile_num_rows=v["tile_num_rows"], counts=v["counts"])
     if gemm:
-        sched.gemm_tensors = (v["gemm_row_to_token"], v["gemm_half_to_expert"])
+        sched.gemm_tensors = (v["gemm_row_to_token"], v["gemm_tile_to_expert"])
     return sched
 
 

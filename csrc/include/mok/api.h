@@ -43,19 +43,17 @@ constexpr int kNumCopyVariants = 4;
 cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream);
 
 // ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
-// Rows follow mok/schedule.py with segments padded to a multiple of 64 rows, run in kernel tiles of 128 rows:
-// half_to_expert [2 · ceil(num_rows / 128)] (int32, the expert of each 64-row half, -1 past the schedule's rows),
-// row_to_token [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte
-// aligned; k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
-// results are bitwise the same for any value). num_rows is the row buffers' size (a multiple of 64);
-// real_num_rows (int32 [1], a multiple of 64, written on the device by the schedule; null: num_rows) is the
-// schedule's real padded row count: the row-wise kernels run its tiles only, so rows past it are never written
-// (the last tile's second half, when past it, is neither read nor written).
+// Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
+// [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
+// k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
+// results are bitwise the same for any value). num_rows is the row buffers' size; real_num_rows (int32 [1],
+// a multiple of 128, written on the device by the schedule; null: num_rows) is the schedule's real padded
+// row count: the row-wise kernels run its tiles only, so rows past it are never read or written.
 
 // GEMM1 with fused dispatch and SwiGLU: x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate,
 // hidden]; h, gate, up [num_rows, intermediate] (zeros in padding rows).
 cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* half_to_expert,
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
                                             const int32_t* real_num_rows, void* h, void* gate, void* up,
                                             int64_t num_rows, int64_t hidden, int64_t intermediate,
                                             int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
@@ -66,7 +64,7 @@ cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, c
 // (mxfp8_quantize_rowwise's bits), and h as its row-wise round trip (mxfp8_fake_quantize's bits).
 // intermediate % 32 == 0.
 cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
-    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* half_to_expert,
+    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* tile_to_expert,
     const int32_t* real_num_rows, void* h, void* gate_mx, void* up_mx,
     int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit,
     int num_sms, cudaStream_t stream);
@@ -74,7 +72,7 @@ cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
 // GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
 // out [num_rows, n]; padding rows (row_to_token = -1) of out are zeros.
 cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
-                                            const int32_t* half_to_expert, const int32_t* real_num_rows, void* out,
+                                            const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
                                             int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
                                             cudaStream_t stream);
 
@@ -84,13 +82,13 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, c
 // weights. k % 32 == 0, n % 8 == 0.
 cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, const void* w_gate_scales,
                                              const void* w_up, const void* w_up_scales, const int32_t* row_to_token,
-                                             const int32_t* half_to_expert, const int32_t* real_num_rows, void* h,
+                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* h,
                                              void* gate, void* up, int64_t num_rows, int64_t hidden,
                                              int64_t intermediate, int64_t num_experts, float swiglu_limit,
                                              bool has_limit, int num_sms, cudaStream_t stream);
 
 cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, const void* w_scales,
-                                             const int32_t* row_to_token, const int32_t* half_to_expert,
+                                             const int32_t* row_to_token, const int32_t* tile_to_expert,
                                              const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
                                              int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream);
 
@@ -99,7 +97,7 @@ cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, 
 // intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and
 // h = bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* half_to_expert,
+                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
                                            const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
@@ -110,7 +108,7 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_do
 // BF16 op's on the dequantized gate/up. intermediate % 32 == 0.
 cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
                                                  const void* gate_scales, const void* up_data, const void* up_scales,
-                                                 const int32_t* row_to_token, const int32_t* half_to_expert,
+                                                 const int32_t* row_to_token, const int32_t* tile_to_expert,
                                                  const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
                                                  int64_t num_rows, int64_t hidden, int64_t intermediate,
                                                  int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
@@ -119,7 +117,7 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void
 // Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]),
 // one fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* half_to_expert,
+                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
                                             const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
                                             int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
                                             cudaStream_t stream);
@@ -198,7 +196,7 @@ struct ScheduleOutputs {
   int64_t* tile_num_rows;        // [max_num_rows / block_m], 0 for spare tiles
   int32_t* counts;               // [2]: num_rows (the real padded row count), ids outside [0, E)
   int32_t* row_to_token_i32;     // [max_num_rows], the GEMMs' row_to_token
-  int32_t* gemm_half_to_expert;  // [2 · ceil(max_num_rows / 128)], the GEMMs' half_to_expert; null: not written
+  int32_t* gemm_tile_to_expert;  // [max_num_rows / 128], the GEMMs' per-128-row tiles; null: not written
 };
 
 cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_experts,

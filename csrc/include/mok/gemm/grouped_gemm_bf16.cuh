@@ -22,15 +22,8 @@
 //                 mxfp8_dequantize writes (mok/quant/mxfp8.cuh), so the outputs are the BF16 kinds' bits on
 //                 dequantized weights, with a weight read of 1 + 1/32 bytes per element instead of 2.
 //
-// Task = one output tile: BLOCK_M = 128 rows × kTaskN columns, over the full K in one CTA (no split-K: every
-// output is one fp32 sum in a fixed order, bitwise identical for any grid size). The schedule pads each expert's
-// segment to 64 rows (mok.fused.BLOCK_M), so a tile's two 64-row halves, one per consumer warpgroup, may belong
-// to two experts (a "mixed" tile, at a segment boundary). A mixed task runs its k-blocks twice, in two passes of
-// one accumulator each: pass q loads the stage's B0 from the first half's expert and B1 from the second's (both
-// the tiles that B_q is in an unmixed task), and consumer warpgroup g multiplies its rows by B_g into acc_q.
-// Each accumulator sees the same k16 steps in the same order either way (the same bits); a mixed task loads its
-// A twice and multiplies half a tile per stage, as a 128 × 128 tile does. A tile's second half past the
-// schedule's rows (its row count an odd multiple of 64) is `absent`: warpgroup 2 multiplies and stores nothing. CTA b
+// Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
+// split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
 // takes tasks b, b + grid, b + 2·grid, ... in increasing order (m-major: neighbouring CTAs share A rows,
 // and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
 //
@@ -118,7 +111,7 @@ namespace mok::gemm {
 #endif
 
 #if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, second half (1 padding, 2 mixed), 3 clocks
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
 constexpr int kTraceRecords = 1 << 18;
 __device__ long long g_trace[kTraceRecords * kTraceWords];
 __device__ int g_trace_count;
@@ -250,15 +243,15 @@ struct Params {
   const uint16_t* a;               // kGateUp: x [num_tokens, k], gathered; else A rows [num_rows, k], by TMA
   const uint16_t* a2;              // kGateUpDgrad: d_up rows (A of the second half of K; a = d_gate)
   const int32_t* row_to_token;     // [num_rows], -1 = padding (GEMM1 gathers through it)
-  const int32_t* half_to_expert;   // [2 · num_m_tiles]: each 64-row half's expert, -1 past the schedule's rows
+  const int32_t* tile_to_expert;   // [num_rows / BLOCK_M]
   uint16_t* out;                   // [num_rows, n] bf16: h, out, d_h or dx
   uint16_t* gate;                  // kGateUp: gate out [num_rows, n]; kGateUpMxOut: see mx_of
   uint16_t* up;                    // kGateUp: up out [num_rows, n]; kGateUpMxOut: see mx_of
-  const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 64)
+  const int32_t* expert_offsets;   // kWeightGrad: [num_experts + 1] segment starts (rows, multiples of 128)
   const int32_t* expert_rows;      // kWeightGrad: [num_experts] each segment's real rows (its tokens)
-  const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of WG_M),
+  const int32_t* real_num_rows;    // row-wise kinds: [1] the schedule's padded rows (a multiple of BLOCK_M),
                                    // written on the device; null = num_rows. Tiles past it are never run.
-  int num_rows;                    // rows of the row buffers, a multiple of WG_M
+  int num_rows;                    // rows of the row buffers, a multiple of BLOCK_M
   int m;                           // kWeightGrad: output rows of each dW[e] (else the tiles cover num_rows)
   int n;                           // output columns (intermediate for GEMM1, hidden for GEMM2), % 8 == 0
   int k;                           // reduction length, % 8 == 0 (kGateUpDgrad: of each half, = intermediate;
@@ -282,12 +275,12 @@ MOK_HOST_DEVICE MxOut mx_of(uint16_t* buffer, const Params& p) {
 
 // The Params every kind over the schedule's rows (all but kWeightGrad) starts from: A (x for the gather kinds),
 // the schedule, the output, n and k; the entry points (csrc/gemm_*.cu) add what their kind needs.
-inline Params rows_params(const void* a, const int32_t* row_to_token, const int32_t* half_to_expert,
+inline Params rows_params(const void* a, const int32_t* row_to_token, const int32_t* tile_to_expert,
                           const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n, int64_t k) {
   Params p{};
   p.a = static_cast<const uint16_t*>(a);
   p.row_to_token = row_to_token;  // padding rows (-1) are written as zeros
-  p.half_to_expert = half_to_expert;
+  p.tile_to_expert = tile_to_expert;
   p.real_num_rows = real_num_rows;
   p.out = static_cast<uint16_t*>(out);
   p.num_rows = static_cast<int>(num_rows);
@@ -348,21 +341,7 @@ MOK_HOST_DEVICE int num_k_blocks_of(int k) {
 // segment's padding (dsv4pro pads its experts' 256 rows by 25% on average).
 struct Task {
   int m_tile, n_tile, expert, k_row0, num_k_blocks;
-  int expert1 = -1;        // row-wise kinds: the second half's expert (= expert unless mixed)
-  bool mixed = false;      // two passes: the halves' experts differ (or a multicast partner's do)
-  bool absent1 = false;    // the second half lies past the schedule's rows
-  MOK_HOST_DEVICE int num_steps() const { return mixed ? 2 * num_k_blocks : num_k_blocks; }  // stages it takes
 };
-
-// A row-wise m-tile's experts from half_to_expert: (expert, expert1, absent1).
-MOK_DEVICE Task tile_task(const Params& p, int m_tile, int n_tile, int num_k_blocks) {
-  const int e0 = p.half_to_expert[2 * m_tile], e1 = p.half_to_expert[2 * m_tile + 1];
-  Task t{m_tile, n_tile, e0, 0, num_k_blocks};
-  t.absent1 = e1 < 0;
-  t.expert1 = t.absent1 ? e0 : e1;
-  t.mixed = t.expert1 != e0;
-  return t;
-}
 
 template <Gemm kGemm>
 MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks, int num_tasks) {
@@ -375,7 +354,7 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks, int num
     const int m_first = task / group_tasks * kGroupM, in_group = task % group_tasks;
     const int real_m_tiles = num_tasks / p.num_n_tiles, group_m = min(kGroupM, real_m_tiles - m_first);
     const int mt = m_first + in_group % group_m;
-    return tile_task(p, mt, in_group / group_m, num_k_blocks);
+    return {mt, in_group / group_m, p.tile_to_expert[mt], 0, num_k_blocks};
   }
 }
 
@@ -386,7 +365,7 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks, int num
 template <Gemm kGemm>
 MOK_DEVICE int num_tasks_of(const Params& p) {
   if (kGemm == Gemm::kWeightGrad || p.real_num_rows == nullptr) return p.num_tasks;
-  const int real_tasks = static_cast<int>(ceil_div(*p.real_num_rows, BLOCK_M)) * p.num_n_tiles;
+  const int real_tasks = (*p.real_num_rows / BLOCK_M) * p.num_n_tiles;
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
@@ -394,9 +373,8 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
 // One unit per task, or (multicast kinds) per pair: m-tiles 2j and 2j + 1 of the schedule at n-tile
 // u % num_n_tiles (j = u / num_n_tiles), CTA rank r of the cluster taking m-tile 2j + r. Both CTAs walk the same
 // units, every row-wise task runs all of K, so both walk the same stage sequence and a multicast box lands in the
-// same stage of each (a pair with a mixed tile runs both tiles in two passes). A pair whose tiles belong to one
-// expert shares B (`shared`: each CTA loads one B piece into both CTAs); a pair across two experts loads B per
-// CTA as the other kinds do; a pair without its second
+// same stage of each. A pair whose tiles belong to one expert shares B (`shared`: each CTA loads one B piece
+// into both CTAs); a pair across two experts loads B per CTA as the other kinds do; a pair without its second
 // tile (an odd number of real m-tiles, the last unit's) leaves CTA 1 without a task (`active` false: it keeps
 // the ring's pace and the cluster's barriers, and computes and stores nothing).
 struct Work {
@@ -429,12 +407,9 @@ MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num
     const int real_m_tiles = num_tasks / p.num_n_tiles;
     const int m_first = unit / p.num_n_tiles * kClusterSize;
     const int m_tile = m_first + static_cast<int>(ptx::cluster_cta_rank());
-    const bool active = m_tile < real_m_tiles, paired = m_first + 1 < real_m_tiles;
-    const Task first = tile_task(p, m_first, unit % p.num_n_tiles, num_k_blocks);
-    const Task second = paired ? tile_task(p, m_first + 1, unit % p.num_n_tiles, num_k_blocks) : first;
-    Task t = active && m_tile != m_first ? second : first;
-    t.mixed = first.mixed || second.mixed;  // both CTAs walk the same stages
-    const bool shared = paired && !t.mixed && first.expert == second.expert;
+    const bool active = m_tile < real_m_tiles;
+    const bool shared = m_first + 1 < real_m_tiles && p.tile_to_expert[m_first] == p.tile_to_expert[m_first + 1];
+    const Task t{m_tile, unit % p.num_n_tiles, p.tile_to_expert[active ? m_tile : m_first], 0, num_k_blocks};
     return {t, active, shared};
   }
 }
@@ -458,12 +433,10 @@ MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // a
 // MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
 // Multicast kinds: a shared pair's CTA rank r loads only B piece r, into both CTAs (the stage's full[] counts the
 // same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
-// Pass q of a mixed task (`pass` = q; -1 unmixed): both pieces are B_q's tile, B0 the first half's expert's and
-// B1 the second half's.
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                           const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
-                          int kb, int pass, int k) {
+                          int kb, int k) {
   using T = Tile<kGemm>;
   if (!w.active) {
     ptx::mbarrier_arrive_expect_tx(bar, 0);
@@ -473,6 +446,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
   const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
   const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
+  const int batch = kGemm == Gemm::kWeightGrad ? 0 : t.expert;  // kWeightGrad's operands are row matrices
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
@@ -483,25 +457,22 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
   }
-  const auto load_b = [&](uint8_t* dst, const CUtensorMap* map, int c0, int c1, int batch) {
+  const auto load_b = [&](uint8_t* dst, const CUtensorMap* map, int c0, int c1) {
     if (T::kMulticast && w.shared) {
       ptx::tma_load_3d_multicast(dst, map, c0, c1, batch, bar, (1u << kClusterSize) - 1);
     } else {
       ptx::tma_load_3d(dst, map, c0, c1, batch, bar);
     }
   };
-  for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: LandingCursor
+  for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
     if (T::kMulticast && w.shared && which != static_cast<int>(ptx::cluster_cta_rank())) continue;
-    const int piece = pass < 0 ? which : pass;  // which B tile of an unmixed task this one is
-    const CUtensorMap* map = piece == 0 ? b_first : b_second;
-    const int col = n0 + piece * T::kB1Offset;
-    // kWeightGrad's operands are row matrices (batch 0)
-    const int batch = kGemm == Gemm::kWeightGrad ? 0 : pass >= 0 && which == 1 ? t.expert1 : t.expert;
+    const CUtensorMap* map = which == 0 ? b_first : b_second;
+    const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
-      load_b(stage_b(smem, stage, which), map, col, k0, batch);
-      load_b(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, batch);
+      load_b(stage_b(smem, stage, which), map, col, k0);
+      load_b(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0);
     } else {  // map dims (k, n, experts), box (64, 128, 1)
-      load_b(stage_b(smem, stage, which), map, k0, col, batch);
+      load_b(stage_b(smem, stage, which), map, k0, col);
     }
   }
 }
@@ -513,45 +484,25 @@ struct Landing {
   uint64_t *full, *empty;
 };
 
-// Thread 0 of the MXFP8 kinds: the CTA's stages in order (its tasks blockIdx.x, + gridDim.x, ...; a task's
-// num_steps()), each into landing slot j % kNumLanding once all producer threads have read the slot's previous
-// one. B0 and B1 of step j are those issue_tma would load (a mixed task's pass q: B_q's tile of both experts).
+// Thread 0: the CTA's k-block j of the MXFP8 kinds into landing slot j % kNumLanding (every task of these
+// kinds runs all of K: k-block j is task blockIdx.x + (j / num_k_blocks)·gridDim.x, k-block j % num_k_blocks),
+// once all producer threads have read the slot's previous k-block.
 template <Gemm kGemm>
-struct LandingCursor {
-  int task, step = 0, j = 0;  // the next landing: step `step` of `task`, the CTA's j-th
-  Task t;
-
-  MOK_DEVICE void start(const Params& p, int num_k_blocks, int num_tasks) {
-    task = static_cast<int>(blockIdx.x);
-    if (task < num_tasks) t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
-  }
-
-  MOK_DEVICE void issue_next(const Landing& land, const Params& p, uint8_t* smem, int num_k_blocks, int num_tasks) {
-    using T = Tile<kGemm>;
-    if (task >= num_tasks) return;
-    const uint32_t slot = j % kNumLanding;
-    if (j >= kNumLanding) ptx::mbarrier_wait_parity(&land.empty[slot], (j / kNumLanding - 1) & 1);
-    const int kb = step % num_k_blocks, pass = t.mixed ? step / num_k_blocks : -1;
-    const int n0 = t.n_tile * T::kTaskN;
-    const auto load = [&](int which) {
-      const int piece = pass < 0 ? which : pass, col = n0 + piece * T::kB1Offset;
-      const int expert = pass >= 0 && which == 1 ? t.expert1 : t.expert;
-      ptx::tma_load_3d(land_tile(smem, slot, which), piece == 0 ? land.b0 : land.b1, kb * BLOCK_K, col, expert,
-                       &land.full[slot]);
-      ptx::tma_load_3d(land_scales(smem, slot, which), piece == 0 ? land.s0 : land.s1, 2 * col, kb, expert,
-                       &land.full[slot]);
-    };
-    ptx::mbarrier_arrive_expect_tx(&land.full[slot], kLandTxBytes);
-    load(0);
-    load(1);
-    ++j;
-    if (++step == t.num_steps()) {
-      step = 0;
-      task += static_cast<int>(gridDim.x);
-      if (task < num_tasks) t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
-    }
-  }
-};
+MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* smem, int j, int num_k_blocks,
+                              int num_tasks) {
+  using T = Tile<kGemm>;
+  const uint32_t slot = j % kNumLanding;
+  if (j >= kNumLanding) ptx::mbarrier_wait_parity(&land.empty[slot], (j / kNumLanding - 1) & 1);
+  const int kb = j % num_k_blocks;
+  const Task t = decode_task<kGemm>(p, static_cast<int>(blockIdx.x) + (j / num_k_blocks) * gridDim.x, num_k_blocks,
+                                    num_tasks);
+  const int n0 = t.n_tile * T::kTaskN, n1 = n0 + T::kB1Offset;
+  ptx::mbarrier_arrive_expect_tx(&land.full[slot], kLandTxBytes);
+  ptx::tma_load_3d(land_tile(smem, slot, 0), land.b0, kb * BLOCK_K, n0, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_tile(smem, slot, 1), land.b1, kb * BLOCK_K, n1, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 0), land.s0, 2 * n0, kb, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 1), land.s1, 2 * n1, kb, t.expert, &land.full[slot]);
+}
 
 // Producer thread `row`: row `row` of B0 and B1 from landing slot `slot` (64 E4M3 bytes each, two scales)
 // to the stage's bf16 tiles, exactly as mxfp8_dequantize computes each element (mxfp8::dequantize8). A
@@ -590,35 +541,34 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
   const uint32_t chunk = thread % kChunksPerRow;
   const uint32_t row_in_tile = thread / kChunksPerRow;
-  // MXFP8: thread 0 keeps the landing ring kNumLanding - 1 stages ahead of the stage it fills.
-  LandingCursor<kGemm> landing;
+  // MXFP8: thread 0 keeps the landing ring kNumLanding - 1 k-blocks ahead of the stage it fills.
+  int num_landings = 0;  // this CTA's k-blocks
   if constexpr (T::kMx) {
-    landing.start(p, num_k_blocks, num_tasks);
-    for (int j = 0; thread == 0 && j < kNumLanding - 1; ++j) landing.issue_next(land, p, smem, num_k_blocks, num_tasks);
+    if (static_cast<int>(blockIdx.x) < num_tasks)
+      num_landings = ((num_tasks - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1) * num_k_blocks;
+    for (int j = 0; thread == 0 && j < kNumLanding - 1 && j < num_landings; ++j)
+      issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
   }
-  uint32_t it = 0;  // position in the (task, step) sequence, shared with the consumers
+  uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   const Units units = units_of<kGemm>(p, num_tasks);
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     if constexpr (T::kGather) {
-      static_assert(kRowStride * kRowsPerThread / 2 == WG_M, "rows j >= kRowsPerThread / 2 are the second half");
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
-        token[j] = t.absent1 && j >= kRowsPerThread / 2 ? -1
-                                                        : p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
     }
-    for (int step = 0; step < t.num_steps(); ++step, ++it) {
-      const int kb = step % t.num_k_blocks, pass = t.mixed ? step / t.num_k_blocks : -1;
+    for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
       if constexpr (T::kMx) {  // before waiting for the stage: the landing runs ahead of the consumers too
-        if (thread == 0) landing.issue_next(land, p, smem, num_k_blocks, num_tasks);
+        const int ahead = static_cast<int>(it) + kNumLanding - 1;
+        if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks, num_tasks);
       }
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
-        if (thread == 0)
-          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, pass, p.k);
+        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
@@ -1010,42 +960,6 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
   return it;
 }
 
-// One pass of a mixed task: k-block by k-block as mma_k_blocks, one wgmma per k16 step, this warpgroup's rows by
-// B tile `which` (its own half's expert) into `acc`. The row-wise kinds only (A K-major).
-template <int kStages, bool kGather, bool kMajorMN, bool kCluster>
-MOK_DEVICE uint32_t mma_pass(float (&acc)[kAccPerThread], uint8_t* smem, uint32_t a_offset, int which,
-                             uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks, uint32_t lane) {
-  const auto fence_acc = [&] {
-#pragma unroll
-    for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc[i]);
-  };
-  uint32_t prev_stage = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
-    const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
-    ptx::mbarrier_wait_parity(&full[stage], phase);
-    if constexpr (kGather) ptx::fence_proxy_async_shared();
-    const uint64_t desc_a = ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
-    constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
-    const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
-                                     : ptx::smem_desc_sw128(stage_b(smem, stage, which));
-    fence_acc();
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_K / 16; ++kk)
-      ptx::wgmma_m64n128k16_bf16<false, kMajorMN>(acc, ptx::desc_advance(desc_a, 32 * kk),
-                                                  ptx::desc_advance(desc_b, kBStep * kk));
-    ptx::wgmma_commit_group();
-    ptx::wgmma_wait_group<1>();
-    fence_acc();
-    if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
-    prev_stage = stage;
-  }
-  ptx::wgmma_wait_group<0>();
-  fence_acc();
-  if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
-  return it;
-}
-
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
                         int num_tasks, int num_k_blocks) {
@@ -1074,14 +988,12 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
     const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
-      for (int step = 0; step < t.num_steps(); ++step, ++it) {
+      for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
       }
     };
-    // multicast, no task for this CTA; or this warpgroup's half past the schedule's rows: release each stage once
-    // it has landed, nothing else
-    if (!w.active || (group == 1 && t.absent1)) {
+    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
       epilogue.store_rest(p, outputs, staging, lane);
       release_as_landed();
       continue;
@@ -1090,9 +1002,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    // A warpgroup's 64 rows lie in one expert's segment, real rows first: if its first row is padding, all 64
-    // are, and the epilogue stores zeros there whatever the accumulators hold (with 64-row segments, only in a
-    // schedule of another block_m).
+    // A row-wise tile lies in one expert's segment, real rows first: if this warpgroup's first row is padding,
+    // all 64 are, and the epilogue stores zeros there whatever the accumulators hold.
     const bool padding_half = kSkipPaddingHalf && kGemm != Gemm::kWeightGrad &&
                               warp_uniform(p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0);
 #if MOK_GEMM_TRACE
@@ -1100,12 +1011,6 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 #endif
     if (padding_half) {
       release_as_landed();
-    } else if (kGemm != Gemm::kWeightGrad && t.mixed) {
-      constexpr int kS = T::kStages;
-      it = mma_pass<kS, T::kGather, T::kMajorMN, T::kMulticast>(acc0, smem, a_offset, static_cast<int>(group), full,
-                                                                empty, it, t.num_k_blocks, lane);
-      it = mma_pass<kS, T::kGather, T::kMajorMN, T::kMulticast>(acc1, smem, a_offset, static_cast<int>(group), full,
-                                                                empty, it, t.num_k_blocks, lane);
     } else {
       it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
           acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
@@ -1121,9 +1026,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     if (warp == 0 && lane == 0) {
       const int slot = atomicAdd(&g_trace_count, 1);
       if (slot < kTraceRecords) {
-        const int second_half = kGemm == Gemm::kWeightGrad ? 0 : t.mixed ? 2
-                                : t.absent1 || p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0 ? 1 : 0;
-        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, second_half,
+        const bool half_padding = kGemm != Gemm::kWeightGrad && p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0;
+        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, half_padding,
                                                clock_start, clock_mma, clock64()};
         for (int i = 0; i < kTraceWords; ++i) g_trace[static_cast<int64_t>(slot) * kTraceWords + i] = record[i];
       }
@@ -1225,7 +1129,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   p.num_n_tiles = static_cast<int>(ceil_div(p.n, T::kTaskN));
   const int64_t num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
   if (num_tasks == 0) return cudaSuccess;
-  if (num_tasks > INT32_MAX || p.num_rows % WG_M != 0) return cudaErrorInvalidValue;
+  if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
   if (T::kMxOut && p.n % mxfp8::kBlockSize != 0) return cudaErrorInvalidValue;
   p.num_tasks = static_cast<int>(num_tasks);
   CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;

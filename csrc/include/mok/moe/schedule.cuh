@@ -32,7 +32,7 @@ constexpr int kRoutesPerWarp = kRoutesPerLane * kWarpSize;            // 128 con
 constexpr int kScanItems = 4;                                         // values per thread per scan round
 constexpr int kFillRowsPerThread = 4;
 constexpr int kFillRows = kFillRowsPerThread * kScheduleThreads;      // rows per fill CTA
-constexpr int kGemmHalfRows = 64;  // the GEMMs' half tile (ops.GEMM_HALF_M): half_to_expert has one entry per 64 rows
+constexpr int kGemmTileRows = 128;                                    // the GEMMs' kernel tile (ops.GEMM_BLOCK_M)
 constexpr int kBadRoute = -2;  // place: a route whose expert id is outside [0, E) (-1: past the last route)
 static_assert(kScheduleThreads % kWarpSize == 0, "whole warps: a warp places 128 consecutive routes");
 static_assert(kRoutesPerWarp * kScheduleWarps == kScheduleChunkRoutes,
@@ -184,17 +184,8 @@ MOK_DEVICE void place_chunk(const int64_t* __restrict__ topk_idx, const int32_t*
   }
 }
 
-// The GEMMs' half_to_expert at a row that starts a 64-row half (a multiple of 64 in a schedule whose block_m is
-// one): e, and -1 for the half after the last one when the rows end mid-tile (max_num_rows an odd number of halves).
-MOK_DEVICE void put_gemm_half(int row, int e, int max_num_rows, ScheduleOutputs out) {
-  if (out.gemm_half_to_expert == nullptr || row % kGemmHalfRows != 0) return;
-  out.gemm_half_to_expert[row / kGemmHalfRows] = e;
-  if (row + kGemmHalfRows >= max_num_rows && (row / kGemmHalfRows) % 2 == 0)
-    out.gemm_half_to_expert[row / kGemmHalfRows + 1] = -1;
-}
-
 // Spare row (num_rows <= row < max_num_rows): no route and no expert; its tile, if it starts one, runs no rows.
-MOK_DEVICE void fill_spare_row(int row, int block_m, int max_num_rows, ScheduleOutputs out) {
+MOK_DEVICE void fill_spare_row(int row, int block_m, ScheduleOutputs out) {
   out.row_to_token[row] = -1;
   out.row_to_k[row] = -1;
   out.row_to_route[row] = -1;
@@ -204,7 +195,7 @@ MOK_DEVICE void fill_spare_row(int row, int block_m, int max_num_rows, ScheduleO
     out.tile_to_expert[row / block_m] = -1;
     out.tile_num_rows[row / block_m] = 0;
   }
-  put_gemm_half(row, -1, max_num_rows, out);
+  if (out.gemm_tile_to_expert != nullptr && row % kGemmTileRows == 0) out.gemm_tile_to_expert[row / kGemmTileRows] = -1;
 }
 
 // Rows [fill·kFillRows, +kFillRows) ∩ [0, max_num_rows): the expert of each row (its segment: the last e with
@@ -218,7 +209,7 @@ MOK_DEVICE void fill_rows(int fill, int num_experts, int block_m, int max_num_ro
     const int row = fill * kFillRows + j * kScheduleThreads + static_cast<int>(threadIdx.x);
     if (row >= max_num_rows) break;
     if (row >= num_rows) {
-      fill_spare_row(row, block_m, max_num_rows, out);
+      fill_spare_row(row, block_m, out);
       continue;
     }
     int lo = 0, hi = num_experts - 1;  // binary search; invariant: s_offsets[lo] <= row
@@ -240,7 +231,7 @@ MOK_DEVICE void fill_rows(int fill, int num_experts, int block_m, int max_num_ro
       out.tile_to_expert[row / block_m] = e;
       out.tile_num_rows[row / block_m] = real < 0 ? 0 : (real > block_m ? block_m : real);
     }
-    put_gemm_half(row, e, max_num_rows, out);
+    if (out.gemm_tile_to_expert != nullptr && row % kGemmTileRows == 0) out.gemm_tile_to_expert[row / kGemmTileRows] = e;
   }
 }
 
