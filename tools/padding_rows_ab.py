@@ -7,9 +7,9 @@ mok.bench.WARMUP_MS of sustained calls:
     pad64_zero     padded to 64 rows, the padding rows zeros (what a 64-row schedule would multiply)
     routes         the routes alone (no padding)
 
-Asked before building the 64-row schedule (docs/l2_fused.md, "Next" 3): zero operands toggle fewer bits and draw less
-power, so the padding may cost less than its share of the rows; pad64_zero / pad128_zero is what that schedule could
-save at cuBLAS's speed.
+Asked before building the 64-row schedule: zero operands toggle fewer bits and draw less power, so the padding may cost
+less than its share of the rows; pad64_zero / pad128_zero is what that schedule could save at cuBLAS's speed. Answer
+and what followed: docs/l2_fused.md, "Padding rows at the cap, and the 64-row schedule".
 
     python tools/padding_rows_ab.py [--rounds 3] [--shapes ...]
     (device step `padding_ab`; rows to $OUT/padding_rows_ab.csv when OUT is set, with mok.clocks' columns)
@@ -30,7 +30,9 @@ from mok.config import STANDARD_SHAPES, get_shape
 from mok.schedule import make_schedule
 from mok.testing import make_inputs
 
-WAYS = ("pad128_random", "pad128_zero", "pad64_zero", "routes")
+# way -> (block_m the routes are padded to, None: no padding; whether the padding rows are zeros)
+LAYOUTS = {"pad128_random": (128, False), "pad128_zero": (128, True), "pad64_zero": (64, True), "routes": (None, False)}
+WAYS = tuple(LAYOUTS)
 
 
 def _rows(topk_idx: torch.Tensor, num_experts: int, block_m: int | None, width: int, zero: bool, device):
@@ -56,10 +58,8 @@ def ways(cfg, device: str) -> dict:
     H, I = cfg.hidden, cfg.intermediate
     w1 = torch.randn(H, 2 * I, device=device).to(torch.bfloat16)
     w2 = torch.randn(I, H, device=device).to(torch.bfloat16)
-    layouts = {"pad128_random": (128, False), "pad128_zero": (128, True), "pad64_zero": (64, True),
-               "routes": (None, False)}
     out = {}
-    for way, (block_m, zero) in layouts.items():
+    for way, (block_m, zero) in LAYOUTS.items():
         torch.manual_seed(1)  # the same values wherever two ways share rows
         a1 = _rows(topk_idx, cfg.num_experts, block_m, H, zero, device)
         a2 = _rows(topk_idx, cfg.num_experts, block_m, I, zero, device)
