@@ -110,14 +110,6 @@ namespace mok::gemm {
 #define MOK_GEMM_TRACE 0
 #endif
 
-// MOK_GEMM_GATHER_TMA=1 (a probe of the gather's cost at the power cap): the gathered kinds with bf16 weights (GEMM1)
-// take each A row of a k-block as one TMA box (64 columns, 128 bytes, the tile's 128-byte swizzle), issued by the
-// producer thread of that row after its own arrive.expect_tx; a padding row is zeroed in shared memory by its
-// thread. 0 (default): 8 cp.async of 16 bytes per row, one row's chunks over 8 threads.
-#ifndef MOK_GEMM_GATHER_TMA
-#define MOK_GEMM_GATHER_TMA 0
-#endif
-
 #if MOK_GEMM_TRACE
 constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
 constexpr int kTraceRecords = 1 << 18;
@@ -137,7 +129,6 @@ constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
-constexpr bool kGatherTmaBuild = MOK_GEMM_GATHER_TMA != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -305,7 +296,6 @@ struct Tile {
   static constexpr bool kSwiGLU =  // B0 = Wg, B1 = Wu
       kGemm == Gemm::kGateUp || kGemm == Gemm::kGateUpMx || kMxOut;
   static constexpr bool kGather = kSwiGLU;  // A gathered by cp.async, else by TMA
-  static constexpr bool kGatherTma = kGather && !kMx && kGatherTmaBuild;  // gathered by a TMA box per row
   static constexpr bool kMajorMN =  // B transposed: the backward reads the weights, or rows, N-contiguous
       kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad || kGemm == Gemm::kWeightGrad;
   static constexpr bool kMajorMNA = kGemm == Gemm::kWeightGrad;  // A transposed: rows of [rows, M] as M × K
@@ -565,9 +555,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
-    if constexpr (T::kGatherTma) {
-      token[0] = p.row_to_token[t.m_tile * BLOCK_M + thread];  // its one row: row `thread` of the tile
-    } else if constexpr (T::kGather) {
+    if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
         token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
@@ -582,17 +570,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       if constexpr (T::kTmaIntoStage) {
         if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
-      if constexpr (T::kGatherTma) {
-        uint8_t* row = stage_a(smem, stage) + thread * kRowBytes;
-        if (token[0] >= 0) {  // the map's dims (k, rows) zero-fill a K tail
-          ptx::mbarrier_arrive_expect_tx(&full[stage], kRowBytes);
-          ptx::tma_load_3d(row, tmap_a, kb * BLOCK_K, token[0], 0, &full[stage]);
-        } else {  // a zero row needs no swizzle
-#pragma unroll
-          for (int c = 0; c < kChunksPerRow; ++c) *reinterpret_cast<uint4*>(row + 16 * c) = make_uint4(0, 0, 0, 0);
-          ptx::mbarrier_arrive(&full[stage]);  // release: the consumers fence to the async proxy after their wait
-        }
-      } else if constexpr (T::kGather) {
+      if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
         const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
@@ -1099,7 +1077,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
     }
     ptx::fence_mbarrier_init();
-    if constexpr (!T::kGather || T::kGatherTma) ptx::prefetch_tensor_map(&tmap_a);
+    if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
     if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
@@ -1159,10 +1137,6 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   if (kWeightGrad) {  // A rows [num_rows, m] read MN-major: dims (m, rows, 1), box (64, 64)
     if ((err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.m, 64, BLOCK_K))) return err;
   } else if (!T::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) {
-    return err;
-  } else if (T::kGatherTma && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, 1))) {
-    // x [num_tokens, k] by rows of one box each; num_rows (>= T·K >= num_tokens) bounds its rows: the rows read are
-    // tokens, so always below num_tokens
     return err;
   }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
