@@ -110,6 +110,13 @@ namespace mok::gemm {
 #define MOK_GEMM_TRACE 0
 #endif
 
+// MOK_GEMM_N256=1: each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1 instead of two m64n128k16,
+// so its A slice is read from shared memory once, not twice (the same fragments, the same bits). 0 (default): two.
+// Asked at the power cap, where a kernel's time is its energy (docs/l2_fused.md, "One wgmma over B0|B1").
+#ifndef MOK_GEMM_N256
+#define MOK_GEMM_N256 0
+#endif
+
 #if MOK_GEMM_TRACE
 constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
 constexpr int kTraceRecords = 1 << 18;
@@ -129,6 +136,7 @@ constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
+constexpr bool kN256 = MOK_GEMM_N256 != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -939,8 +947,13 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 #pragma unroll
     for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
       const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
-      ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
+      if constexpr (kN256) {  // B1 follows B0 in the stage: one descriptor spans both (MN-major: 64-column boxes
+                              // 8 KiB apart throughout)
+        ptx::wgmma_m64n256k16_bf16<kMajorMNA, kMajorMN>(acc0, acc1, a, ptx::desc_advance(desc_b0, kBStep * kk));
+      } else {
+        ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
+        ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
+      }
     }
     ptx::wgmma_commit_group();
     under();
