@@ -444,7 +444,7 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
 # MMAs for an all-padding half tile must store the same bits in the same places.
 SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
                    {"MOK_GEMM_DEFER_EPILOGUE": 0}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4},
-                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 1}]
+                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 0}]
 
 
 @pytest.mark.gpu
@@ -462,7 +462,7 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
     defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
                 "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 0}
+                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit

@@ -110,11 +110,12 @@ namespace mok::gemm {
 #define MOK_GEMM_TRACE 0
 #endif
 
-// MOK_GEMM_N256=1: each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1 instead of two m64n128k16,
-// so its A slice is read from shared memory once, not twice (the same fragments, the same bits). 0 (default): two.
-// Asked at the power cap, where a kernel's time is its energy (docs/l2_fused.md, "One wgmma over B0|B1").
+// MOK_GEMM_N256=1 (default): each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1, so its A slice is
+// read from shared memory once; 0: two m64n128k16 (A read twice). The same fragments and bits. At the power cap,
+// where a kernel's time is its energy, 1 ran every pass but one 0.6-1.7% faster (docs/l2_fused.md, "One wgmma over
+// B0|B1, at the cap").
 #ifndef MOK_GEMM_N256
-#define MOK_GEMM_N256 0
+#define MOK_GEMM_N256 1
 #endif
 
 #if MOK_GEMM_TRACE
@@ -934,8 +935,8 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
                                       : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
-    // NOTE: one m64n256k16 over B0|B1 (contiguous) instead of these two measured no faster on the routed GEMMs
-    // and 5-20% slower on the shared expert's (H200, data/bench/parts.csv vs an A/B run at 86c2bfb).
+    // NOTE: one m64n256k16 over B0|B1 (MOK_GEMM_N256) measured no faster than two m64n128k16 in two processes at
+    // 86c2bfb, before the sustained method; at the power cap, in one process, 0.98-0.99 of their time (91c1861).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
     const auto desc_b = [&](int which) {
       return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
