@@ -28,7 +28,8 @@
 // and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
-// consumers, each owning 64 of the tile's 128 rows (wgmma m64n128k16, two accumulators of 64 floats).
+// consumers, each owning 64 of the tile's 128 rows (one wgmma m64n256k16 per k16 slice into two accumulators of
+// 64 floats, B0's columns and B1's; two m64n128k16 with MOK_GEMM_N256=0).
 // Both roles walk the same (task, k-block) sequence through a ring of kNumStages shared-memory stages;
 // stage s is handed over with two mbarriers:
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
@@ -914,7 +915,7 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
   }
 }
 
-// The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps × 2 wgmmas, keep one
+// The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps of one n256 wgmma, keep one
 // group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
 // wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, so the loop
 // is the code it is without a held tile and the held words are dead in it. Returns the position in the stage
