@@ -312,7 +312,7 @@ void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std
 }
 
 void gather(const at::Tensor& x, const at::Tensor& row_to_token, const at::Tensor& row_to_k,
-            const at::Tensor& route_to_row, at::Tensor& out) {
+            const at::Tensor& route_to_row, at::Tensor& out, const std::optional<at::Tensor>& counts) {
   check_arg(x, "x"), check_arg(row_to_token, "row_to_token"), check_arg(row_to_k, "row_to_k");
   check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt, "row_to_token: expected int32");
@@ -321,8 +321,9 @@ void gather(const at::Tensor& x, const at::Tensor& row_to_token, const at::Tenso
   TORCH_CHECK(route_to_row.dim() == 2, "route_to_row: expected [num_tokens, num_topk]");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::gather_rows(x.data_ptr(), row_to_token.data_ptr<int32_t>(), row_to_k.data_ptr<int64_t>(),
-                              route_to_row.data_ptr<int64_t>(), out.data_ptr(), x.size(0), route_to_row.size(1),
-                              out.size(0), x.size(1), c10::cuda::getCurrentCUDAStream()),
+                              route_to_row.data_ptr<int64_t>(), real_num_rows_ptr(counts), out.data_ptr(),
+                              x.size(0), route_to_row.size(1), out.size(0), x.size(1),
+                              c10::cuda::getCurrentCUDAStream()),
              "gather_rows_cuda");
 }
 
@@ -435,7 +436,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
   m.def("grouped_gemm_bf16_trace", &gemm_trace, "records (CPU int64 [n, 8]) -> count: MOK_GEMM_TRACE builds");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
-  m.def("gather_rows", &gather, "x, row_to_token (int32), row_to_k (int64), route_to_row (int64 [T, K]), out");
+  m.def("gather_rows", &gather,
+        "x, row_to_token (int32), row_to_k (int64), route_to_row (int64 [T, K]), out, counts (None, or a schedule's "
+        "int32 counts: rows from counts[0] on are left alone)");
   m.def("make_schedule", &make_schedule,
         "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
   m.def("route_grads_prep", &route_grads,

@@ -319,7 +319,7 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
 
 
 def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding and spare rows:
+    """x [T, H] -> bf16 [num_rows, H] in the schedule's rows, zeros in padding rows, spare rows unwritten:
     mok.schedule.gather_rows as one copy kernel."""
     return ops.gather_rows_cuda(x.to(BF16), sched)  # [num_rows, H]
 

@@ -120,8 +120,8 @@ def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_row
 
 
 def gather_rows_cuda(x, sched):
-    """[num_rows, H]: L0's dispatch (mok.schedule.gather_rows); spare rows are zeros (row_to_token -1 there)."""
-    return gather_rows(x, sched)
+    """[num_rows, H]: L0's dispatch (mok.schedule.gather_rows), NaN in the schedule's spare rows."""
+    return _poison_spare(gather_rows(x, sched), sched)
 
 
 def grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms=None):

@@ -287,17 +287,19 @@ def _raw_row_kernels(sched, x, w_gate, w_up, w_down, d_out, weights, sentinel):
     ext.mxfp8_fake_quantize(dy, dy_col, dy_row, False, sched.counts)
     ext.mxfp8_fake_quantize(h2, h_col, None, False, sched.counts)
     ext.mxfp8_fake_quantize_gathered(x, row_to_token, x_col, sched.counts)
+    x_rows = buf(H)  # the BF16 backward's x rows for the weight gradients
+    ext.gather_rows(x, row_to_token, sched.row_to_k, sched.route_to_row, x_rows, sched.counts)
     return {"h": h, "gate": gate, "up": up, "y": y, "dy": dy, "d_gate": d_gate, "d_up": d_up, "h_bwd": h2, "dx": dx,
-            "dy_row_mx": dy_row, "dy_col_mx": dy_col, "h_col_mx": h_col, "x_col_mx": x_col}
+            "dy_row_mx": dy_row, "dy_col_mx": dy_col, "h_col_mx": h_col, "x_col_mx": x_col, "x_rows": x_rows}
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("kind", ["hot", "empty-experts"])
 def test_row_kernels_never_write_spare_rows(kind):
-    """GEMM1, GEMM2, route_grads_prep, the down dgrad (with swiglu_backward_rows), the gate/up dgrad and the
-    MXFP8 round trips over row buffers on a no-sync schedule: every spare row keeps the sentinel its buffer was
-    filled with (NaN), every real row (padding included) is written and finite."""
+    """GEMM1, GEMM2, route_grads_prep, the down dgrad (with swiglu_backward_rows), the gate/up dgrad, the x-row
+    gather and the MXFP8 round trips over row buffers on a no-sync schedule: every spare row keeps the sentinel
+    its buffer was filled with (NaN), every real row (padding included) is written and finite."""
     cfg = STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300)
     inputs = make_inputs(cfg, device="cuda", seed=fresh_seed(), draw_on="cuda", routing_fn=_irregular_routing(kind))
     sched = ops.make_schedule_cuda(inputs["topk_idx"], cfg.num_experts, sync=False)

@@ -94,16 +94,17 @@ def _check_x_and_schedule(x: torch.Tensor, sched: Schedule) -> int:
 
 def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """mok.schedule.gather_rows on the GPU, bit for bit (a copy): x bf16 [num_tokens, hidden] (hidden % 8 == 0)
-    -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding and spare rows (their
-    row_to_token is -1). Token-major: each token's row is read once and stored into its routes' rows. No host
-    sync; the schedule is trusted, never followed blindly: a token id past num_tokens, or a row whose
-    route_to_row and row_to_token/row_to_k disagree, gives a NaN row."""
+    -> [sched.num_rows, hidden], row r = x[row_to_token[r]], zeros in padding rows. The schedule's spare rows
+    (from sched.counts[0] on, read on the device) are not written, as in every kernel over row buffers.
+    Token-major: each token's row is read once and stored into its routes' rows. No host sync; the schedule is
+    trusted, never followed blindly: a token id past num_tokens, or a row whose route_to_row and
+    row_to_token/row_to_k disagree, gives a NaN row."""
     hidden = _check_x_and_schedule(x, sched)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows]
     row_to_k = sched.row_to_k.to(x.device).contiguous()  # int64 [num_rows]
     route_to_row = sched.route_to_row.to(x.device).contiguous()  # int64 [num_tokens, num_topk]
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    load_extension().gather_rows(x, row_to_token, row_to_k, route_to_row, out)
+    load_extension().gather_rows(x, row_to_token, row_to_k, route_to_row, out, real_num_rows(sched, x.device))
     return out
 
 

@@ -153,14 +153,15 @@ cudaError_t combine_rows(const void* y_rows, const void* route_to_row, bool rout
                          int64_t num_topk, int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
 // ---- row gather (csrc/gather_rows.cu) ---------------------------------------------------------------
-// out[r] = x[row_to_token[r]] (a copy), zeros where row_to_token[r] < 0 (padding and spare rows), NaN where it
-// is >= num_tokens or the schedule's views of the row disagree (route_to_row[t, row_to_k[r]] != r): x bf16
+// out[r] = x[row_to_token[r]] (a copy), zeros where row_to_token[r] < 0 (padding rows), NaN where it is >=
+// num_tokens or the schedule's views of the row disagree (route_to_row[t, row_to_k[r]] != r): x bf16
 // [num_tokens, hidden]; row_to_token int32 [num_rows]; row_to_k int64 [num_rows]; route_to_row int64
-// [num_tokens, num_topk]; out bf16 [num_rows, hidden]; hidden % 8 == 0, 16-byte aligned rows.
+// [num_tokens, num_topk]; real_num_rows int32 [1] on the device (rows from it on are spare: left unwritten) or
+// null (every row); out bf16 [num_rows, hidden]; hidden % 8 == 0, 16-byte aligned rows.
 
 cudaError_t gather_rows(const void* x, const int32_t* row_to_token, const int64_t* row_to_k,
-                        const int64_t* route_to_row, void* out, int64_t num_tokens, int64_t num_topk,
-                        int64_t num_rows, int64_t hidden, cudaStream_t stream);
+                        const int64_t* route_to_row, const int32_t* real_num_rows, void* out, int64_t num_tokens,
+                        int64_t num_topk, int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
 // ---- route schedule on the device (csrc/schedule.cu) ----------------------------------------------------
 // mok/schedule.py's make_schedule as three launches (csrc/include/mok/moe/schedule.cuh), no host sync: the

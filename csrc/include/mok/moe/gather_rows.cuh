@@ -1,6 +1,8 @@
 // Dispatch of token rows into the schedule's rows (mok.schedule.gather_rows, bit for bit: a copy):
-//   out[r] = x[row_to_token[r]], and zeros where row_to_token[r] < 0 (padding and spare rows).
-// The backward's weight gradients read x in this order (docs/l2_fused.md).
+//   out[r] = x[row_to_token[r]], and zeros where row_to_token[r] < 0 (padding rows).
+// The backward's weight gradients read x in this order (docs/l2_fused.md). With real_num_rows set (a no-sync
+// schedule's counts[0] on the device), the spare rows from it on are not written: no kernel reads them, and at
+// dsv4pro they are 20% of the buffer.
 //
 // Token-major: each token's row is read from HBM once and stored into its K rows (route_to_row), so x's bytes
 // are read once, not K times (a row-major gather re-read a token's row for each of its routes, long after L2
@@ -12,7 +14,7 @@
 // Measured (docs/l2_fused.md, "The x rows token-major"): 0.66-0.76x the row-major gather's time on the four
 // standard shapes.
 //
-// Bytes: 2·hidden read per token, 2·hidden written per row.
+// Bytes: 2·hidden read per token, 2·hidden written per real row.
 #pragma once
 
 #include "mok/common.cuh"
@@ -32,6 +34,7 @@ struct GatherRows {
   const int32_t* row_to_token;  // [num_rows]
   const int64_t* row_to_k;      // [num_rows]
   const int64_t* route_to_row;  // [num_tokens, num_topk]
+  const int32_t* real_num_rows;  // [1] on the device, or null: rows from *real_num_rows on are left alone
   uint4* out;                   // [num_rows, vecs_per_row]
   int64_t num_tokens, num_topk, num_rows, vecs_per_row;
 };
@@ -79,7 +82,8 @@ __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(GatherRows 
   const int64_t warp = static_cast<int64_t>(threadIdx.x) / kWarpSize;
   if (blockIdx.x < row_ctas) {
     const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + warp;
-    if (r < g.num_rows) fill_unowned_row(g, r);
+    const int64_t rows = g.real_num_rows != nullptr ? __ldg(g.real_num_rows) : g.num_rows;  // token rows lie below
+    if (r < g.num_rows && r < rows) fill_unowned_row(g, r);
   } else {
     const int64_t chunks = ceil_div(g.vecs_per_row, kGatherChunkVecs);
     const int64_t w = (static_cast<int64_t>(blockIdx.x) - row_ctas) * kGatherWarps + warp, t = w / chunks;
@@ -88,15 +92,16 @@ __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(GatherRows 
 }
 
 // x bf16 [num_tokens, hidden]; row_to_token int32 [num_rows]; row_to_k int64 [num_rows]; route_to_row int64
-// [num_tokens, num_topk]; out bf16 [num_rows, hidden]; hidden % 8 == 0 and both row buffers 16-byte aligned
-// (checked in mok/ops/).
+// [num_tokens, num_topk]; real_num_rows int32 [1] or null; out bf16 [num_rows, hidden]; hidden % 8 == 0 and both
+// row buffers 16-byte aligned (checked in mok/ops/).
 inline cudaError_t launch_gather_rows(const void* x, const int32_t* row_to_token, const int64_t* row_to_k,
-                                      const int64_t* route_to_row, void* out, int64_t num_tokens, int64_t num_topk,
-                                      int64_t num_rows, int64_t hidden, cudaStream_t stream) {
+                                      const int64_t* route_to_row, const int32_t* real_num_rows, void* out,
+                                      int64_t num_tokens, int64_t num_topk, int64_t num_rows, int64_t hidden,
+                                      cudaStream_t stream) {
   if (hidden % 8 != 0 || num_topk < 0) return cudaErrorInvalidValue;
   if (num_rows == 0 || hidden == 0) return cudaSuccess;
-  const GatherRows g{static_cast<const uint4*>(x), row_to_token, row_to_k, route_to_row, static_cast<uint4*>(out),
-                     num_tokens, num_topk, num_rows, hidden / 8};
+  const GatherRows g{static_cast<const uint4*>(x), row_to_token, row_to_k, route_to_row, real_num_rows,
+                     static_cast<uint4*>(out), num_tokens, num_topk, num_rows, hidden / 8};
   const int64_t token_ctas = ceil_div(num_tokens * ceil_div(hidden / 8, kGatherChunkVecs), kGatherWarps);
   const int64_t row_ctas = ceil_div(num_rows, kGatherWarps);
   if (token_ctas + row_ctas > 0x7FFFFFFF) return cudaErrorInvalidValue;
