@@ -159,7 +159,8 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
                 nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
            *routed_bwd[:2],
            Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])},
-                nbytes=R * H * BF16_B + rows * INT32_B + row_buf),  # each route's x row in, its int32 row id, rows out
+                # token-major: each token's x row in once, its routes' row ids, both views of each row, rows out
+                nbytes=tok + R * INT64_B + rows * (INT32_B + INT64_B) + row_buf),
            *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
