@@ -6,6 +6,8 @@
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
     python -m mok.bench ab MOK_GEMM_MULTICAST=1    (a build switch against the default, in one process: mok.bench_ab)
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
+    python -m mok.bench summary CSV CSV ...        (the fused level's fraction of the ceiling in each run, and
+                                                    its min / median / max over them)
 
 Per (shape, level, precision, pass) one row: time_ms (median of CUDA-event timings of calls queued back to back,
 after warm-up: 3 calls, then more until 1 s has passed, --warmup-ms; the row's warmup_ms and timing say how),
@@ -397,6 +399,20 @@ def summary_markdown(df: pd.DataFrame, precision: str = "bf16") -> str:
     return "\n".join(lines)
 
 
+def samples_markdown(runs: dict[str, pd.DataFrame], level: str = "fused", precision: str = "bf16") -> str:
+    """One level's fraction of the same-run ceiling per shape × pass in several runs (name -> rows), then the
+    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused.md, "Seven
+    samples of the fractions"), so a goal reads off the median of several runs, not off one."""
+    fracs = pd.DataFrame({name: df[(df.level == level) & (df.precision == precision)]
+                          .set_index(["shape", "pass"]).frac_of_ceiling for name, df in runs.items()})
+    stats = {"min": fracs.min(axis=1), "median": fracs.median(axis=1), "max": fracs.max(axis=1)}
+    lines = ["| shape | pass | " + " | ".join([*runs, *stats]) + " |", "|---" * (len(runs) + len(stats) + 2) + "|"]
+    for (shape, pass_), r in pd.concat([fracs, pd.DataFrame(stats)], axis=1).iterrows():
+        lines.append(f"| {shape} | {pass_} | " + " | ".join("" if pd.isna(v) else f"{v:.2f}" for v in r) + " |")
+    lines.append(f"\n{level} {precision} / the same run's ceiling, {len(runs)} runs")
+    return "\n".join(lines)
+
+
 # --- CLI --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -411,11 +427,16 @@ def main(argv=None) -> int:
         from mok import bench_ab
         return bench_ab.main(argv[1:])
     if argv[:1] == ["summary"]:
-        s = argparse.ArgumentParser(prog="python -m mok.bench summary", description="the README's table, in markdown")
-        s.add_argument("csv", type=Path, nargs="?", default=DATA / "moe.csv")
+        s = argparse.ArgumentParser(prog="python -m mok.bench summary",
+                                    description="the README's table, in markdown; with several CSVs, the fused "
+                                                "level's fraction of the ceiling in each run and over them")
+        s.add_argument("csv", type=Path, nargs="*", default=[DATA / "moe.csv"])
         s.add_argument("--precision", default="bf16", choices=PRECISIONS)
         args = s.parse_args(argv[1:])
-        print(summary_markdown(read_rows(args.csv), precision=args.precision))
+        if len(args.csv) == 1:
+            print(summary_markdown(read_rows(args.csv[0]), precision=args.precision))
+        else:
+            print(samples_markdown({path.stem: read_rows(path) for path in args.csv}, precision=args.precision))
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

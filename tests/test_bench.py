@@ -153,6 +153,28 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     assert exit_.value.code == 0
 
 
+def test_samples_table_reads_each_run_and_the_median(tmp_path, capsys):
+    """`summary` over several runs: each run's fused fraction of its own ceiling, then min / median / max."""
+    def run(fracs: dict) -> pd.DataFrame:
+        rows = [dict(shape=shape, level=level, precision="bf16", **{"pass": pass_}, frac_of_ceiling=frac)
+                for (shape, pass_), frac in fracs.items() for level in ("fused", "liger")]
+        return pd.DataFrame(rows + [dict(shape="s", level="fused", precision="mxfp8", **{"pass": "fwd"},
+                                         frac_of_ceiling=0.1)])
+
+    runs = {"a": run({("s", "fwd"): 0.70, ("s", "bwd"): 0.60}), "b": run({("s", "fwd"): 0.80, ("s", "bwd"): 0.64}),
+            "c": run({("s", "fwd"): 0.75})}  # c has no backward: a blank cell, left out of its row's statistics
+    table = bench.samples_markdown(runs)
+    assert "| s | fwd | 0.70 | 0.80 | 0.75 | 0.70 | 0.75 | 0.80 |" in table, table
+    assert "| s | bwd | 0.60 | 0.64 |  | 0.60 | 0.62 | 0.64 |" in table, table
+    paths = []
+    for name, df in runs.items():
+        paths.append(tmp_path / f"moe_{name}.csv")
+        df.to_csv(paths[-1], index=False)
+    assert bench.main(["summary", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "| shape | pass | moe_a | moe_b | moe_c | min | median | max |" in out and "| s | fwd | 0.70 |" in out
+
+
 def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
     """The ceiling's GEMMs and every level take the same warm-up (by default WARMUP_MS), and the rows say which."""
     seen = []
