@@ -401,8 +401,8 @@ def summary_markdown(df: pd.DataFrame, precision: str = "bf16") -> str:
 
 def samples_markdown(runs: dict[str, pd.DataFrame], level: str = "fused", precision: str = "bf16") -> str:
     """One level's fraction of the same-run ceiling per shape × pass in several runs (name -> rows), then the
-    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused.md, "Seven
-    samples of the fractions"), so a goal reads off the median of several runs, not off one."""
+    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused.md, "Samples
+    of the fractions"), so a goal reads off the median of several runs, not off one."""
     fracs = pd.DataFrame({name: df[(df.level == level) & (df.precision == precision)]
                           .set_index(["shape", "pass"]).frac_of_ceiling for name, df in runs.items()})
     stats = {"min": fracs.min(axis=1), "median": fracs.median(axis=1), "max": fracs.max(axis=1)}
