@@ -106,7 +106,8 @@ step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grou
   --log-file "$out/ncu_gemms.csv" python tools/profile_gemms.py
 # `stalls`: Nsight Compute's warp-state and per-instruction stall samples of dsv4pro's GEMM1 (both launches: routed,
 # shared) and first weight gradient, or of MOK_STALLS="SHAPE KERNEL_REGEX COUNT"; `trace`: whole passes under
-# torch.profiler (tools/trace_passes.py); `host`: each call's host time in a pass (tools/host_time.py); `order_ab`:
+# torch.profiler (tools/trace_passes.py; its options in MOK_TRACE_ARGS, e.g. "qwen3-30b-a3b --precision mxfp8
+# --mx-weight-cache"); `host`: each call's host time in a pass (tools/host_time.py); `order_ab`:
 # the forward's shared expert first against last, and from an idle GPU against back to back
 # (tools/forward_order_ab.py).
 step stalls 240 "profiling|PROF|rror|Stall|==" bash -c '"$0" --profile-from-start off --kernel-name-base demangled \
@@ -129,7 +130,7 @@ for shape in [(48 * 3072, 7168), (63 * 4096, 4096)]:
     torch.cuda.synchronize(); torch.cuda.profiler.start(); ops.mxfp8_quantize_dual(x); torch.cuda.profiler.stop()
 " && "$0" -i "$1/dual.ncu-rep" --page details --csv >"$1/dual_details.csv" && "$0" -i "$1/dual.ncu-rep" \
   --page source --csv --print-source sass >"$1/dual_sass.csv"; rm -f "$1/dual.ncu-rep"' "$ncu" "$logs"
-step trace 150 "span|at " python tools/trace_passes.py
+step trace 150 "span|at " python tools/trace_passes.py ${MOK_TRACE_ARGS:-}
 step host 120 "host|at " python tools/host_time.py
 step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 # `launch`: each launch's host time on the forward's path, through the raw bindings (tools/launch_cost.py).

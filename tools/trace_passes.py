@@ -4,7 +4,10 @@ times include each step's host overhead; this traces the passes as `bench moe` t
 start event, the pass, end event, sync) under torch.profiler. A device-side tool, not a benchmark of record:
 CUPTI tracing adds a little to every launch, so idle time here is an upper bound.
 
-    python tools/trace_passes.py [SHAPE ...] [--iters 5]
+    python tools/trace_passes.py [SHAPE ...] [--iters 5] [--precision mxfp8 [--mx-weight-cache]]
+
+--mx-weight-cache traces the mxfp8 passes inside mok.mxfp8_weight_cache(), filled by the warm-up calls (as
+`bench moe --mx-weight-cache` times them): the weights' round trips drop out of the trace.
 
 Per shape and pass, medians over the iterations: span (the pass's first host call to its last kernel's end:
 what time_ms measures, less the event overhead), busy (the union of kernel intervals), lead (the host time
@@ -15,6 +18,7 @@ pass, the idle gap before it, and its median duration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -23,8 +27,8 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mok import bench
-from mok.config import STANDARD_SHAPES, get_shape
+from mok import bench, mx_cache
+from mok.config import PRECISIONS, STANDARD_SHAPES, get_shape
 from mok.testing import make_inputs
 
 
@@ -77,13 +81,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shapes", nargs="*", default=list(STANDARD_SHAPES))
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    ap.add_argument("--mx-weight-cache", action="store_true", help="mxfp8: trace inside mok.mxfp8_weight_cache()")
     args = ap.parse_args(argv)
+    if args.mx_weight_cache and args.precision != "mxfp8":
+        ap.error(f"--mx-weight-cache: expected --precision mxfp8, got {args.precision}")
     for name in args.shapes:
         inputs = make_inputs(get_shape(name), device="cuda", draw_on="cuda")
         for pass_ in ("fwd", "bwd"):
-            its = trace(bench.level_pass_fn("fused", inputs, "bf16", pass_), args.iters)
+            with mx_cache.mxfp8_weight_cache() if args.mx_weight_cache else contextlib.nullcontext():
+                its = trace(bench.level_pass_fn("fused", inputs, args.precision, pass_), args.iters)
             med = {k: statistics.median(i[k] for i in its) for k in ("span", "busy", "lead")}
-            print(f"{name} {pass_}: span {med['span']:.0f} us, busy {med['busy']:.0f}, idle "
+            print(f"{name} {args.precision} {pass_}: span {med['span']:.0f} us, busy {med['busy']:.0f}, idle "
                   f"{med['span'] - med['busy']:.0f} ({1 - med['busy'] / med['span']:.1%}), lead {med['lead']:.0f}")
             its = [i for i in its if len(i["kernels"]) == len(its[0]["kernels"])]  # the same launches each time
             prev_end = 0.0
