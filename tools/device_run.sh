@@ -148,6 +148,10 @@ step values_ab 180 "shape|mm|gemm2|  " env OUT="$out" python tools/operand_value
 # `padding_ab`: the forward's routed GEMMs by cuBLAS with the padding rows random, zeros, padded to 64 rows, or none
 # (tools/padding_rows_ab.py).
 step padding_ab 200 "shape|ms|  " env OUT="$out" python tools/padding_rows_ab.py
+# `grid_ab`: the level's BF16 passes with the GEMMs on every SM and on 124, 116 and 100 (tools/grid_ab.py, ~4 minutes;
+# MOK_AB_ARGS adds options, e.g. "--sms 116 --shapes qwen3-30b-a3b"): at the power cap, does a GEMM on fewer SMs
+# lose time? (docs/l2_fused.md, "Next" 8).
+step grid_ab 400 "shape|ms|  |all" env OUT="$out" python tools/grid_ab.py $ab_args
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py
