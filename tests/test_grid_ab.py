@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from mok import bench, fused, ops, twins
@@ -19,7 +20,8 @@ spec.loader.exec_module(grid_ab)
 
 @pytest.fixture
 def grids(monkeypatch) -> list:
-    """The level on its twins; the grid (num_sms) of every GEMM call that either pass makes last."""
+    """The level on its twins; the grids (num_sms) two of its GEMMs were called with (GEMM2 runs in the forward,
+    the weight gradients in the backward)."""
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, getattr(twins, name))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
@@ -57,12 +59,15 @@ def test_each_way_runs_its_grid_and_the_same_bits(grids, pass_):
             assert bitwise_equal(a, b), f"{pass_}: {way} SMs differ from all (seed {seed})"
 
 
-def test_main_times_every_way_each_round(grids, monkeypatch, capsys):
+def test_main_times_every_way_each_round(grids, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(bench, "WARMUP_MS", 0.0)
     monkeypatch.setattr(grid_ab, "make_inputs", lambda cfg, **kwargs: make_inputs(cfg, seed=fresh_seed()))
+    monkeypatch.setenv("OUT", str(tmp_path))
     assert grid_ab.main(["--shapes", "tiny", "--passes", "fwd", "--sms", "2", "--rounds", "2", "--iters", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "2/all" in out and "tiny" in out
+    rows = pd.read_csv(tmp_path / "grid_ab.csv", dtype={"way": str})
+    assert sorted(zip(rows["way"], rows["round"])) == [("2", 0), ("2", 1), ("all", 0), ("all", 1)]
+    assert (rows["time_ms"] > 0).all() and (rows["shape"] == "tiny").all()
+    assert "2/all" in capsys.readouterr().out  # the ratio to every SM
 
 
 def test_a_grid_from_the_environment_is_refused(grids, monkeypatch):
