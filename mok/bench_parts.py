@@ -244,10 +244,12 @@ def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], cei
     return out
 
 
-def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=bench.time_ms, seed: int = 0):
+def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=bench.time_ms, seed: int = 0,
+                      routing_fn=None):
     """Rows for one shape: every step of both passes, then each pass whole and summed (see the docstring).
-    time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own)."""
-    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
+    time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own); routing_fn: make_inputs' (None: the
+    benchmark's random routing)."""
+    inputs = make_inputs(cfg, device=device, seed=seed, routing_fn=routing_fn, draw_on=device)
     _, saved = fused.forward(*moe_args(inputs))
     fused.backward(saved, inputs["d_out"])  # warm: the JIT build and every kernel's first launch
     steps, ceilings, rows = steps_of(saved), {}, []

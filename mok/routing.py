@@ -243,6 +243,22 @@ def hot_expert_routing(
     return topk_idx.to(device), _random_weights(num_tokens, num_topk, generator, device)
 
 
+def balanced_routing(
+    num_tokens: int,
+    num_experts: int,
+    num_topk: int,
+    generator: torch.Generator | None = None,
+    device="cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert gets the same number of routes (one more for the first T·K mod E): route (t, k) goes to expert
+    (t·K + k) mod E, so a token's experts are distinct and consecutive. Where E divides T·K into multiples of the
+    schedule's tile, no segment needs padding: the routing that prices the experts apart from their padding.
+    Weights are random, positive, fp32, summing to 1 per token (drawn from `generator`)."""
+    _check_synthetic(num_tokens, num_experts, num_topk)
+    routes = torch.arange(num_tokens * num_topk, dtype=torch.int64).view(num_tokens, num_topk)  # [T, K]: t·K + k
+    return (routes % num_experts).to(device), _random_weights(num_tokens, num_topk, generator, device)
+
+
 # ---- statistics --------------------------------------------------------------------------------
 
 

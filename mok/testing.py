@@ -66,7 +66,8 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
 
 def routing_of(kind: str):
     """A `make_inputs` routing_fn by name, for the kernels' irregular test cases: "random" (None: make_inputs'
-    own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty)."""
+    own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty),
+    "balanced" (every expert the same routes, routing.balanced_routing)."""
     if kind == "random":
         return None
     if kind == "hot":
@@ -76,7 +77,9 @@ def routing_of(kind: str):
             idx = torch.where(torch.rand(T, K, generator=g) < 0.5, 1, 6)  # [T, K]
             return idx.long(), torch.ones(T, K)
         return two
-    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', got {kind!r}")
+    if kind == "balanced":
+        return lambda T, E, K, g: routing.balanced_routing(T, E, K, generator=g)
+    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', got {kind!r}")
 
 
 def fresh_seed() -> int:

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from mok.routing import hot_expert_routing, load_stats, random_routing, sigmoid_bias_topk, softmax_topk
+from mok.routing import (
+    balanced_routing,
+    hot_expert_routing,
+    load_stats,
+    random_routing,
+    sigmoid_bias_topk,
+    softmax_topk,
+)
 
 cuda = pytest.mark.gpu  # skipped centrally (tests/conftest.py) without a GPU
 
@@ -174,6 +181,17 @@ def test_hot_expert_routing():
     assert 900 < int((idx == 0).sum()) < 1100
 
 
+@pytest.mark.parametrize("T, E, K", [(8192, 128, 8), (2048, 6, 6), (37, 5, 2), (10, 3, 1), (0, 4, 2)])
+def test_balanced_routing_gives_every_expert_the_same_routes(T, E, K):
+    idx, w = balanced_routing(T, E, K, generator=gen(T))
+    assert idx.shape == w.shape == (T, K) and idx.dtype == torch.int64 and w.dtype == torch.float32
+    assert bool((idx.sort(-1).values.diff(dim=-1) > 0).all())  # distinct experts per token
+    counts = load_stats(idx, E)["tokens_per_expert"]
+    assert counts.tolist() == [T * K // E + (e < T * K % E) for e in range(E)]  # the first T·K mod E get one more
+    assert bool((w > 0).all())
+    torch.testing.assert_close(w.sum(-1), torch.ones(T))
+
+
 def test_load_stats_values():
     idx = torch.tensor([[0, 1], [0, 2], [0, 1]])  # counts [3, 2, 1, 0], mean 1.5
     s = load_stats(idx, 4)
@@ -228,6 +246,7 @@ L = torch.randn(4, 8)
         (lambda: sigmoid_bias_topk(L, torch.zeros(8), 2, routed_scaling=0.0), ValueError, "routed_scaling"),
         (lambda: random_routing(4, 8, 9), ValueError, "num_topk"),
         (lambda: random_routing(-1, 8, 2), ValueError, "num_tokens"),
+        (lambda: balanced_routing(4, 2, 3), ValueError, "num_topk"),
         (lambda: random_routing(4, 8, 2, skew=-1.0), ValueError, "skew"),
         (lambda: hot_expert_routing(4, 8, 2, hot_expert=8), ValueError, "hot_expert"),
         (lambda: hot_expert_routing(4, 8, 2, hot_fraction=1.5), ValueError, "hot_fraction"),

@@ -152,6 +152,10 @@ step padding_ab 200 "shape|ms|  " env OUT="$out" python tools/padding_rows_ab.py
 # MOK_AB_ARGS adds options, e.g. "--sms 116 --shapes qwen3-30b-a3b"): at the power cap, does a GEMM on fewer SMs
 # lose time? (docs/l2_fused.md, "Next" 8).
 step grid_ab 400 "shape|ms|  |all" env OUT="$out" python tools/grid_ab.py $ab_args
+# `experts`: `bench parts` at qwen3-30b and dsv4pro with their random routing, every expert given the same routes,
+# and fewer experts (tools/experts_sweep.py, ~4 minutes; MOK_AB_ARGS adds options, e.g. "--experts 16"): what the
+# experts cost apart from their padding.
+step experts 420 "E=|pad|random|balanced" env OUT="$out" python tools/experts_sweep.py $ab_args
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py
