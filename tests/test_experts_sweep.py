@@ -52,6 +52,7 @@ def test_main_writes_every_variant_and_its_summary(on_twins, monkeypatch, capsys
     assert experts_sweep.main(["--shapes", "small", "--experts", "8", "--iters", "2"]) == 0
     df = pd.read_csv(tmp_path / "experts_sweep.csv")
     assert set(zip(df["num_experts"], df["routing"])) == {(16, "random"), (16, "balanced"), (8, "balanced")}
+    assert set(zip(df["warmup_ms"], df["timing"])) == {(0.0, "queued")}  # the method of record (warm-up patched)
     table = experts_sweep.summary(df)
     assert len(table) == 3 and {"pad", "gemm1", "wgrad_down", "fwd/ceiling", "bwd/bound"} <= set(table.columns)
     assert table.xs("balanced", level="routing")["pad"].tolist() == [0.0, 0.0]  # 128 or 256 routes per expert

@@ -21,7 +21,7 @@ import sys
 import pandas as pd
 import torch
 
-from mok import bench_parts
+from mok import bench, bench_parts
 from mok.config import get_shape
 from mok.testing import routing_of
 
@@ -57,13 +57,16 @@ def main(argv=None) -> int:
     p.add_argument("--experts", nargs="+", type=int, help="balanced expert counts besides the shape's own "
                    "(default: K and 4·K)")
     p.add_argument("--iters", type=int, default=20)
+    bench.add_timing_options(p)
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    time_fn, method = bench.timing_of(args)  # `bench parts`' method of record unless asked otherwise
     rows = []
     for name in args.shapes:
         for cfg, routing in variants(name, args.experts):
-            rows += [{**r, "num_experts": cfg.num_experts, "routing": routing}
-                     for r in bench_parts.bench_parts_shape(cfg, args.iters, device, routing_fn=routing_of(routing))]
+            rows += [{**r, **method, "num_experts": cfg.num_experts, "routing": routing}
+                     for r in bench_parts.bench_parts_shape(cfg, args.iters, device, time_fn,
+                                                            routing_fn=routing_of(routing))]
             print(f"{name} E={cfg.num_experts} {routing}: done", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
