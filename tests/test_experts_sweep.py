@@ -25,6 +25,7 @@ def test_variants_are_the_shape_its_balanced_twin_and_fewer_experts():
                                                                     (8, "balanced"), (32, "balanced")]
     assert {cfg.num_tokens for cfg, _ in runs} == {8192}  # the same work in every variant
     assert [c.num_experts for c, _ in experts_sweep.variants("dsv4pro-rank", [12])] == [48, 48, 12]
+    assert [c.num_experts for c, _ in experts_sweep.variants("dsv4pro-rank", [])] == [48, 48]  # `--experts` alone
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4pro-rank"])

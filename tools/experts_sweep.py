@@ -7,7 +7,7 @@ expert's m-tiles. Balanced at the shape's E, a GEMM's frac_of_executed is the ke
 padding gone; at E = K (the fewest experts a token's K distinct routes allow) the experts' weights nearly fit in L2,
 and what is left is the kernel against cuBLAS on a near-dense problem (docs/l2_fused.md, "What the experts cost").
 
-    python tools/experts_sweep.py [--shapes qwen3-30b-a3b dsv4pro-rank] [--experts 8 32]
+    python tools/experts_sweep.py [--shapes qwen3-30b-a3b dsv4pro-rank] [--experts [8 32]]
     (device step `experts`; rows to $OUT/experts_sweep.csv when OUT is set: `bench parts`' columns and
     num_experts, routing)
 """
@@ -30,9 +30,9 @@ GEMMS = ["gemm1", "gemm2", "dgrad_swiglu", "dgrad_gate_up", "wgrad_gate", "wgrad
 
 def variants(name: str, experts: list[int] | None) -> list[tuple]:
     """(config, routing) to run for a shape: its own random routing, balanced at its E, then balanced at each of
-    `experts` (default: K and 4·K, the counts below E that keep the segments padding-free at the standard shapes)."""
+    `experts` (None: K and 4·K, the counts below E that keep the segments padding-free at the standard shapes)."""
     cfg = get_shape(name)
-    counts = experts or [c for c in (cfg.num_topk, 4 * cfg.num_topk) if c < cfg.num_experts]
+    counts = experts if experts is not None else [c for c in (cfg.num_topk, 4 * cfg.num_topk) if c < cfg.num_experts]
     return [(cfg, "random"), (cfg, "balanced")] + [(cfg.scaled(num_experts=e), "balanced") for e in counts]
 
 
@@ -54,8 +54,8 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "dsv4pro-rank"])
-    p.add_argument("--experts", nargs="+", type=int, help="balanced expert counts besides the shape's own "
-                   "(default: K and 4·K)")
+    p.add_argument("--experts", nargs="*", type=int, help="balanced expert counts besides the shape's own "
+                   "(default: K and 4·K; none: the shape's own E only)")
     p.add_argument("--iters", type=int, default=20)
     bench.add_timing_options(p)
     args = p.parse_args(argv)
