@@ -1,6 +1,7 @@
 """What do the routed experts themselves cost the fused level, apart from their padding? `bench parts` on a shape
 with its own random routing, then with every expert given the same routes (routing.balanced_routing: no padding
-where E divides T·K into 128-row segments) at the shape's expert count and at fewer experts.
+where E divides T·K into 128-row segments, as at qwen3-30b, dsv4pro and qwen3-235b; kimi-k2's keeps 12.5%) at the
+shape's expert count and at fewer experts. The summary's `pad` column says how much padding each variant kept.
 
 The ceiling and the `bound` multiply one weight matrix; an MoE reads E of them and shares each across only its
 expert's m-tiles. Balanced at the shape's E, a GEMM's frac_of_executed is the kernel against cuBLAS with the
