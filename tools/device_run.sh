@@ -156,6 +156,9 @@ step grid_ab 400 "shape|ms|  |all" env OUT="$out" python tools/grid_ab.py $ab_ar
 # and fewer experts (tools/experts_sweep.py, ~4 minutes; MOK_AB_ARGS adds options, e.g. "--experts 16"): what the
 # experts cost apart from their padding.
 step experts 420 "E=|pad|random|balanced" env OUT="$out" python tools/experts_sweep.py $ab_args
+# `ceiling_ab`: the pass's dense GEMMs and the level's pass in alternating rounds (tools/ceiling_ab.py, ~2 minutes;
+# MOK_AB_ARGS adds options): does `bench moe`'s order (the ceiling first) bias the fraction?
+step ceiling_ab 300 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_ab.py $ab_args
 # `ceiling`: the dense ceiling timed several times in one process with the benchmark's warm-up and a 100 ms one,
 # each after an idle spell (tools/ceiling_spread.py; "Next" 6).
 step ceiling 240 "shape|fwd|bwd|  " env OUT="$out" python tools/ceiling_spread.py
