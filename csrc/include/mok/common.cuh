@@ -26,6 +26,23 @@ MOK_DEVICE uint4 ld_stream_v4(const void* ptr) {
   return v;
 }
 
+// A read-only 16-byte load that asks L2 to keep the line (evict_last): for a small input read many times while a
+// larger stream passes through L2 (the gathered x rows: each token's row once per route, a route's turn far from
+// the token's last one, while the kernel writes K times x's bytes through L2).
+MOK_DEVICE uint64_t l2_evict_last_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+MOK_DEVICE uint4 ld_keep_v4(const void* ptr, uint64_t policy) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr), "l"(policy));
+  return v;
+}
+
 MOK_DEVICE uint2 ld_stream_v2(const void* ptr) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));

@@ -201,6 +201,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   const bool valid = col < cols;  // cols % 8 == 0: a chunk is all in or all out
 
   uint4 v[Tile::kRowsPerThread];
+  // Gathered: x's rows are read once per route, the routes of a token far apart in the row order, while the kernel
+  // writes K times x's bytes through L2; asked to keep x there (evict_last), the re-reads stay off HBM.
+  [[maybe_unused]] const uint64_t keep = kGather ? l2_evict_last_policy() : 0;
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
     int64_t row = row0 + row_lane + kRowLanes * i;
@@ -211,8 +214,10 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
         v[i] = make_uint4(fill, fill, fill, fill);
         continue;
       }
+      v[i] = valid ? ld_keep_v4(x + (row * cols + col) * 2, keep) : make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
     }
-    v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
   }
   quantize_and_store_tile<kRowLanes, kDual, kRoundTrip>(v, row0, col, cols, valid, row_lane, col_lane, out);
 }
