@@ -26,9 +26,10 @@ MOK_DEVICE uint4 ld_stream_v4(const void* ptr) {
   return v;
 }
 
-// A read-only 16-byte load that asks L2 to keep the line (evict_last): for a small input read many times while a
-// larger stream passes through L2 (the gathered x rows: each token's row once per route, a route's turn far from
-// the token's last one, while the kernel writes K times x's bytes through L2).
+// L2 eviction hints, for a small input read many times while a larger stream passes through L2 (the gathered x
+// rows: each token's row once per route, a route's turn far from the token's last one, while the kernel writes K
+// times x's bytes): the input's loads ask L2 to keep their lines (evict_last), the stream's stores to drop theirs
+// first (evict_first).
 MOK_DEVICE uint64_t l2_evict_last_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
@@ -41,6 +42,17 @@ MOK_DEVICE uint4 ld_keep_v4(const void* ptr, uint64_t policy) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(ptr), "l"(policy));
   return v;
+}
+
+MOK_DEVICE uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+MOK_DEVICE void st_hint_v4(void* ptr, uint4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy) : "memory");
 }
 
 MOK_DEVICE uint2 ld_stream_v2(const void* ptr) {

@@ -98,7 +98,7 @@ MOK_DEVICE void row_block_scales2(uint4 a, uint4 b, Scale& sa, Scale& sb) {
 // with `valid` false (columns past the end) compute on whatever they hold and store nothing. NOTE: the
 // shuffles only mix lanes of equal `valid`: col lanes of one column (xor >= kColLanes), or the 4 col
 // lanes of one row-wise block (xor 1, 2; dual needs cols % 32 == 0).
-template <int kRowLanes, bool kDual, bool kRoundTrip = false>
+template <int kRowLanes, bool kDual, bool kRoundTrip = false, bool kEvictFirst = false>
 MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRowsPerThread], int64_t row0,
                                         int64_t col, int64_t cols, bool valid, int row_lane, int col_lane,
                                         const TiledOut& out) {
@@ -137,10 +137,16 @@ MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRo
     float col_scale[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) col_scale[k] = scale_byte_to_f32(cs[k].byte);
+    [[maybe_unused]] const uint64_t drop = kEvictFirst ? l2_evict_first_policy() : 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int64_t offset = (row0 + row_lane + kRowLanes * i) * cols + col;  // [row, col] element index
-      st_v4(out.round_trip_col + offset * 2, dequantize8(quantize8(v[i], col_inv, col_nan), col_scale));
+      const uint4 col_words = dequantize8(quantize8(v[i], col_inv, col_nan), col_scale);
+      if constexpr (kEvictFirst) {
+        st_hint_v4(out.round_trip_col + offset * 2, col_words, drop);
+      } else {
+        st_v4(out.round_trip_col + offset * 2, col_words);
+      }
       if constexpr (kDual) {
         const float s = scale_byte_to_f32(rs[i].byte);
         const float row_scale[8] = {s, s, s, s, s, s, s, s};
@@ -202,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
 
   uint4 v[Tile::kRowsPerThread];
   // Gathered: x's rows are read once per route, the routes of a token far apart in the row order, while the kernel
-  // writes K times x's bytes through L2; asked to keep x there (evict_last), the re-reads stay off HBM.
+  // writes K times x's bytes through L2: x's loads ask L2 to keep it (evict_last), the stores to drop theirs first.
   [[maybe_unused]] const uint64_t keep = kGather ? l2_evict_last_policy() : 0;
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
@@ -219,7 +225,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
       v[i] = valid ? ld_stream_v4(x + (row * cols + col) * 2) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  quantize_and_store_tile<kRowLanes, kDual, kRoundTrip>(v, row0, col, cols, valid, row_lane, col_lane, out);
+  quantize_and_store_tile<kRowLanes, kDual, kRoundTrip, kGather>(v, row0, col, cols, valid, row_lane, col_lane, out);
 }
 
 // ---- column-wise and dual, pipelined: CTA tiles staged through shared memory by the bulk copy engine ----
