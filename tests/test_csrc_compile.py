@@ -138,3 +138,25 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
     assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
         f"multicast per kind: {loads}"
+
+
+def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):
+    """mxfp8_fake_quantize_gathered's kernel (quantize_tiled_kernel with kGather) loads x with an L2 evict_last
+    policy and stores its round trip with an evict_first one, each load and store hinted; no other tiled kernel
+    carries a hint (docs/l2_fused.md, "x's gathered round trip, with L2 eviction hints")."""
+    out = tmp_path / "quant.ptx"
+    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", "-ptx", str(CSRC / "quant_mxfp8.cu"),
+           "-o", str(out)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"nvcc -ptx failed:\n{result.stderr}"
+    entries = {k.split("(")[0]: k for k in re.split(r"\.entry ", out.read_text())[1:]}
+    tiled = {name: ptx for name, ptx in entries.items() if name.startswith("_ZN3mok5mxfp821quantize_tiled_kernel")}
+    gathered = [name for name in tiled if "Lb1EEEv" in name]  # the last template argument, kGather, true
+    assert len(gathered) == 1 and len(tiled) > 1, sorted(tiled)
+    for name, ptx in tiled.items():
+        hinted = re.findall(r"(ld|st)\.global[\w:.]*L2::cache_hint", ptx)
+        if name in gathered:
+            assert hinted.count("ld") > 0 and hinted.count("st") > 0, name
+            assert "L2::evict_last" in ptx and "L2::evict_first" in ptx, name
+        else:
+            assert not hinted, f"{name}: {len(hinted)} hinted accesses"
