@@ -97,7 +97,8 @@ MOK_DEVICE void row_block_scales2(uint4 a, uint4 b, Scale& sa, Scale& sb) {
 // no scales: mxfp8_dequantize's bits, through its own dequantize8). All 32 lanes must call it (shuffles); lanes
 // with `valid` false (columns past the end) compute on whatever they hold and store nothing. NOTE: the
 // shuffles only mix lanes of equal `valid`: col lanes of one column (xor >= kColLanes), or the 4 col
-// lanes of one row-wise block (xor 1, 2; dual needs cols % 32 == 0).
+// lanes of one row-wise block (xor 1, 2; dual needs cols % 32 == 0). kEvictFirst: the column-wise round trip's
+// stores ask L2 to drop their lines first (the gathered kernel's; common.cuh's eviction hints).
 template <int kRowLanes, bool kDual, bool kRoundTrip = false, bool kEvictFirst = false>
 MOK_DEVICE void quantize_and_store_tile(const uint4 (&v)[ColTile<kRowLanes>::kRowsPerThread], int64_t row0,
                                         int64_t col, int64_t cols, bool valid, int row_lane, int col_lane,
