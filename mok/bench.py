@@ -247,12 +247,17 @@ def executed_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int = fused
     return tuple(int(((counts + b - 1) // b * b).sum()) for b in (block_m, min(block_m, GEMM_BLOCK_K)))
 
 
-def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms) -> float:
-    """cuBLAS (torch.mm) on bf16 randn [M, K] · [K, N]: the ceiling of one GEMM shape."""
+def dense_gemm_fn(mnk: tuple[int, int, int], device):
+    """A no-argument callable: cuBLAS (torch.mm) on bf16 randn [M, K] · [K, N], the ceiling's GEMM of one shape."""
     M, N, K = mnk
     a = torch.randn(M, K, device=device, dtype=torch.bfloat16)  # [M, K]
     b = torch.randn(N, K, device=device, dtype=torch.bfloat16)  # [N, K]
-    return time_fn(functools.partial(torch.mm, a, b.T), iters)
+    return functools.partial(torch.mm, a, b.T)
+
+
+def dense_gemm_ms(mnk: tuple[int, int, int], iters: int, device, time_fn=time_ms) -> float:
+    """The ceiling of one GEMM shape: dense_gemm_fn timed."""
+    return time_fn(dense_gemm_fn(mnk, device), iters)
 
 
 def dense_ceiling_ms(cfg: MoEConfig, pass_: str, iters: int, device, time_fn=time_ms) -> float:

@@ -23,9 +23,9 @@ spec.loader.exec_module(ceiling_ab)
 @pytest.mark.parametrize("shape", ["tiny", "tiny-noshared"])
 def test_ceiling_way_runs_the_benchmarks_gemm_shapes(monkeypatch, shape, pass_):
     cfg = TINY_SHAPES[shape]
-    fn = ceiling_ab.ceiling_fn(cfg, pass_, "cpu")
     seen, mm = [], torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: seen.append((a.shape[0], b.shape[1], a.shape[1])) or mm(a, b))
+    fn = ceiling_ab.ceiling_fn(cfg, pass_, "cpu")  # binds torch.mm as it builds the calls
     fn()
     assert seen == bench.gemm_shapes(cfg, pass_)
     assert sum(2 * m * n * k for m, n, k in seen) == cfg.flops(pass_)  # the FLOPs its fraction is read against

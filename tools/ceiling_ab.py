@@ -24,11 +24,9 @@ from mok.testing import make_inputs
 
 
 def ceiling_fn(cfg, pass_: str, device):
-    """A no-argument callable running the pass's dense GEMMs (bf16 randn, as mok.bench.dense_gemm_ms) back to back."""
-    operands = [(torch.randn(m, k, device=device, dtype=torch.bfloat16),  # [M, K]
-                 torch.randn(n, k, device=device, dtype=torch.bfloat16))  # [N, K]
-                for m, n, k in bench.gemm_shapes(cfg, pass_)]
-    return lambda: [torch.mm(a, b.T) for a, b in operands]
+    """A no-argument callable running the pass's dense GEMMs (mok.bench.dense_gemm_fn's) back to back."""
+    gemms = [bench.dense_gemm_fn(mnk, device) for mnk in bench.gemm_shapes(cfg, pass_)]
+    return lambda: [gemm() for gemm in gemms]
 
 
 def main(argv=None) -> int:
