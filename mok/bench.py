@@ -2,6 +2,7 @@
 
     python -m mok.bench moe  [--shapes ...] [--levels torch] [--precisions bf16 mxfp8] [--passes ...]
     python -m mok.bench moe --levels torch fused --mx-weight-cache   (-> data/bench/moe_mx_cache.csv)
+    python -m mok.bench moe --levels torch fused --routing rounded   (-> data/bench/moe_rounded.csv)
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
     python -m mok.bench ab MOK_GEMM_MULTICAST=1    (a build switch against the default, in one process: mok.bench_ab)
@@ -21,7 +22,9 @@ warm-up fills (the steady state of a gradient-accumulation step: no weight round
 notes, so such rows go to their own CSV by default (moe_mx_cache.csv) instead of replacing moe.csv's.
 With the fused level, each pass also gets a `bound` row (level cublas-executed): the ceiling's GEMMs over the
 rows that level executes, each expert's routes rounded up to its tiles (--bound-block-m), so its
-frac_of_ceiling is the most any kernel that multiplies those padding rows can reach.
+frac_of_ceiling is the most any kernel that multiplies those padding rows can reach. With --routing rounded the
+draw's routes are rounded to that tile first (mok.routing.round_to_tiles), so no expert needs padding rows (the
+routing column says which).
 Peers (Liger-Kernel's Triton fused MoE) run side by side when importable.
 """
 
@@ -46,7 +49,7 @@ from mok import clocks, fused, mx_cache
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig, get_shape
 from mok.layer import get_level
 from mok.ops.gemm import GEMM_BLOCK_K
-from mok.testing import make_inputs, moe_args, saved_nbytes
+from mok.testing import make_inputs, moe_args, routing_of, saved_nbytes
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "bench"
 KEY = ["shape", "level", "precision", "pass"]
@@ -324,8 +327,9 @@ def liger_pass_fn(inputs: dict, pass_: str):
 
 
 def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0,
-                mx_weight_cache=False, warmup_ms=WARMUP_MS, queued=QUEUED, bound_block_m=fused.BLOCK_M) -> list[dict]:
-    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device)
+                mx_weight_cache=False, warmup_ms=WARMUP_MS, queued=QUEUED, bound_block_m=fused.BLOCK_M,
+                routing="random") -> list[dict]:
+    inputs = make_inputs(cfg, device=device, seed=seed, draw_on=device, routing_fn=routing_of(routing))
     prov = provenance()
     time_fn = functools.partial(time_ms, warmup_ms=warmup_ms, queued=queued)  # every row alike: ceiling, levels, peers
     rows = []
@@ -338,7 +342,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          time_ms=ms, tflops=tflops, ceiling_tflops=ceiling, frac_of_ceiling=tflops / ceiling,
                          peak_mem_gb=mem, saved_gb=saved_gb, num_tokens=cfg.num_tokens, hidden=cfg.hidden,
                          intermediate=cfg.intermediate, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
-                         shared_intermediate=cfg.shared_intermediate, iters=timings(pass_, iters),
+                         shared_intermediate=cfg.shared_intermediate, routing=routing, iters=timings(pass_, iters),
                          warmup_ms=warmup_ms, timing=timing_name(queued), **clock, **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
@@ -462,16 +466,22 @@ def main(argv=None) -> int:
                    help="with --levels fused: the tile each expert's rows are rounded up to in the `bound` rows "
                         "(cuBLAS on the rows executed); another value than the level's asks what a schedule padded "
                         "to it could reach")
+    p.add_argument("--routing", default="random", choices=["random", "rounded"],
+                   help="random: the benchmark's (uniform, each expert's routes padded to the tile); rounded: the same "
+                        "draw with every expert's routes rounded to the fused level's tile (routing.round_to_tiles: "
+                        "2-8%% of the routes move), the rows `rounded` in the routing column")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV the rows merge into (default: data/bench/moe.csv; with --mx-weight-cache "
-                        "data/bench/moe_mx_cache.csv, since KEY has no notes and would replace the uncached rows)")
+                        "data/bench/moe_mx_cache.csv, since KEY has no notes and would replace the uncached rows; "
+                        "with --routing rounded data/bench/moe_rounded.csv)")
     args = p.parse_args(argv)
-    out = args.out or DATA / ("moe_mx_cache.csv" if args.mx_weight_cache else "moe.csv")
+    out = args.out or DATA / ("moe_mx_cache.csv" if args.mx_weight_cache else
+                              "moe_rounded.csv" if args.routing == "rounded" else "moe.csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     all_rows = sweep(args.shapes, lambda cfg: bench_shape(cfg, args.levels, args.precisions, args.passes, args.peers,
                                                           args.iters, device, mx_weight_cache=args.mx_weight_cache,
                                                           warmup_ms=args.warmup_ms, queued=not args.from_idle,
-                                                          bound_block_m=args.bound_block_m),
+                                                          bound_block_m=args.bound_block_m, routing=args.routing),
                      out)
     cols = ["shape", "level", "precision", "pass", "time_ms", "tflops", "frac_of_ceiling", "speedup_vs_torch"]
     print(pd.DataFrame(all_rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

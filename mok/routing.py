@@ -18,13 +18,14 @@ import math
 
 import torch
 
-from mok.checks import check_int
+from mok.checks import check_int, fail
 
 __all__ = [
     "check_topk_idx",
     "hot_expert_routing",
     "load_stats",
     "random_routing",
+    "round_to_tiles",
     "sigmoid_bias_topk",
     "softmax_topk",
 ]
@@ -76,21 +77,153 @@ def _topk_lowest_id(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return values[..., :k], idx[..., :k]  # [..., k] each
 
 
+# ---- rounding to the kernels' tiles ------------------------------------------------------------
+
+
+def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> torch.Tensor:
+    """Move the fewest routes so that every expert's route count is a multiple of `tile` (all but one expert's when
+    T·K is not a multiple of it): the fused level's segments then need no padding rows (SonicMoE's token rounding,
+    kept to mok's fixed K: a route moves to another expert, never away).
+
+    Each expert's count goes to a multiple of `tile` on the side its remainder favours: the experts with the largest
+    remainders (ties: lower id) round up, the others down, so that the counts still sum to T·K; the one expert after
+    the rounded-up ones keeps T·K mod tile extra routes. A rounding-down expert gives up its routes of lowest
+    `scores` (ties: lower route id t·K + k first) among those whose tokens some rounding-up expert may take. The
+    rounding-up experts, the one with the fewest spare routes it may take first, take from those the ones scoring
+    them highest (ties: lower route id), one per token and never a token already routed to them; scores of -inf
+    (experts a router may not choose, e.g. outside a token's groups) never take a route. Routes left over at the
+    end swap places with routes already moved where that lets them move. If a receiver still finds too few, the
+    rest stay with their experts and some padding remains: exact on the standard shapes (seeds 0-2 tried), not
+    where a token holds a large share of the experts (K/E = 3/7, 1/2).
+
+    topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
+    the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
+    tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
+    descending score, then ascending id. Runs on topk_idx's device (a few small ops per receiving expert).
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores: expected a float tensor [num_tokens, num_experts], got {shape}")
+    num_tokens, num_experts = scores.shape
+    check_topk_idx(topk_idx, num_experts)
+    check_int("tile", tile, 1)
+    if topk_idx.numel() < tile * num_experts:  # rounding to the nearest multiple would empty most experts
+        fail("tile", f"at most the mean routes per expert, T·K/E = {topk_idx.numel() / num_experts:g}", tile)
+    if topk_idx.shape[0] != num_tokens or topk_idx.device != scores.device:
+        raise ValueError(f"scores: expected {topk_idx.shape[0]} rows on {topk_idx.device} (those of topk_idx), "
+                         f"got {num_tokens} on {scores.device}")
+    idx = topk_idx.clone(memory_format=torch.contiguous_format)  # [T, K]
+    num_topk = idx.shape[1]
+    scores = scores.detach()
+    counts = torch.bincount(idx.reshape(-1), minlength=num_experts)  # [E]
+    rem = counts % tile  # [E]
+    num_up, extra = divmod(int(rem.sum()), tile)
+    order = torch.sort(-rem, stable=True).indices  # [E]: largest remainder first, ties lower id
+    target = counts - rem  # [E]
+    target[order[:num_up]] += tile
+    if extra:
+        target[order[num_up]] += extra
+    delta = (target - counts).tolist()  # > 0: needs routes, < 0: gives routes
+    # Every rounding-down expert's weakest routes that could move: routes sorted by (expert, whether the token may
+    # go to no receiver, score ascending, route id).
+    flat = idx.reshape(-1)  # [T·K]
+    route_scores = scores.gather(1, idx).reshape(-1)  # [T·K]
+    held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
+    receiving = torch.tensor([d > 0 for d in delta], device=scores.device)  # [E]
+    stuck = ~((scores > float("-inf")) & receiving & ~held).any(dim=1)  # [T]: no receiver may take this token
+    by_score = torch.sort(route_scores, stable=True).indices  # [T·K]
+    by_score = by_score[torch.sort(stuck.repeat_interleave(num_topk)[by_score].int(), stable=True).indices]
+    by_expert = by_score[torch.sort(flat[by_score], stable=True).indices]  # [T·K]
+    starts = torch.cumsum(counts, 0) - counts  # [E]
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
+    give = torch.tensor([max(-d, 0) for d in delta], device=flat.device)  # [E]
+    pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
+    receivers = [e for e in range(num_experts) if delta[e] > 0]
+    while receivers and pool.numel():
+        # the receiver with the least slack (eligible routes left minus its need) first: the last ones would
+        # otherwise find only tokens already routed to them
+        tokens = pool // num_topk  # [P]
+        cols = torch.tensor(receivers, device=pool.device)  # [R]
+        held = (idx[tokens].unsqueeze(2) == cols).any(dim=1)  # [P, R]
+        eligible = (scores[tokens][:, cols] > float("-inf")) & ~held  # [P, R]
+        slack = eligible.sum(dim=0) - torch.tensor([delta[e] for e in receivers], device=pool.device)  # [R]
+        expert = receivers.pop(int(torch.argmin(slack)))  # ties: lower id
+        need = delta[expert]
+        key = scores[tokens, expert]  # [P]
+        ok = (key > float("-inf")) & ~(idx[tokens] == expert).any(dim=1)  # [P]
+        cand = torch.sort(key.masked_fill(~ok, float("-inf")), descending=True, stable=True).indices  # [P]
+        cand = cand[ok[cand]]
+        # one route per token: a token's routes in the pool score this expert alike; keep the first (lowest id)
+        _, inverse = torch.unique(tokens[cand], return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1 if cand.numel() else 0,), cand.numel(), device=cand.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(cand.numel(), device=cand.device), "amin")
+        chosen = cand[first[inverse] == torch.arange(cand.numel(), device=cand.device)][:need]  # [<= need]
+        idx.view(-1)[pool[chosen]] = expert
+        keep = torch.ones_like(pool, dtype=torch.bool)
+        keep[chosen] = False
+        pool = pool[keep]
+        delta[expert] -= chosen.numel()
+    if pool.numel():
+        _swap_to_fill(idx, scores, pool.tolist(), topk_idx.reshape(-1), delta)
+    # each token's experts by descending score, then ascending id (the routers' order)
+    idx = torch.sort(idx, dim=1).values  # [T, K]
+    order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
+    return idx.gather(1, order_k)
+
+
+def _swap_to_fill(idx: torch.Tensor, scores: torch.Tensor, pool: list[int], before: torch.Tensor,
+                  delta: list[int]) -> None:
+    """round_to_tiles' end game, in place: the last receivers may find only routes of tokens already routed to
+    them. Route p (token t) cannot go to receiver e, but a route q moved earlier (token t', now at e2) can take e's
+    place if t' lacks e and t lacks e2: q moves on to e and p takes q's place at e2."""
+    num_topk = idx.shape[1]
+    rows = idx.cpu()  # [T, K], changed as the routes move, then copied back
+    flat = rows.view(-1)
+    moved = torch.nonzero(flat != before.cpu()).view(-1).tolist()
+    allowed = (scores > float("-inf")).cpu()  # [T, E]: experts a route may go to at all
+
+    def lacks(token: int, expert: int) -> bool:
+        return bool(allowed[token, expert]) and expert not in rows[token].tolist()
+
+    for expert in range(len(delta)):
+        for p in list(pool):
+            if delta[expert] <= 0:
+                break
+            t = p // num_topk
+            if lacks(t, expert):
+                flat[p] = expert
+            else:
+                q = next((q for q in moved if int(flat[q]) != expert and lacks(q // num_topk, expert)
+                          and lacks(t, int(flat[q]))), None)
+                if q is None:
+                    continue
+                flat[p], flat[q] = int(flat[q]), expert
+            pool.remove(p)
+            moved.append(p)
+            delta[expert] -= 1
+    idx.copy_(rows)
+
+
 # ---- routers -----------------------------------------------------------------------------------
 
 
 def softmax_topk(
-    logits: torch.Tensor, num_topk: int, normalize: bool = True
+    logits: torch.Tensor, num_topk: int, normalize: bool = True, tile: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (in fp32), then top-k. With `normalize`, the k weights sum to 1.
 
     logits: float `[num_tokens, num_experts]`. Returns topk_idx int64 and topk_weights fp32,
     both `[num_tokens, num_topk]`, ordered by descending probability then ascending expert id.
+    With `tile`, the choice is rounded to it (`round_to_tiles` on the probabilities) before the
+    weights are taken.
     """
     logits = _check_logits(logits)
     check_int("num_topk", num_topk, 1, logits.shape[1])
     probs = logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
     topk_weights, topk_idx = _topk_lowest_id(probs, num_topk)  # [num_tokens, num_topk] each
+    if tile is not None:
+        topk_idx = round_to_tiles(topk_idx, probs, tile)
+        topk_weights = probs.gather(1, topk_idx)  # [num_tokens, num_topk]
     if normalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)  # [num_tokens, num_topk]
     return topk_idx, topk_weights
@@ -104,6 +237,7 @@ def sigmoid_bias_topk(
     topk_groups: int | None = None,
     routed_scaling: float = 1.0,
     normalize: bool = True,
+    tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 router: selection by `sigmoid(logits) + bias`, weights from the unbiased scores.
 
@@ -113,7 +247,8 @@ def sigmoid_bias_topk(
     one if the group has one expert); only experts of the `topk_groups` best groups (ties: lower group
     id) can be chosen. Weights = scores of the chosen experts, divided by their sum (with
     `normalize`), times `routed_scaling`. topk_idx is ordered by descending biased score, then
-    ascending expert id.
+    ascending expert id. With `tile`, the choice is rounded to it (`round_to_tiles` on the biased
+    scores: a route never moves outside its token's groups).
     """
     logits = _check_logits(logits)
     num_tokens, num_experts = logits.shape
@@ -162,6 +297,8 @@ def sigmoid_bias_topk(
         choice = choice.masked_fill(~expert_mask, float("-inf"))  # [T, E]
 
     _, topk_idx = _topk_lowest_id(choice, num_topk)  # [num_tokens, num_topk]
+    if tile is not None:
+        topk_idx = round_to_tiles(topk_idx, choice, tile)
     topk_weights = scores.gather(1, topk_idx)  # [num_tokens, num_topk], unbiased
     if normalize:
         # DeepSeek-V3's guard: sigmoid can underflow to 0 for every chosen expert.
@@ -191,6 +328,7 @@ def random_routing(
     skew: float = 0.0,
     generator: torch.Generator | None = None,
     device="cpu",
+    tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random routing with Zipf popularity: expert e is drawn with probability ∝ (e + 1) ** -skew.
 
@@ -198,7 +336,8 @@ def random_routing(
     gets `num_topk` distinct experts, drawn without replacement (Gumbel top-k, exact and free of
     underflow at any skew). Weights are random, positive, fp32, summing to 1 per token. Samples are
     drawn on the generator's device (CPU without one) and moved to `device`, so a seeded CPU
-    generator gives the same routing for every `device`.
+    generator gives the same routing for every `device`. With `tile`, the draw is rounded to it
+    (`round_to_tiles` on the draw's keys; the weights stay with their slots).
     """
     _check_synthetic(num_tokens, num_experts, num_topk)
     if not isinstance(skew, (int, float)) or not math.isfinite(skew) or skew < 0:
@@ -208,7 +347,10 @@ def random_routing(
     log_p = -skew * ranks.log()  # [E], unnormalized log-probabilities
     u = torch.rand(num_tokens, num_experts, generator=generator, dtype=torch.float64, device=gen_device)
     gumbel = -(-u.clamp(1e-300, 1.0 - 1e-16).log()).log()  # [T, E]
-    _, topk_idx = _topk_lowest_id(log_p + gumbel, num_topk)  # [T, K], distinct per token
+    keys = log_p + gumbel  # [T, E]
+    _, topk_idx = _topk_lowest_id(keys, num_topk)  # [T, K], distinct per token
+    if tile is not None:
+        topk_idx = round_to_tiles(topk_idx, keys, tile)
     return topk_idx.to(device), _random_weights(num_tokens, num_topk, generator, device)
 
 

@@ -64,10 +64,15 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
     )
 
 
+ROUTINGS = ("random", "hot", "two", "balanced", "rounded")
+ROUTE_TILE = 128  # the fused level's GEMM tile (mok.ops.GEMM_BLOCK_M; not imported: this module loads no kernels)
+
+
 def routing_of(kind: str):
     """A `make_inputs` routing_fn by name, for the kernels' irregular test cases: "random" (None: make_inputs'
     own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty),
-    "balanced" (every expert the same routes, routing.balanced_routing)."""
+    "balanced" (every expert the same routes, routing.balanced_routing), "rounded" (make_inputs' own draw with every
+    expert's routes rounded to the fused level's 128-row tile, routing.round_to_tiles)."""
     if kind == "random":
         return None
     if kind == "hot":
@@ -79,7 +84,9 @@ def routing_of(kind: str):
         return two
     if kind == "balanced":
         return lambda T, E, K, g: routing.balanced_routing(T, E, K, generator=g)
-    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', got {kind!r}")
+    if kind == "rounded":
+        return lambda T, E, K, g: routing.random_routing(T, E, K, generator=g, tile=ROUTE_TILE)
+    raise ValueError(f"kind: expected one of {', '.join(map(repr, ROUTINGS))}, got {kind!r}")
 
 
 def fresh_seed() -> int:

@@ -13,7 +13,7 @@ from mok import bench, bench_parts, fused, ops, twins
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
 from mok.routing import random_routing
 from mok.schedule import Schedule, make_schedule
-from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_args
+from mok.testing import GRAD_NAMES, bitwise_equal, fresh_seed, make_inputs, moe_args, routing_of
 
 COLUMNS = {"shape", "level", "precision", "pass", "time_ms", "tflops", "ceiling_tflops", "frac_of_ceiling",
            "speedup_vs_torch", "peak_mem_gb", "saved_gb", "gpu", "torch", "cuda", "commit", "date"}
@@ -255,6 +255,22 @@ def test_bound_rows_time_the_fused_levels_executed_rows(twin_calls, monkeypatch)
     timed.clear()
     rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0)
     assert not [r for r in rows if r["kind"] == "bound"] and timed == bench.gemm_shapes(cfg, "fwd")
+
+
+def test_rounded_routing_rows_pad_only_the_remainder(twin_calls, monkeypatch):
+    """--routing rounded: the benchmark's draw with every expert's routes but one expert's T·K mod 128 a multiple of
+    the tile, so the `bound` executes one padded tile at most; the rows say which routing they ran."""
+    timed = []
+    monkeypatch.setattr(bench, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
+    cfg = TINY_SHAPES["tiny"].scaled(num_tokens=1100, num_experts=16)  # 2200 routes: 137.5 per expert
+    rows = bench.bench_shape(cfg, ["fused"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0,
+                             routing="rounded")
+    assert {r["routing"] for r in rows} == {"rounded"}
+    rounded = make_inputs(cfg, routing_fn=routing_of("rounded"))["topk_idx"]  # bench_shape's routing
+    random = make_inputs(cfg)["topk_idx"]  # the same draw, not rounded
+    assert bench.executed_rows(rounded, cfg.num_experts)[0] == 18 * 128  # 17 full tiles and one of 24 routes
+    assert bench.executed_rows(random, cfg.num_experts)[0] > 24 * 128  # 137 ± 12 each: most experts 2 tiles
+    assert timed == bench.gemm_shapes(cfg, "fwd") + bench.gemm_shapes(cfg, "fwd", rows=(18 * 128, 18 * 128))
 
 
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------

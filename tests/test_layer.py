@@ -36,6 +36,20 @@ def test_module_forward_backward_and_router_gradient():
     assert x.grad.abs().sum() > 0
 
 
+def test_module_route_tile_rounds_the_routers_choice(monkeypatch):
+    torch.manual_seed(1)
+    layer = mok.MoE(32, 48, num_experts=8, num_topk=2, backend="reference", route_tile=16)
+    x = torch.randn(96, 32).to(torch.bfloat16)  # 192 routes: 24 per expert on average
+    seen, moe = {}, mok.layer.moe
+    monkeypatch.setattr(mok.layer, "moe", lambda x, idx, w, *a, **k: seen.update(idx=idx, w=w) or moe(x, idx, w,
+                                                                                                      *a, **k))
+    layer(x)
+    assert bool((torch.bincount(seen["idx"].view(-1), minlength=8) % 16 == 0).all())
+    torch.testing.assert_close(seen["w"].sum(-1), torch.ones(96))
+    logits = x.float() @ layer.w_router.T
+    assert torch.equal(seen["idx"], mok.routing.softmax_topk(logits, 2, tile=16)[0])
+
+
 def test_auto_backend_runs_on_cpu():
     inputs = make_inputs(CFG, seed=2)
     out = mok.moe(*moe_args(inputs))  # auto: the deepest level available here

@@ -13,6 +13,7 @@ from mok.routing import (
     hot_expert_routing,
     load_stats,
     random_routing,
+    round_to_tiles,
     sigmoid_bias_topk,
     softmax_topk,
 )
@@ -202,6 +203,88 @@ def test_load_stats_values():
     assert math.isnan(empty["imbalance"]) and empty["num_empty"] == 4
 
 
+# ---- rounding to tiles ---------------------------------------------------------------------------
+
+
+def least_moves(counts: torch.Tensor, tile: int) -> int:
+    """Routes that must move for every count but one (holding T·K mod tile) to be a multiple of tile: the largest
+    remainders round up."""
+    rem = sorted((counts % tile).tolist(), reverse=True)
+    up, extra = divmod(sum(rem), tile)
+    return sum(tile - r for r in rem[:up]) + max(0, extra - rem[up]) if up < len(rem) else sum(tile - r for r in rem)
+
+
+# T, E, K as the standard shapes' (tile 128) and smaller ones at tile 16, T·K a multiple of the tile or not
+@pytest.mark.parametrize("T, E, K, tile", [(2048, 48, 6, 128), (4096, 48, 8, 128), (8192, 128, 8, 128),
+                                           (1000, 12, 4, 16), (333, 9, 2, 8), (5000, 8, 2, 128)])
+def test_round_to_tiles_moves_the_fewest_weakest_routes(T, E, K, tile):
+    seed = T + E
+    before, _ = random_routing(T, E, K, skew=0.3, generator=gen(seed))
+    scores = torch.randn(T, E, generator=gen(seed + 1))
+    after = round_to_tiles(before, scores, tile)
+    counts = torch.bincount(after.reshape(-1), minlength=E)
+    assert int((counts % tile != 0).sum()) == (1 if T * K % tile else 0), counts
+    assert bool((after.sort(-1).values.diff(dim=-1) > 0).all())  # distinct experts per token
+    key = scores.gather(1, after)  # [T, K]: each token's experts by descending score
+    assert bool((key.diff(dim=-1) <= 0).all())
+    # the moves: each token keeps its experts but its moved routes', the fewest moves for these counts
+    left = [set(b) - set(a) for a, b in zip(after.tolist(), before.tolist())]
+    before_counts = torch.bincount(before.reshape(-1), minlength=E)
+    assert sum(map(len, left)) == least_moves(before_counts, tile)
+    # a losing expert gave up its weakest routes that could move (tokens lacking a gaining expert): none of them
+    # scores it above a route it kept and could have given
+    gaining = set(torch.nonzero(torch.bincount(after.reshape(-1), minlength=E) > before_counts).view(-1).tolist())
+    movable = [bool(gaining - set(b)) for b in before.tolist()]
+    for e in range(E):
+        gone = [scores[t, e] for t in range(T) if e in left[t]]
+        kept = [scores[t, e] for t in range(T) if e in after[t].tolist() and e in before[t].tolist() and movable[t]]
+        if gone and kept:
+            assert max(gone) <= min(kept), e
+
+
+@pytest.mark.parametrize("T, E, K", [(300, 4, 2), (1000, 7, 3), (300, 16, 8)])
+def test_round_to_tiles_where_tokens_hold_many_experts_never_pads_more(T, E, K):
+    """K/E of 1/2 or 3/7: a receiver may find too few tokens it can take, and some padding stays (best effort)."""
+    before, _ = random_routing(T, E, K, generator=gen(T))
+    after = round_to_tiles(before, torch.randn(T, E, generator=gen(E)), 128)
+    assert bool((after.sort(-1).values.diff(dim=-1) > 0).all())  # distinct experts per token
+
+    def tiles(idx):
+        return int(((torch.bincount(idx.reshape(-1), minlength=E) + 127) // 128).sum())
+
+    assert tiles(after) <= tiles(before)
+
+
+def test_round_to_tiles_is_deterministic_and_leaves_multiples_alone():
+    idx, _ = random_routing(2048, 48, 6, generator=gen(3))
+    scores = torch.rand(2048, 48, generator=gen(4))
+    assert torch.equal(round_to_tiles(idx, scores, 128), round_to_tiles(idx.clone(), scores.clone(), 128))
+    balanced, _ = balanced_routing(2048, 48, 6)  # 256 routes each: nothing to move
+    key = torch.zeros(2048, 48).scatter_(1, balanced, 1.0)  # the chosen experts first, in id order
+    assert torch.equal(round_to_tiles(balanced, key, 128), balanced.sort(-1).values)
+
+
+def test_routers_round_to_tiles():
+    logits = torch.randn(2048, 48, generator=gen(6))
+    idx, w = softmax_topk(logits, 6, tile=128)
+    assert bool((torch.bincount(idx.reshape(-1), minlength=48) % 128 == 0).all())
+    probs = logits.softmax(-1).gather(1, idx)
+    torch.testing.assert_close(w, probs / probs.sum(-1, keepdim=True))  # the weights of the experts it kept
+    assert not torch.equal(idx, softmax_topk(logits, 6)[0])
+    bias = torch.randn(48, generator=gen(7)) * 0.1
+    idx, w = sigmoid_bias_topk(logits, bias, 6, num_groups=8, topk_groups=4, routed_scaling=2.0, tile=128)
+    assert bool((torch.bincount(idx.reshape(-1), minlength=48) % 128 == 0).all())
+    torch.testing.assert_close(w.sum(-1), torch.full((2048,), 2.0))
+    # still group-limited: the rounding never moves a route outside its token's 4 groups
+    biased = (logits.sigmoid() + bias).view(2048, 8, 6)
+    top_groups = biased.topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True, stable=True).indices[:, :4]
+    assert all(set(r) <= set(g) for r, g in zip((idx // 6).tolist(), top_groups.tolist()))
+    idx, w = random_routing(8192, 128, 8, generator=gen(8), tile=128)
+    plain, plain_w = random_routing(8192, 128, 8, generator=gen(8))
+    assert bool((torch.bincount(idx.reshape(-1), minlength=128) % 128 == 0).all()) and torch.equal(w, plain_w)
+    assert 0 < int((idx.sort(-1).values != plain.sort(-1).values).sum()) < 0.07 * 8192 * 8
+
+
 @pytest.mark.gpu
 @cuda
 def test_gpu_ties_follow_the_same_rule():
@@ -215,6 +298,9 @@ def test_gpu_ties_follow_the_same_rule():
     cpu = random_routing(300, 32, 4, skew=1.0, generator=gen(4))
     gpu = random_routing(300, 32, 4, skew=1.0, generator=gen(4), device="cuda")
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
+    idx, _ = random_routing(8192, 128, 8, generator=gen(5))
+    scores = torch.randn(8192, 128, generator=gen(6))
+    assert torch.equal(round_to_tiles(idx.cuda(), scores.cuda(), 128).cpu(), round_to_tiles(idx, scores, 128))
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -251,6 +337,13 @@ L = torch.randn(4, 8)
         (lambda: hot_expert_routing(4, 8, 2, hot_expert=8), ValueError, "hot_expert"),
         (lambda: hot_expert_routing(4, 8, 2, hot_fraction=1.5), ValueError, "hot_fraction"),
         (lambda: load_stats(torch.tensor([[0, 8]]), 8), ValueError, "topk_idx: expected expert ids"),
+        (lambda: round_to_tiles(torch.zeros(64, 2, dtype=torch.int64), L, 16), ValueError,
+         r"tile: expected at most the mean routes per expert, T·K/E = 16, got 16|scores: expected 64 rows"),
+        (lambda: round_to_tiles(torch.zeros(4, 2, dtype=torch.int64), L, 2), ValueError,
+         r"tile: expected at most the mean routes per expert, T·K/E = 1, got 2"),
+        (lambda: round_to_tiles(torch.tensor([[0, 1]] * 4), L, 0), ValueError, r"tile: expected an int in"),
+        (lambda: round_to_tiles(torch.tensor([[0, 1]] * 4), L[0], 1), ValueError, "scores: expected a float"),
+        (lambda: softmax_topk(L, 2, tile=2), ValueError, "tile: expected at most the mean"),
         (
             lambda: load_stats(torch.tensor([[0, 1]], dtype=torch.int32), 8),
             TypeError,
