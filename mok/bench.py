@@ -469,7 +469,7 @@ def main(argv=None) -> int:
     p.add_argument("--routing", default="random", choices=["random", "rounded"],
                    help="random: the benchmark's (uniform, each expert's routes padded to the tile); rounded: the same "
                         "draw with every expert's routes rounded to the fused level's tile (routing.round_to_tiles: "
-                        "2-8%% of the routes move), the rows `rounded` in the routing column")
+                        "1-3%% of the routes move at the standard shapes), the rows `rounded` in the routing column")
     p.add_argument("--out", type=Path, default=None,
                    help="CSV the rows merge into (default: data/bench/moe.csv; with --mx-weight-cache "
                         "data/bench/moe_mx_cache.csv, since KEY has no notes and would replace the uncached rows; "
