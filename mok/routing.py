@@ -138,31 +138,36 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = torch.tensor([max(-d, 0) for d in delta], device=flat.device)  # [E]
     pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
+    # Which receiver each pool route may go to: fixed while they move, since a move only adds the receiver it fills
+    # (then closed) and takes away a giving expert (never a receiver).
     receivers = [e for e in range(num_experts) if delta[e] > 0]
-    while receivers and pool.numel():
-        # the receiver with the least slack (eligible routes left minus its need) first: the last ones would
-        # otherwise find only tokens already routed to them
-        tokens = pool // num_topk  # [P]
-        cols = torch.tensor(receivers, device=pool.device)  # [R]
-        held = (idx[tokens].unsqueeze(2) == cols).any(dim=1)  # [P, R]
-        eligible = (scores[tokens][:, cols] > float("-inf")) & ~held  # [P, R]
-        slack = eligible.sum(dim=0) - torch.tensor([delta[e] for e in receivers], device=pool.device)  # [R]
-        expert = receivers.pop(int(torch.argmin(slack)))  # ties: lower id
-        need = delta[expert]
-        key = scores[tokens, expert]  # [P]
-        ok = (key > float("-inf")) & ~(idx[tokens] == expert).any(dim=1)  # [P]
-        cand = torch.sort(key.masked_fill(~ok, float("-inf")), descending=True, stable=True).indices  # [P]
+    tokens = pool // num_topk  # [P]
+    cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
+    eligible = (scores[tokens][:, cols] > float("-inf")) & ~held[tokens][:, cols]  # [P, R]
+    need = torch.tensor([delta[e] for e in receivers], device=pool.device)  # [R]
+    supply = eligible.sum(dim=0)  # [R]: eligible routes left
+    alive = torch.ones_like(pool, dtype=torch.bool)  # [P]
+    positions = torch.arange(pool.numel(), device=pool.device)  # [P]
+    for _ in receivers:
+        # the receiver with the least slack first (ties: lower id): the last ones would otherwise find only tokens
+        # already routed to them
+        j = int(torch.argmin(torch.where(need > 0, supply - need, torch.iinfo(torch.int64).max)))
+        if int(need[j]) <= 0:
+            break
+        ok = eligible[:, j] & alive  # [P]
+        key = scores[tokens, receivers[j]].masked_fill(~ok, float("-inf"))  # [P]
+        cand = torch.sort(key, descending=True, stable=True).indices  # [P]
         cand = cand[ok[cand]]
         # one route per token: a token's routes in the pool score this expert alike; keep the first (lowest id)
         _, inverse = torch.unique(tokens[cand], return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1 if cand.numel() else 0,), cand.numel(), device=cand.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(cand.numel(), device=cand.device), "amin")
-        chosen = cand[first[inverse] == torch.arange(cand.numel(), device=cand.device)][:need]  # [<= need]
-        idx.view(-1)[pool[chosen]] = expert
-        keep = torch.ones_like(pool, dtype=torch.bool)
-        keep[chosen] = False
-        pool = pool[keep]
-        delta[expert] -= chosen.numel()
+        first = torch.full_like(positions, pool.numel()).scatter_reduce(0, inverse, positions[:cand.numel()], "amin")
+        chosen = cand[first[inverse] == positions[:cand.numel()]][:int(need[j])]  # [<= need]
+        idx.view(-1)[pool[chosen]] = receivers[j]
+        alive[chosen] = False
+        supply -= eligible[chosen].sum(dim=0)
+        delta[receivers[j]] -= chosen.numel()
+        need[j] = 0  # closed, filled or not
+    pool = pool[alive]
     if pool.numel():
         _swap_to_fill(idx, scores, pool.tolist(), topk_idx.reshape(-1), delta)
     # each token's experts by descending score, then ascending id (the routers' order)
