@@ -99,7 +99,8 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device (a few small ops per receiving expert).
+    descending score, then ascending id. Runs on topk_idx's device: a loop of small ops per receiving expert,
+    with a handful of host reads before and after it, none inside.
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
@@ -139,34 +140,37 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     give = torch.tensor([max(-d, 0) for d in delta], device=flat.device)  # [E]
     pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
     # Which receiver each pool route may go to: fixed while they move, since a move only adds the receiver it fills
-    # (then closed) and takes away a giving expert (never a receiver).
+    # (then closed) and takes away a giving expert (never a receiver). The loop reads nothing back to the host.
     receivers = [e for e in range(num_experts) if delta[e] > 0]
     tokens = pool // num_topk  # [P]
     cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
     eligible = (scores[tokens][:, cols] > float("-inf")) & ~held[tokens][:, cols]  # [P, R]
-    need = torch.tensor([delta[e] for e in receivers], device=pool.device)  # [R]
+    need = torch.tensor([delta[e] for e in receivers], dtype=torch.int64, device=pool.device)  # [R]
+    filled = torch.zeros_like(need)  # [R]
     supply = eligible.sum(dim=0)  # [R]: eligible routes left
     alive = torch.ones_like(pool, dtype=torch.bool)  # [P]
-    positions = torch.arange(pool.numel(), device=pool.device)  # [P]
+    route_experts = idx.view(-1)
     for _ in receivers:
         # the receiver with the least slack first (ties: lower id): the last ones would otherwise find only tokens
         # already routed to them
-        j = int(torch.argmin(torch.where(need > 0, supply - need, torch.iinfo(torch.int64).max)))
-        if int(need[j]) <= 0:
-            break
-        ok = eligible[:, j] & alive  # [P]
-        key = scores[tokens, receivers[j]].masked_fill(~ok, float("-inf"))  # [P]
-        cand = torch.sort(key, descending=True, stable=True).indices  # [P]
-        cand = cand[ok[cand]]
-        # one route per token: a token's routes in the pool score this expert alike; keep the first (lowest id)
-        _, inverse = torch.unique(tokens[cand], return_inverse=True)
-        first = torch.full_like(positions, pool.numel()).scatter_reduce(0, inverse, positions[:cand.numel()], "amin")
-        chosen = cand[first[inverse] == positions[:cand.numel()]][:int(need[j])]  # [<= need]
-        idx.view(-1)[pool[chosen]] = receivers[j]
-        alive[chosen] = False
-        supply -= eligible[chosen].sum(dim=0)
-        delta[receivers[j]] -= chosen.numel()
+        j = torch.argmin(torch.where(need > 0, supply - need, torch.iinfo(torch.int64).max))
+        ok = eligible[:, j] & alive & (need[j] > 0)  # [P]
+        order = torch.sort(scores[tokens, cols[j]].masked_fill(~ok, float("-inf")), descending=True,
+                           stable=True).indices  # [P]: best first, ties lower route id, the others last
+        # one route per token (its routes in the pool score this expert alike): the first of each token in `order`
+        by_token = order[torch.sort(tokens[order], stable=True).indices]  # [P]
+        lead = torch.ones_like(alive)
+        lead[1:] = tokens[by_token[1:]] != tokens[by_token[:-1]]
+        first = torch.empty_like(alive).scatter_(0, by_token, lead)  # [P]
+        take = (ok & first)[order]  # [P], in `order`
+        chosen = torch.empty_like(alive).scatter_(0, order, take & (torch.cumsum(take, 0) <= need[j]))  # [P]
+        route_experts[pool] = torch.where(chosen, cols[j], route_experts[pool])
+        alive &= ~chosen
+        supply -= (eligible & chosen.unsqueeze(1)).sum(dim=0)
+        filled[j] += chosen.sum()
         need[j] = 0  # closed, filled or not
+    for e, n in zip(receivers, filled.tolist()):
+        delta[e] -= n
     pool = pool[alive]
     if pool.numel():
         _swap_to_fill(idx, scores, pool.tolist(), topk_idx.reshape(-1), delta)
