@@ -124,20 +124,20 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     target[order[:num_up]] += tile
     if extra:
         target[order[num_up]] += extra
-    delta = (target - counts).tolist()  # > 0: needs routes, < 0: gives routes
+    delta_t = target - counts  # [E]: > 0 needs routes, < 0 gives routes
+    delta = delta_t.tolist()
     # Every rounding-down expert's weakest routes that could move: routes sorted by (expert, whether the token may
     # go to no receiver, score ascending, route id).
     flat = idx.reshape(-1)  # [T·K]
     route_scores = scores.gather(1, idx).reshape(-1)  # [T·K]
     held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
-    receiving = torch.tensor([d > 0 for d in delta], device=scores.device)  # [E]
-    stuck = ~((scores > float("-inf")) & receiving & ~held).any(dim=1)  # [T]: no receiver may take this token
+    stuck = ~((scores > float("-inf")) & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
     by_score = torch.sort(route_scores, stable=True).indices  # [T·K]
-    by_score = by_score[torch.sort(stuck.repeat_interleave(num_topk)[by_score].int(), stable=True).indices]
+    by_score = by_score[torch.sort(stuck[by_score // num_topk].int(), stable=True).indices]
     by_expert = by_score[torch.sort(flat[by_score], stable=True).indices]  # [T·K]
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
-    give = torch.tensor([max(-d, 0) for d in delta], device=flat.device)  # [E]
+    give = (-delta_t).clamp(min=0)  # [E]
     pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
     # Which receiver each pool route may go to: fixed while they move, since a move only adds the receiver it fills
     # (then closed) and takes away a giving expert (never a receiver). The loop reads nothing back to the host.
@@ -145,11 +145,10 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     tokens = pool // num_topk  # [P]
     cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
     eligible = (scores[tokens][:, cols] > float("-inf")) & ~held[tokens][:, cols]  # [P, R]
-    need = torch.tensor([delta[e] for e in receivers], dtype=torch.int64, device=pool.device)  # [R]
+    need = delta_t[cols]  # [R]
     filled = torch.zeros_like(need)  # [R]
     supply = eligible.sum(dim=0)  # [R]: eligible routes left
     alive = torch.ones_like(pool, dtype=torch.bool)  # [P]
-    route_experts = idx.view(-1)
     for _ in receivers:
         # the receiver with the least slack first (ties: lower id): the last ones would otherwise find only tokens
         # already routed to them
@@ -164,7 +163,7 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
         first = torch.empty_like(alive).scatter_(0, by_token, lead)  # [P]
         take = (ok & first)[order]  # [P], in `order`
         chosen = torch.empty_like(alive).scatter_(0, order, take & (torch.cumsum(take, 0) <= need[j]))  # [P]
-        route_experts[pool] = torch.where(chosen, cols[j], route_experts[pool])
+        flat[pool] = torch.where(chosen, cols[j], flat[pool])  # flat: a view of idx
         alive &= ~chosen
         supply -= (eligible & chosen.unsqueeze(1)).sum(dim=0)
         filled[j] += chosen.sum()
