@@ -103,16 +103,16 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     with a handful of host reads before and after it, none inside.
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
-        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-        raise ValueError(f"scores: expected a float tensor [num_tokens, num_experts], got {shape}")
+        fail("scores", "a float tensor [num_tokens, num_experts]",
+             tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__)
     num_tokens, num_experts = scores.shape
     check_topk_idx(topk_idx, num_experts)
     check_int("tile", tile, 1)
     if topk_idx.numel() < tile * num_experts:  # rounding to the nearest multiple would empty most experts
         fail("tile", f"at most the mean routes per expert, T·K/E = {topk_idx.numel() / num_experts:g}", tile)
     if topk_idx.shape[0] != num_tokens or topk_idx.device != scores.device:
-        raise ValueError(f"scores: expected {topk_idx.shape[0]} rows on {topk_idx.device} (those of topk_idx), "
-                         f"got {num_tokens} on {scores.device}")
+        fail("scores", f"{topk_idx.shape[0]} rows on {topk_idx.device} (those of topk_idx)",
+             f"{num_tokens} on {scores.device}")
     idx = topk_idx.clone(memory_format=torch.contiguous_format)  # [T, K]
     num_topk = idx.shape[1]
     scores = scores.detach()

@@ -15,6 +15,7 @@ import torch
 
 from mok import routing
 from mok.config import MoEConfig
+from mok.ops.gemm import GEMM_BLOCK_M
 
 # DESIGN §9, keyed by (what is compared, against what).
 TOLERANCES = {
@@ -64,10 +65,6 @@ def make_inputs(cfg: MoEConfig, device="cpu", seed: int = 0, skew: float = 0.0,
     )
 
 
-ROUTINGS = ("random", "hot", "two", "balanced", "rounded")
-ROUTE_TILE = 128  # the fused level's GEMM tile (mok.ops.GEMM_BLOCK_M; not imported: this module loads no kernels)
-
-
 def routing_of(kind: str):
     """A `make_inputs` routing_fn by name, for the kernels' irregular test cases: "random" (None: make_inputs'
     own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty),
@@ -85,8 +82,8 @@ def routing_of(kind: str):
     if kind == "balanced":
         return lambda T, E, K, g: routing.balanced_routing(T, E, K, generator=g)
     if kind == "rounded":
-        return lambda T, E, K, g: routing.random_routing(T, E, K, generator=g, tile=ROUTE_TILE)
-    raise ValueError(f"kind: expected one of {', '.join(map(repr, ROUTINGS))}, got {kind!r}")
+        return lambda T, E, K, g: routing.random_routing(T, E, K, generator=g, tile=GEMM_BLOCK_M)
+    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', 'rounded', got {kind!r}")
 
 
 def fresh_seed() -> int:
