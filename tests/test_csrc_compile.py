@@ -99,7 +99,8 @@ GEMM_UNIT = CSRC / "gemm_bf16.cu"
 GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
                  ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
                  ["-DMOK_GEMM_DEFER_EPILOGUE=0"], ["-DMOK_GEMM_GROUP_M=1"],
-                 ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"]]
+                 ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"],
+                 ["-DMOK_GEMM_FOLD_PROBE=1"], ["-DMOK_GEMM_FOLD_PROBE=2", "-DMOK_GEMM_TRACE=1"]]
 
 
 @pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
@@ -138,6 +139,15 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
     assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
         f"multicast per kind: {loads}"
+
+
+@pytest.mark.parametrize("fold", [1, 0])
+def test_gemm_fold_probe_multiplies_tails_only_in_gemm1_and_gemm2(fold, tmp_path):
+    """MOK_GEMM_FOLD_PROBE=1: GEMM1 and GEMM2 carry the transposed tail MMAs (2 per k16 slice: 8 in the folding
+    copy of the mainloop) and the non-folding copy beside them; no other kind folds. 0: no kind does."""
+    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_FOLD_PROBE={fold}")
+    tails = [k.count("wgmma.mma_async.sync.aligned.m64n32k16") for k in gemms]
+    assert tails == ([8, 8, 0, 0, 0, 0] if fold else [0] * 6), f"m64n32k16 per kind: {tails}"
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):

@@ -32,6 +32,8 @@ CASES = {
     # ~300 routes (3 m-tiles) per expert: m-tile pairs within an expert, across two, and a last one alone (the
     # three cases of the multicast build's pairing)
     "pairs": (MoEConfig("pairs", 450, 128, 96, 3, 2), "random"),
+    # ~150 routes per expert: a full m-tile, then a tail of mostly <= 32 routes (what MOK_GEMM_FOLD_PROBE folds)
+    "short-tails": (MoEConfig("short-tails", 300, 128, 96, 4, 2), "random"),
 }
 NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
 
@@ -440,17 +442,18 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
 # gradients' tile held into the next task, tasks in groups of 8 m-tiles, every warpgroup multiplying), each variant
 # its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5 staging
 # boxes per warp instead of 2), B multicast over 2-CTA clusters, every tile stored at once, the row-wise tasks
-# m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple) and no
-# MMAs for an all-padding half tile must store the same bits in the same places.
+# m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple), no
+# MMAs for an all-padding half tile and the fold probe (its tail loads and MMAs, one staging box per warp) must store
+# the same bits in the same places.
 SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
                    {"MOK_GEMM_DEFER_EPILOGUE": 0}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4},
-                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 0}]
+                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 0}, {"MOK_GEMM_FOLD_PROBE": 1}]
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("switches", SWITCH_VARIANTS, ids=[str(v) for v in SWITCH_VARIANTS])
-@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs"])
+@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs", "short-tails"])
 def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     """Epilogue edges of the TMA path: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
     kWeightGrad's m = 520, 200, 32, 192 (rows past m clipped, whole warps skipped); num_sms = 3: several tasks
@@ -462,7 +465,7 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
     defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
                 "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1}
+                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1, "MOK_GEMM_FOLD_PROBE": 0}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit
@@ -472,6 +475,44 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
         got = _every_kind(inputs, sched, num_sms, f"{case} {switches} (seed {seed})")
         for name, a in expected.items():
             assert torch.equal(a, got[name]), f"{case} {name}: {switches}, num_sms={num_sms} changes bits (seed {seed})"
+
+
+def _folded_tail_rows(sched) -> torch.Tensor:
+    """[num_rows] bool: the rows of every m-tile that follows a tile of its own expert and holds at most 32 routes
+    (the tails MOK_GEMM_FOLD_PROBE folds into the previous m-tile), counted on the CPU from the schedule."""
+    tiles = sched.row_to_token.cpu().view(-1, 128)  # [m-tiles, 128]
+    expert = sched.tile_to_expert.cpu()  # [m-tiles]
+    tail = torch.zeros(len(expert), dtype=torch.bool)
+    tail[1:] = (expert[1:] == expert[:-1]) & (tiles[1:, 32] < 0)
+    return tail.repeat_interleave(128)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.filterwarnings("ignore:MOK_GEMM_FOLD_PROBE=2")
+def test_gemm_fold_probe_skipping_tails_leaves_exactly_their_rows(monkeypatch):
+    """MOK_GEMM_FOLD_PROBE=2 (timing only) runs GEMM1 and GEMM2 without the tasks of the tails it would fold: their
+    rows keep the poisoned allocator's NaN, every other row has the default build's bits (so the probe times the
+    tasks the fold would leave, and only those)."""
+    seed = fresh_seed()
+    inputs, sched = _problem("short-tails", seed)
+    sched = sched.to("cuda")
+    tail = _folded_tail_rows(sched)  # [num_rows]
+    assert tail.any(), f"short-tails has no tail to fold (seed {seed})"
+    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
+    outs = {}
+    for name, switches in (("default", {}), ("skip", {"MOK_GEMM_FOLD_PROBE": 2})):
+        ext = core.load_extension(switches)
+        monkeypatch.setattr(gemm_ops, "load_extension", lambda ext=ext: ext)
+        poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
+        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, num_sms=3)
+        h_in = outs["default"]["h"].cuda() if outs else h  # GEMM2 of both builds on the same h
+        y_rows = ops.grouped_gemm_bf16_nt_contiguous(h_in, wd, sched, num_sms=3)
+        outs[name] = {"h": h.cpu(), "gate": gate.cpu(), "up": up.cpu(), "y_rows": y_rows.cpu()}
+    for key, got in outs["skip"].items():
+        expected = outs["default"][key]
+        assert bitwise_equal(got[~tail], expected[~tail]), f"{key}: rows outside the folded tails differ (seed {seed})"
+        assert got[tail].isnan().all(), f"{key}: a folded tail's row was written (seed {seed})"
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,7 +38,11 @@ BUILD_SWITCHES = {
     "MOK_GEMM_TRACE": (0, 1),  # 1, a probe: per-task SM clocks recorded by the GEMMs (tools/task_timeline.py)
     "MOK_GEMM_SKIP_PADDING_HALF": (0, 1),  # 1: no MMAs for a row-wise tile's all-padding half (slower; default 0)
     "MOK_GEMM_N256": (0, 1),  # 1 (default): one m64n256k16 per k16 slice; 0: two m64n128k16
+    # a probe: GEMM1/GEMM2 pay for folding short tails (1: same bits; 2: their tasks skipped, rows unwritten)
+    "MOK_GEMM_FOLD_PROBE": (0, 1, 2),
 }
+# Switch values whose kernels leave outputs unwritten: timing probes, loaded with a warning.
+TIMING_ONLY = {("MOK_GEMM_FOLD_PROBE", 2)}
 
 
 def csrc_hash() -> str:
@@ -122,6 +127,9 @@ def _env_switches() -> tuple[tuple[str, int], ...]:
 def _load(switches: tuple[tuple[str, int], ...]):
     require_hopper()
     from torch.utils.cpp_extension import load
+
+    for switch in TIMING_ONLY.intersection(switches):
+        warnings.warn(f"{switch[0]}={switch[1]} is a timing probe: some GEMM outputs are left unwritten", stacklevel=3)
 
     name = extension_name(switches)
     build_dir = CACHE / name

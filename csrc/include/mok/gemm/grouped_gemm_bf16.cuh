@@ -55,6 +55,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "mok/gemm/ptx.cuh"
 #include "mok/gemm/tensor_map.cuh"
@@ -118,9 +119,22 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_N256
 #define MOK_GEMM_N256 1
 #endif
+// MOK_GEMM_FOLD_PROBE=1 (a probe, docs/l2_fused.md "Next" 10): what folding an expert's short tail (its last m-tile,
+// at most kFoldRows routes) into the expert's previous m-tile would cost that task, before the fold is built. In
+// GEMM1 and GEMM2 (kGateUp, kDown) such a previous m-tile's task also loads the tail's first kFoldRows A rows with
+// each k-block (a 4 KiB box per stage, in a ring beside the stages: the epilogue staging falls to one box per warp,
+// in every kind) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 rows of B0 and of B1 as
+// the A operand (two m64n32k16: the tail's outputs transposed), into accumulators it then drops. The tails' own
+// tasks still run, so every output keeps its bits: the probe adds the fold's loads, MMAs, registers and shared
+// memory, and lengthens those tasks as the fold would, without the tasks it would save. MOK_GEMM_FOLD_PROBE=2 also
+// skips those tails' tasks, as the fold would, and so leaves their rows unwritten: a timing probe only (`bench ab
+// --parts` times each build's kernels on the default build's intermediates; mok.ops warns when it loads it).
+#ifndef MOK_GEMM_FOLD_PROBE
+#define MOK_GEMM_FOLD_PROBE 0
+#endif
 
 #if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding (+2: folds), 3 clocks
 constexpr int kTraceRecords = 1 << 18;
 __device__ long long g_trace[kTraceRecords * kTraceWords];
 __device__ int g_trace_count;
@@ -139,6 +153,8 @@ constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 constexpr bool kN256 = MOK_GEMM_N256 != 0;
+constexpr bool kFoldProbe = MOK_GEMM_FOLD_PROBE != 0;
+constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD_PROBE == 2;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -166,13 +182,19 @@ constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
 // kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
 constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
-constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
+// MOK_GEMM_FOLD_PROBE: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16), after the ring.
+constexpr int kFoldRows = 32;
+constexpr uint32_t kFoldTileBytes = kFoldRows * kRowBytes;  // 4 KiB
+constexpr uint32_t kFoldRingOffset = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;
+constexpr uint32_t kFoldRingBytes = kFoldProbe ? kNumStages * kFoldTileBytes : 0;
+constexpr uint32_t kMainBytes = kFoldRingOffset + kFoldRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
 constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
-// many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp
-// writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later stores were issued.
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3, 1 beside MOK_GEMM_FOLD_PROBE's ring), at most
+// a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later
+// stores were issued (1 box: after its last store has read it).
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
@@ -189,12 +211,14 @@ constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + 
 constexpr int kChunksPerRow = kRowBytes / 16;
 constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
 constexpr int kRowsPerThread = BLOCK_M / kRowStride;
+constexpr int kFoldRowsPerThread = kFoldRows / kRowStride;  // MOK_GEMM_FOLD_PROBE's gathered tail rows
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
 static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
                   kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
               "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
-static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
+static_assert(kRowsPerThread * kRowStride == BLOCK_M && kFoldRowsPerThread * kRowStride == kFoldRows &&
+                  kRowStride * kChunksPerRow == kNumProducerThreads,
               "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
 static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
@@ -203,8 +227,10 @@ static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomByt
                   kLandTileBytes % ptx::kSw128AtomBytes == 0,
               "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
-static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
-              "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
+static_assert(kStoreBoxesPerWarp >= 1 && (kTmaStore || kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2),
+              "the st.global path stages a 16 × 128 tile; the TMA path at least one box");
+static_assert(!kFoldProbe || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
+              "MOK_GEMM_FOLD_PROBE's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
                   BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
                   kMainBytes % ptx::kSw128AtomBytes == 0,
@@ -317,6 +343,8 @@ struct Tile {
   // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
   // to 17% faster (H200, parts vs parts_multicast at c25bf99).
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
+  // MOK_GEMM_FOLD_PROBE's kinds: the forward's BF16 row-wise GEMMs, K-major B (weights as a K-major A operand).
+  static constexpr bool kFold = kFoldProbe && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown);
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -379,6 +407,31 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
+// MOK_GEMM_FOLD_PROBE: whether task t would fold its expert's tail, the next m-tile, when that tile is the expert's
+// (segments are padded to whole tiles, so t's own tile is then full) and holds at most kFoldRows real rows (real
+// rows come first: row kFoldRows is padding). Producer and consumers ask alike.
+template <Gemm kGemm>
+MOK_DEVICE bool folds_tail(const Params& p, const Task& t, int num_tasks) {
+  if constexpr (!Tile<kGemm>::kFold) {
+    return false;
+  } else {
+    const int next = t.m_tile + 1;
+    return next < num_tasks / p.num_n_tiles && p.tile_to_expert[next] == t.expert &&
+           p.row_to_token[next * BLOCK_M + kFoldRows] < 0;
+  }
+}
+
+// MOK_GEMM_FOLD_PROBE=2: whether task t is such a tail, whose task the previous m-tile's would replace (not run).
+template <Gemm kGemm>
+MOK_DEVICE bool skips_tail(const Params& p, const Task& t) {
+  if constexpr (!Tile<kGemm>::kFold || !kFoldSkipsTails) {
+    return false;
+  } else {
+    return t.m_tile > 0 && p.tile_to_expert[t.m_tile - 1] == t.expert &&
+           p.row_to_token[t.m_tile * BLOCK_M + kFoldRows] < 0;
+  }
+}
+
 // ---- the CTA's work units --------------------------------------------------------------------------------
 // One unit per task, or (multicast kinds) per pair: m-tiles 2j and 2j + 1 of the schedule at n-tile
 // u % num_n_tiles (j = u / num_n_tiles), CTA rank r of the cluster taking m-tile 2j + r. Both CTAs walk the same
@@ -428,6 +481,9 @@ MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
+MOK_DEVICE uint8_t* stage_fold(uint8_t* smem, uint32_t stage) {  // MOK_GEMM_FOLD_PROBE's tail rows
+  return smem + kFoldRingOffset + stage * kFoldTileBytes;
+}
 // MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
 MOK_DEVICE uint8_t* land_tile(uint8_t* smem, uint32_t slot, int which) {
   return smem + kMxStages * kStageBytes + (2 * slot + which) * kLandTileBytes;
@@ -446,7 +502,7 @@ MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // a
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                           const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
-                          int kb, int k) {
+                          int kb, int k, bool fold) {
   using T = Tile<kGemm>;
   if (!w.active) {
     ptx::mbarrier_arrive_expect_tx(bar, 0);
@@ -460,7 +516,10 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
-  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
+  // MOK_GEMM_FOLD_PROBE, A by TMA (kDown): the tail's first kFoldRows rows, through tmap_a2 (box 64 × kFoldRows)
+  const bool fold_by_tma = T::kFold && !T::kGather && fold;
+  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes + (fold_by_tma ? kFoldTileBytes : 0));
+  if (fold_by_tma) ptx::tma_load_3d(stage_fold(smem, stage), tmap_a2, k0, m0 + BLOCK_M, 0, bar);
   if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
     ptx::tma_load_3d(stage_a(smem, stage) + kATileBytes / 2, tmap_a, m0 + 64, k0, 0, bar);
@@ -564,11 +623,17 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   for (int unit = units.first; unit < units.count; unit += units.step) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
+    if (skips_tail<kGemm>(p, t)) continue;
+    const bool fold = folds_tail<kGemm>(p, t, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
+    int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD_PROBE gathers
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
         token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+#pragma unroll
+      for (int j = 0; j < kFoldRowsPerThread; ++j)
+        fold_token[j] = fold ? p.row_to_token[(t.m_tile + 1) * BLOCK_M + row_in_tile + kRowStride * j] : -1;
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
@@ -578,7 +643,8 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       }
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
-        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
+        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k,
+                                          fold);
       }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
@@ -588,6 +654,15 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
           const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
           const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
           ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
+        }
+        if (T::kFold && fold) {
+#pragma unroll
+          for (int j = 0; j < kFoldRowsPerThread; ++j) {
+            const bool real = fold_token[j] >= 0 && col < p.k;
+            const uint16_t* src = real ? p.a + static_cast<int64_t>(fold_token[j]) * p.k + col : p.a;
+            ptx::cp_async_16_zfill(stage_fold(smem, stage) + sw128_offset(row_in_tile + kRowStride * j, chunk), src,
+                                   real ? 16 : 0);
+          }
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
       }
@@ -903,6 +978,18 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
   for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
+// MOK_GEMM_FOLD_PROBE's transposed tail accumulators of a consumer warpgroup: its 64 rows of B0 (w0) and of B1 (w1)
+// × the tail's kFoldRows rows.
+constexpr int kFoldAccPerThread = WG_M * kFoldRows / kWarpgroup;  // 16
+struct FoldAcc {
+  float w0[kFoldAccPerThread], w1[kFoldAccPerThread];
+};
+
+MOK_DEVICE void fence_accumulators(FoldAcc& f) {
+#pragma unroll
+  for (int i = 0; i < kFoldAccPerThread; ++i) ptx::fence_operand(f.w0[i]), ptx::fence_operand(f.w1[i]);
+}
+
 // This warp's release of a stage: to its own CTA's empty[stage], or (multicast kinds, kCluster) to the same
 // barrier in every CTA of the cluster, whose producers may write this CTA's stage next (lane 0 only).
 template <bool kCluster>
@@ -918,12 +1005,15 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps of one n256 wgmma, keep one
 // group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
 // wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, so the loop
-// is the code it is without a held tile and the held words are dead in it. Returns the position in the stage
-// sequence after the task.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, int kUnderMma, typename UnderMma>
-MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
-                                 uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
-                                 uint32_t lane, UnderMma under_mma) {
+// is the code it is without a held tile and the held words are dead in it. kFold (MOK_GEMM_FOLD_PROBE): each k16
+// slice also multiplies this warpgroup's 64 rows of B0 and of B1 by the stage's tail rows into `fold`. Returns the
+// position in the stage sequence after the task.
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, bool kFold, int kUnderMma,
+          typename UnderMma>
+MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], FoldAcc& fold,
+                                 uint8_t* smem, uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it,
+                                 int num_k_blocks, uint32_t lane, UnderMma under_mma) {
+  static_assert(!kFold || (!kMajorMNA && !kMajorMN), "the fold reads K-major tiles");
   uint32_t prev_stage = 0;
   const auto k_block = [&](int kb, auto&& under) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
@@ -945,6 +1035,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     };
     const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
     fence_accumulators(acc0, acc1);
+    if constexpr (kFold) fence_accumulators(fold);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
@@ -956,11 +1047,19 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
         ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
         ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
       }
+      if constexpr (kFold) {  // B's rows of this warpgroup as A (K-major, like A's own rows), the tail rows as B
+        const uint64_t tail = ptx::desc_advance(ptx::smem_desc_sw128(stage_fold(smem, stage)), 32 * kk);
+        ptx::wgmma_m64n32k16_bf16(
+            fold.w0, ptx::desc_advance(ptx::smem_desc_sw128(stage_b(smem, stage, 0) + a_offset), 32 * kk), tail);
+        ptx::wgmma_m64n32k16_bf16(
+            fold.w1, ptx::desc_advance(ptx::smem_desc_sw128(stage_b(smem, stage, 1) + a_offset), 32 * kk), tail);
+      }
     }
     ptx::wgmma_commit_group();
     under();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
+    if constexpr (kFold) fence_accumulators(fold);
     if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
     prev_stage = stage;
     ++it;
@@ -971,6 +1070,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
   for (int kb = kUnderMma; kb < num_k_blocks; ++kb) k_block(kb, [] {});
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc0, acc1);
+  if constexpr (kFold) fence_accumulators(fold);
   if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
   return it;
 }
@@ -1002,6 +1102,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
+    if (skips_tail<kGemm>(p, t)) continue;
     const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
@@ -1024,12 +1125,24 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 #if MOK_GEMM_TRACE
     const long long clock_start = clock64();
 #endif
+    const bool fold = folds_tail<kGemm>(p, t, num_tasks);
+    FoldAcc fold_acc;  // dropped: the probe prices the fold's MMAs, the tail's own task still writes its rows
+    const auto mainloop = [&](auto folding) {
+      if constexpr (decltype(folding)::value) {
+#pragma unroll
+        for (int i = 0; i < kFoldAccPerThread; ++i) fold_acc.w0[i] = 0.0f, fold_acc.w1[i] = 0.0f;
+      }
+      return mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, decltype(folding)::value,
+                          kDefer ? Epi::kPieces : 0>(acc0, acc1, fold_acc, smem, a_offset, full, empty, it,
+                                                     t.num_k_blocks, lane,
+                                                     [&] { epilogue.store_next(p, outputs, staging, lane); });
+    };
     if (padding_half) {
       release_as_landed();
+    } else if (T::kFold && fold) {
+      it = mainloop(std::integral_constant<bool, T::kFold>{});
     } else {
-      it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
-          acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-          [&] { epilogue.store_next(p, outputs, staging, lane); });
+      it = mainloop(std::false_type{});
     }
     if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
 #if MOK_GEMM_TRACE
@@ -1042,7 +1155,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
       const int slot = atomicAdd(&g_trace_count, 1);
       if (slot < kTraceRecords) {
         const bool half_padding = kGemm != Gemm::kWeightGrad && p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0;
-        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit, half_padding,
+        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit,
+                                               half_padding + 2 * fold,
                                                clock_start, clock_mma, clock64()};
         for (int i = 0; i < kTraceWords; ++i) g_trace[static_cast<int64_t>(slot) * kTraceWords + i] = record[i];
       }
@@ -1093,7 +1207,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
-    if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
+    if constexpr (kGemm == Gemm::kGateUpDgrad || (T::kFold && !T::kGather)) ptx::prefetch_tensor_map(&tmap_a2);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
     if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
@@ -1155,6 +1269,9 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     return err;
   }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
+    return err;
+  // MOK_GEMM_FOLD_PROBE, A by TMA: the same rows in boxes of a tail's kFoldRows
+  if (T::kFold && !T::kGather && (err = encode_rows_map(&tmap_a2, p.a, 1, p.num_rows, p.k, BLOCK_K, kFoldRows)))
     return err;
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
