@@ -283,6 +283,7 @@ pybind11::dict gemm_build_switches() {
   switches["MOK_GEMM_TRACE"] = built.trace;
   switches["MOK_GEMM_N256"] = built.n256;
   switches["MOK_GEMM_FOLD_PROBE"] = built.fold_probe;
+  switches["MOK_GEMM_DYNAMIC"] = built.dynamic;
   return switches;
 }
 

@@ -100,7 +100,9 @@ GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
                  ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
                  ["-DMOK_GEMM_DEFER_EPILOGUE=0"], ["-DMOK_GEMM_GROUP_M=1"],
                  ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"],
-                 ["-DMOK_GEMM_FOLD_PROBE=1"], ["-DMOK_GEMM_FOLD_PROBE=2", "-DMOK_GEMM_TRACE=1"]]
+                 ["-DMOK_GEMM_FOLD_PROBE=1"], ["-DMOK_GEMM_FOLD_PROBE=2", "-DMOK_GEMM_TRACE=1"],
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_SKIP_PADDING_HALF=1"],
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_FOLD_PROBE=2"]]
 
 
 @pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])

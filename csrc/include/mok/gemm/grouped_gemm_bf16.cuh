@@ -111,6 +111,17 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_TRACE
 #define MOK_GEMM_TRACE 0
 #endif
+// MOK_GEMM_DYNAMIC=1: the single-CTA BF16 kinds take their tasks from a counter in device memory (producer thread 0,
+// atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
+// order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
+// lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
+// the bits. Launches of one kind must be stream-ordered (one counter per kind and module, reset by the last CTA).
+// NOTE: measured neutral alone and reverted at 19c02bf ("Tasks from a counter"); back, default off, because the
+// fold that MOK_GEMM_FOLD_PROBE prices makes tasks uneven by design: with the static stride a CTA's share of the
+// longer tasks decides the kernel's end (counted on the CPU, "Tails folded into the previous tile: the probe").
+#ifndef MOK_GEMM_DYNAMIC
+#define MOK_GEMM_DYNAMIC 0
+#endif
 
 // MOK_GEMM_N256=1 (default): each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1, so its A slice is
 // read from shared memory once; 0: two m64n128k16 (A read twice). The same fragments and bits. At the power cap,
@@ -151,6 +162,8 @@ constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
 constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
+constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
+constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 constexpr bool kN256 = MOK_GEMM_N256 != 0;
 constexpr bool kFoldProbe = MOK_GEMM_FOLD_PROBE != 0;
@@ -189,7 +202,8 @@ constexpr uint32_t kFoldRingOffset = kRingBytes > kMxRingBytes ? kRingBytes : kM
 constexpr uint32_t kFoldRingBytes = kFoldProbe ? kNumStages * kFoldTileBytes : 0;
 constexpr uint32_t kMainBytes = kFoldRingOffset + kFoldRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
-constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
+constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
 // many boxes as the stages leave room for (2 with 4 stages, 5 with 3, 1 beside MOK_GEMM_FOLD_PROBE's ring), at most
@@ -345,6 +359,7 @@ struct Tile {
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
   // MOK_GEMM_FOLD_PROBE's kinds: the forward's BF16 row-wise GEMMs, K-major B (weights as a K-major A operand).
   static constexpr bool kFold = kFoldProbe && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown);
+  static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -354,9 +369,11 @@ struct Tile {
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
   // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere. A producer that only issues TMA
-  // (one thread) needs few: 40 leaves the consumers 232 for the held tile.
-  static constexpr int kProducerRegs = kMx ? 120 : kGather ? 56 : 40;
-  static constexpr int kConsumerRegs = kMx ? 192 : kGather ? 224 : 232;
+  // (one thread) needs few: 40 leaves the consumers 232 for the held tile. GEMM1's gathering producer that also
+  // gathers a tail and reads the counter's ring (MOK_GEMM_FOLD_PROBE with MOK_GEMM_DYNAMIC) spilled 8 bytes at 56.
+  static constexpr bool kWideGather = kGather && kFold && kDynamic;
+  static constexpr int kProducerRegs = kMx ? 120 : kWideGather ? 64 : kGather ? 56 : 40;
+  static constexpr int kConsumerRegs = kMx ? 192 : kWideGather ? 216 : kGather ? 224 : 232;
   static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
                     kNumThreads * kLaunchRegs &&
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
@@ -474,6 +491,73 @@ MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num
     const bool shared = m_first + 1 < real_m_tiles && p.tile_to_expert[m_first] == p.tile_to_expert[m_first + 1];
     const Task t{m_tile, unit % p.num_n_tiles, p.tile_to_expert[active ? m_tile : m_first], 0, num_k_blocks};
     return {t, active, shared};
+  }
+}
+
+// ---- the CTA's sequence of work units ------------------------------------------------------------------
+// Static: first, first + step, ... < count (units_of). kDynamic: producer thread 0 takes each next unit from the
+// launch's counter and passes it through a ring of kUnitSlots in shared memory to the roles that read it (the
+// consumer warps; the producer's gather warps); the last CTA to run out resets the counter for the next launch.
+#if MOK_GEMM_DYNAMIC
+__device__ int g_unit_counter[8];    // per Gemm kind: the next unit to hand out
+__device__ unsigned g_ctas_done[8];  // per Gemm kind: CTAs that ran out
+#endif
+
+struct UnitRing {
+  uint64_t* full;   // [kUnitSlots] the writer's arrival: the slot holds the next unit
+  uint64_t* empty;  // [kUnitSlots] each reader warp's arrival: the slot may be rewritten
+  int* unit;        // [kUnitSlots] a unit, or -1: none left
+};
+
+template <Gemm kGemm>
+struct UnitFeed {
+  Units units;
+  UnitRing ring;
+
+  // Reader warps of a slot: the consumers', and the producer's when it gathers (TMA producers: thread 0 alone,
+  // which writes the units and reads none).
+  static constexpr int kReaderWarps =
+      kNumConsumerWarps + (Tile<kGemm>::kGather ? kNumProducerThreads / kWarpSize : 0);
+
+  // The CTA's i-th unit from the counter, or -1 when there is none; every role calls it for i = 0, 1, ... until -1
+  // (`writer`: producer thread 0; every other caller reads, with its whole warp).
+  MOK_DEVICE int next(int i, bool writer) const {
+    if constexpr (Tile<kGemm>::kDynamic) {
+#if MOK_GEMM_DYNAMIC
+      const int slot = i % kUnitSlots;
+      const uint32_t phase = (i / kUnitSlots) & 1;
+      if (writer) {
+        ptx::mbarrier_wait_parity(&ring.empty[slot], phase ^ 1);  // its readers are done with its last unit
+        const int unit = atomicAdd(&g_unit_counter[static_cast<int>(kGemm)], 1);
+        ring.unit[slot] = unit < units.count ? unit : -1;
+        ptx::mbarrier_arrive(&ring.full[slot]);  // release: the readers see the unit
+        if (unit >= units.count && atomicAdd(&g_ctas_done[static_cast<int>(kGemm)], 1u) == gridDim.x - 1) {
+          // every CTA has taken its last unit: none reads the counter again in this launch
+          g_unit_counter[static_cast<int>(kGemm)] = 0;
+          g_ctas_done[static_cast<int>(kGemm)] = 0;
+        }
+        if (!Tile<kGemm>::kGather) return unit < units.count ? unit : -1;
+      }
+      ptx::mbarrier_wait_parity(&ring.full[slot], phase);
+      const int unit = ring.unit[slot];
+      __syncwarp();
+      if (lane_id() == 0) ptx::mbarrier_arrive(&ring.empty[slot]);
+      return unit;
+#endif
+    }
+    return -1;
+  }
+};
+
+// body(unit) for each of the CTA's work units in order: the static stride (units_of), or the counter's (kDynamic).
+template <Gemm kGemm, typename Body>
+MOK_DEVICE void for_each_unit(const Params& p, int num_tasks, const UnitRing& ring, bool writer, Body body) {
+  const Units units = units_of<kGemm>(p, num_tasks);
+  if constexpr (Tile<kGemm>::kDynamic) {
+    const UnitFeed<kGemm> feed{units, ring};
+    for (int i = 0, unit; (unit = feed.next(i, writer)) >= 0; ++i) body(unit);
+  } else {
+    for (int unit = units.first; unit < units.count; unit += units.step) body(unit);
   }
 }
 
@@ -604,7 +688,7 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                         const CUtensorMap* tmap_b1, const Landing& land, const Params& p, uint8_t* smem,
-                        uint64_t* full, uint64_t* empty, int num_tasks, int num_k_blocks) {
+                        uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
@@ -619,11 +703,10 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  const Units units = units_of<kGemm>(p, num_tasks);
-  for (int unit = units.first; unit < units.count; unit += units.step) {
+  for_each_unit<kGemm>(p, num_tasks, ring, thread == 0, [&](int unit) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
-    if (skips_tail<kGemm>(p, t)) continue;
+    if (skips_tail<kGemm>(p, t)) return;
     const bool fold = folds_tail<kGemm>(p, t, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD_PROBE gathers
@@ -675,7 +758,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         ptx::mbarrier_arrive(&full[stage]);
       }
     }
-  }
+  });
   if constexpr (T::kGather) ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
@@ -1077,7 +1160,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        int num_tasks, int num_k_blocks) {
+                        const UnitRing& ring, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
@@ -1094,15 +1177,14 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
-  const Units units = units_of<kGemm>(p, num_tasks);
-  for (int unit = units.first; unit < units.count; unit += units.step) {
+  for_each_unit<kGemm>(p, num_tasks, ring, false, [&](int unit) {
     Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
     // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
     // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
-    if (skips_tail<kGemm>(p, t)) continue;
+    if (skips_tail<kGemm>(p, t)) return;
     const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
@@ -1112,7 +1194,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
       epilogue.store_rest(p, outputs, staging, lane);
       release_as_landed();
-      continue;
+      return;
     }
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
@@ -1163,7 +1245,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     }
 #endif
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
-  }
+  });
   epilogue.store_rest(p, outputs, staging, lane);
   drain_stores(lane);
 }
@@ -1192,6 +1274,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
+  uint64_t* unit_bars = empty + kNumStages + 2 * kNumLanding;  // kDynamic: full, empty [kUnitSlots] each
+  const UnitRing ring{unit_bars, unit_bars + kUnitSlots, reinterpret_cast<int*>(unit_bars + 2 * kUnitSlots)};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
@@ -1203,6 +1287,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
         ptx::mbarrier_init(&land.empty[s], kNumProducerThreads);
+      }
+    }
+    if constexpr (T::kDynamic) {
+      for (int s = 0; s < kUnitSlots; ++s) {
+        ptx::mbarrier_init(&ring.full[s], 1);
+        ptx::mbarrier_init(&ring.empty[s], UnitFeed<kGemm>::kReaderWarps);
       }
     }
     ptx::fence_mbarrier_init();
@@ -1227,10 +1317,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, ring, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, ring, num_tasks, num_k_blocks);
   }
   // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
   if constexpr (T::kMulticast) ptx::cluster_sync();
