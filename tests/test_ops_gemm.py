@@ -494,10 +494,11 @@ def _folded_tail_rows(sched) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.filterwarnings("ignore:MOK_GEMM_FOLD_PROBE=2")
-def test_gemm_fold_probe_skipping_tails_leaves_exactly_their_rows(monkeypatch):
+@pytest.mark.parametrize("dynamic", [0, 1])
+def test_gemm_fold_probe_skipping_tails_leaves_exactly_their_rows(dynamic, monkeypatch):
     """MOK_GEMM_FOLD_PROBE=2 (timing only) runs GEMM1 and GEMM2 without the tasks of the tails it would fold: their
     rows keep the poisoned allocator's NaN, every other row has the default build's bits (so the probe times the
-    tasks the fold would leave, and only those)."""
+    tasks the fold would leave, and only those), with the static stride and with tasks from the counter."""
     seed = fresh_seed()
     inputs, sched = _problem("short-tails", seed)
     sched = sched.to("cuda")
@@ -505,7 +506,8 @@ def test_gemm_fold_probe_skipping_tails_leaves_exactly_their_rows(monkeypatch):
     assert tail.any(), f"short-tails has no tail to fold (seed {seed})"
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     outs = {}
-    for name, switches in (("default", {}), ("skip", {"MOK_GEMM_FOLD_PROBE": 2})):
+    skip = {"MOK_GEMM_FOLD_PROBE": 2, **({"MOK_GEMM_DYNAMIC": 1} if dynamic else {})}  # the probe's builds
+    for name, switches in (("default", {}), ("skip", skip)):
         ext = core.load_extension(switches)
         monkeypatch.setattr(gemm_ops, "load_extension", lambda ext=ext: ext)
         poison_allocator(2 * 4 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
