@@ -6,6 +6,7 @@
     python -m mok.bench quant                      (the MXFP8 quantization kernels, mok.bench_quant)
     python -m mok.bench parts  [--shapes ...]      (the L2 passes kernel by kernel, mok.bench_parts)
     python -m mok.bench ab MOK_GEMM_MULTICAST=1    (a build switch against the default, in one process: mok.bench_ab)
+    python -m mok.bench route                      (the router with and without rounding to the tile, mok.bench_route)
     python -m mok.bench summary [data/bench/moe.csv] [--precision mxfp8]   (the README's tables, in markdown)
     python -m mok.bench summary CSV CSV ...        (the fused level's fraction of the ceiling in each run, and
                                                     its min / median / max over them)
@@ -435,6 +436,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["ab"]:
         from mok import bench_ab
         return bench_ab.main(argv[1:])
+    if argv[:1] == ["route"]:
+        from mok import bench_route
+        return bench_route.main(argv[1:])
     if argv[:1] == ["summary"]:
         s = argparse.ArgumentParser(prog="python -m mok.bench summary",
                                     description="the README's table, in markdown; with several CSVs, the fused "
@@ -449,9 +453,10 @@ def main(argv=None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python -m mok.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["moe", "quant", "parts", "ab", "summary"],
+    p.add_argument("what", choices=["moe", "quant", "parts", "ab", "route", "summary"],
                    help="moe: the MoE layer; quant: MXFP8 quantizers; parts: the L2 passes kernel by kernel; "
-                        "ab NAME=VALUE: a build switch's A/B; summary [CSV]: the README table")
+                        "ab NAME=VALUE: a build switch's A/B; route: the router's rounding to the tile; "
+                        "summary [CSV]: the README table")
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, ...)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)

@@ -80,10 +80,12 @@ step bench_bound64 240 "fused|cublas" python -m mok.bench moe --levels fused --p
 step bench_l2 240 "fused|cublas" python -m mok.bench moe --levels fused --precisions bf16 --peers \
   --out "$out/moe_l2.csv"
 # `bench_rounded`: `bench` in BF16 (L1, L2, Liger) on the same draw with every expert's routes rounded to the
-# 128-row tile (mok.routing.round_to_tiles: no padding rows); `routing`: the routers' tests, their GPU ones too.
+# 128-row tile (mok.routing.round_to_tiles: no padding rows); `routing`: the routers' tests, their GPU ones too;
+# `route`: the router's time with and without that rounding (mok.bench_route).
 step bench_rounded 400 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --precisions bf16 \
   --routing rounded --out "$out/moe_rounded.csv"
 step routing 60 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_layer.py
+step route 120 "tile|shape|rank|a3b|235b" python -m mok.bench route --out "$out/route.csv"
 step bench_100ms 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --warmup-ms 100 --from-idle \
   --out "$out/moe_100ms.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \

@@ -1,0 +1,62 @@
+"""What rounding the routes to the tile costs the router (`python -m mok.bench route`).
+
+Per shape, on the GPU when there is one: the time of `routing.softmax_topk` on random logits [T, E], plain and with
+`tile=` (mok.routing.round_to_tiles, a PyTorch reference with a few host syncs; docs/routing.md), and the share of
+routes the rounding moves. Times are medians of `--iters` calls after 3 warm-up calls (bench.time_ms, no sustained
+warm-up: the router is host-bound, not under the power cap). One row per (shape, tile) → data/bench/route.csv, with
+provenance; compare `round_ms` with the layer's forward in data/bench/moe_rounded*.csv.
+
+    python -m mok.bench route [--shapes ...] [--tile 128] [--iters 10] [--out data/bench/route.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from mok import bench, routing
+from mok.config import STANDARD_SHAPES, MoEConfig
+from mok.ops.gemm import GEMM_BLOCK_M
+
+KEY = ["shape", "tile", "gpu"]
+
+
+def moved_fraction(plain: torch.Tensor, rounded: torch.Tensor) -> float:
+    """The share of routes (t, k) of `rounded` whose expert is not among token t's experts in `plain`."""
+    new = ~(rounded.unsqueeze(2) == plain.unsqueeze(1)).any(dim=2)  # [T, K]
+    return float(new.float().mean())
+
+
+def route_rows(cfg: MoEConfig, tile: int, iters: int, device, seed: int = 0) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(cfg.num_tokens, cfg.num_experts, generator=g, device=device)  # [T, E]
+    k = cfg.num_topk
+    plain_ms = bench.time_ms(lambda: routing.softmax_topk(logits, k), iters)
+    rounded_ms = bench.time_ms(lambda: routing.softmax_topk(logits, k, tile=tile), iters)
+    plain, rounded = routing.softmax_topk(logits, k)[0], routing.softmax_topk(logits, k, tile=tile)[0]
+    return [{"shape": cfg.name, "tile": tile, "num_tokens": cfg.num_tokens, "num_experts": cfg.num_experts,
+             "num_topk": k, "plain_ms": plain_ms, "rounded_ms": rounded_ms, "round_ms": rounded_ms - plain_ms,
+             "routes_moved_pct": 100 * moved_fraction(plain, rounded), "iters": iters, **bench.provenance()}]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mok.bench route", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
+    p.add_argument("--tile", type=int, default=GEMM_BLOCK_M, help="the tile the routes are rounded to")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per median")
+    p.add_argument("--out", type=Path, default=bench.DATA / "route.csv")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = bench.sweep(args.shapes, lambda cfg: route_rows(cfg, args.tile, args.iters, device), args.out, KEY)
+    cols = ["shape", "tile", "plain_ms", "rounded_ms", "round_ms", "routes_moved_pct"]
+    print(pd.DataFrame(rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`python -m mok.bench route` (mok.bench_route) on the CPU: its rows, their moved share against a count made
+here, and the CSV they merge into."""
+
+import pandas as pd
+import pytest
+import torch
+
+from mok import bench, bench_route, routing
+
+
+def test_moved_fraction_counts_routes_whose_expert_is_new_to_the_token():
+    plain = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    rounded = torch.tensor([[1, 0], [2, 0], [3, 0]])  # token 0 reordered only; token 1 one new; token 2 two new
+    assert bench_route.moved_fraction(plain, rounded) == pytest.approx(3 / 6)
+
+
+def test_route_rows_on_a_tiny_shape(tmp_path):
+    out = tmp_path / "route.csv"
+    assert bench.main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)]) == 0
+    rows = bench.read_rows(out)
+    assert len(rows) == 1
+    row = rows.iloc[0]
+    assert (row["shape"], row["tile"], row["gpu"]) == ("tiny-noshared", 8, "cpu")
+    assert row["plain_ms"] > 0 and row["rounded_ms"] > 0 and row["round_ms"] == pytest.approx(
+        row["rounded_ms"] - row["plain_ms"])
+    # the moved share is the one of the same draw, rounded here
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(int(row["num_tokens"]), int(row["num_experts"]), generator=g)
+    k = int(row["num_topk"])
+    plain, rounded = routing.softmax_topk(logits, k)[0], routing.softmax_topk(logits, k, tile=8)[0]
+    assert row["routes_moved_pct"] == pytest.approx(100 * bench_route.moved_fraction(plain, rounded))
+    assert 0 < row["routes_moved_pct"] < 50
+    # a second run replaces its row (same shape, tile, gpu) and keeps another tile's
+    bench.main(["route", "--shapes", "tiny-noshared", "--tile", "4", "--iters", "2", "--out", str(out)])
+    bench.main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)])
+    assert sorted(pd.read_csv(out)["tile"]) == [4, 8]
