@@ -100,9 +100,10 @@ GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
                  ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
                  ["-DMOK_GEMM_DEFER_EPILOGUE=0"], ["-DMOK_GEMM_GROUP_M=1"],
                  ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"],
-                 ["-DMOK_GEMM_FOLD_PROBE=1"], ["-DMOK_GEMM_FOLD_PROBE=2", "-DMOK_GEMM_TRACE=1"],
+                 ["-DMOK_GEMM_FOLD=1"], ["-DMOK_GEMM_FOLD=2", "-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_FOLD=3"],
+                 ["-DMOK_GEMM_FOLD=3", "-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"],
                  ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_SKIP_PADDING_HALF=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_FOLD_PROBE=2"]]
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_FOLD=2"]]
 
 
 @pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
@@ -143,13 +144,16 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
         f"multicast per kind: {loads}"
 
 
-@pytest.mark.parametrize("fold", [1, 0])
-def test_gemm_fold_probe_multiplies_tails_only_in_gemm1_and_gemm2(fold, tmp_path):
-    """MOK_GEMM_FOLD_PROBE=1: GEMM1 and GEMM2 carry the transposed tail MMAs (2 per k16 slice: 8 in the folding
-    copy of the mainloop) and the non-folding copy beside them; no other kind folds. 0: no kind does."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_FOLD_PROBE={fold}")
+@pytest.mark.parametrize("fold", [1, 3, 0])
+def test_gemm_fold_multiplies_tails_only_in_gemm1_and_gemm2(fold, tmp_path):
+    """MOK_GEMM_FOLD=1..3: GEMM1 and GEMM2 carry the transposed tail MMAs (2 per k16 slice: 8 in the folding
+    copy of the mainloop) and the non-folding copy beside them; no other kind folds. Only 3 stores the tails (the
+    transposed stmatrix). 0: no kind folds."""
+    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_FOLD={fold}")
     tails = [k.count("wgmma.mma_async.sync.aligned.m64n32k16") for k in gemms]
     assert tails == ([8, 8, 0, 0, 0, 0] if fold else [0] * 6), f"m64n32k16 per kind: {tails}"
+    stores = [k.count("stmatrix.sync.aligned.m8n8.x4.trans") > 0 for k in gemms]
+    assert stores == [fold == 3, fold == 3, False, False, False, False], f"transposed stores per kind: {stores}"
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):

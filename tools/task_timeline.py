@@ -2,7 +2,7 @@
 every consumer warpgroup records, per task, its SM clock at the task's start, after its mainloop and after its
 epilogue. For the trace build and for the trace build with each NAME=VALUE switch, this runs the shape's forward
 steps (mok.bench_parts) once to warm, then GEMM1 once, and prints per build and per kind of tile (`half_padding`:
-1 if rows 64..127 are padding, +2 if the task folds a tail in a MOK_GEMM_FOLD_PROBE build) the median cycles of a
+1 if rows 64..127 are padding, +2 if the task folds a tail in a MOK_GEMM_FOLD build) the median cycles of a
 task, its mainloop and its epilogue, the wait before the CTA's next task,
 the CTAs' spans, and how far apart the CTAs' n-th tasks start (their drift). A device-side probe, not a
 benchmark: the records' stores cost a little.

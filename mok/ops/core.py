@@ -39,11 +39,11 @@ BUILD_SWITCHES = {
     "MOK_GEMM_DYNAMIC": (0, 1),  # 1: tasks from a device counter in task order, not a static stride (default 0)
     "MOK_GEMM_SKIP_PADDING_HALF": (0, 1),  # 1: no MMAs for a row-wise tile's all-padding half (slower; default 0)
     "MOK_GEMM_N256": (0, 1),  # 1 (default): one m64n256k16 per k16 slice; 0: two m64n128k16
-    # a probe: GEMM1/GEMM2 pay for folding short tails (1: same bits; 2: their tasks skipped, rows unwritten)
-    "MOK_GEMM_FOLD_PROBE": (0, 1, 2),
+    # short tails folded into GEMM1/GEMM2's previous m-tile: 1, 2 probes (2 leaves the tails unwritten); 3 the fold
+    "MOK_GEMM_FOLD": (0, 1, 2, 3),
 }
 # Switch values whose kernels leave outputs unwritten: timing probes, loaded with a warning.
-TIMING_ONLY = {("MOK_GEMM_FOLD_PROBE", 2)}
+TIMING_ONLY = {("MOK_GEMM_FOLD", 2)}
 
 
 def csrc_hash() -> str:

@@ -117,8 +117,8 @@ namespace mok::gemm {
 // lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
 // the bits. Launches of one kind must be stream-ordered (one counter per kind and module, reset by the last CTA).
 // NOTE: measured neutral alone and reverted at 19c02bf ("Tasks from a counter"); back, default off, because the
-// fold that MOK_GEMM_FOLD_PROBE prices makes tasks uneven by design: with the static stride a CTA's share of the
-// longer tasks decides the kernel's end (counted on the CPU, "Tails folded into the previous tile: the probe").
+// fold (MOK_GEMM_FOLD) makes tasks uneven by design: with the static stride a CTA's share of the
+// longer tasks decides the kernel's end (counted on the CPU, docs/l2_fused.md "Tails folded into the previous tile").
 #ifndef MOK_GEMM_DYNAMIC
 #define MOK_GEMM_DYNAMIC 0
 #endif
@@ -130,18 +130,22 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_N256
 #define MOK_GEMM_N256 1
 #endif
-// MOK_GEMM_FOLD_PROBE=1 (a probe, docs/l2_fused.md "Next" 10): what folding an expert's short tail (its last m-tile,
-// at most kFoldRows routes) into the expert's previous m-tile would cost that task, before the fold is built. In
-// GEMM1 and GEMM2 (kGateUp, kDown) such a previous m-tile's task also loads the tail's first kFoldRows A rows with
-// each k-block (a 4 KiB box per stage, in a ring beside the stages: the epilogue staging falls to one box per warp,
-// in every kind) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 rows of B0 and of B1 as
-// the A operand (two m64n32k16: the tail's outputs transposed), into accumulators it then drops. The tails' own
-// tasks still run, so every output keeps its bits: the probe adds the fold's loads, MMAs, registers and shared
-// memory, and lengthens those tasks as the fold would, without the tasks it would save. MOK_GEMM_FOLD_PROBE=2 also
-// skips those tails' tasks, as the fold would, and so leaves their rows unwritten: a timing probe only (`bench ab
-// --parts` times each build's kernels on the default build's intermediates; mok.ops warns when it loads it).
-#ifndef MOK_GEMM_FOLD_PROBE
-#define MOK_GEMM_FOLD_PROBE 0
+// MOK_GEMM_FOLD (docs/l2_fused.md, "Tails folded into the previous tile"): an expert's short tail (its last m-tile,
+// at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in GEMM1 and GEMM2 (kGateUp,
+// kDown). That task also loads the tail's first kFoldRows A rows with each k-block (a 4 KiB box per stage, in a
+// ring beside the stages: the epilogue staging falls to one box per warp, in every kind) and multiplies them per
+// k16 slice, in each consumer warpgroup, by its 64 rows of B0 and of B1 as the A operand (two m64n32k16: the tail's
+// outputs transposed). In steps, so that each can be timed before the next is trusted:
+//   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped; the tails' own tasks
+//      still run, so every output keeps its bits;
+//   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
+//      times each build's kernels on the default build's intermediates; mok.ops warns when it loads it);
+//   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its
+//      padding rows as zeros), so the tails' tasks are skipped and every output is written.
+// With the static task stride the longer folding tasks pile up on some CTAs; tasks from the counter
+// (MOK_GEMM_DYNAMIC=1) are what the fold was sized with (tools/fold_makespan.py).
+#ifndef MOK_GEMM_FOLD
+#define MOK_GEMM_FOLD 0
 #endif
 
 #if MOK_GEMM_TRACE
@@ -166,8 +170,9 @@ constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
 constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 constexpr bool kN256 = MOK_GEMM_N256 != 0;
-constexpr bool kFoldProbe = MOK_GEMM_FOLD_PROBE != 0;
-constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD_PROBE == 2;
+constexpr bool kFoldBuild = MOK_GEMM_FOLD != 0;
+constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD >= 2;
+constexpr bool kFoldWritesTails = MOK_GEMM_FOLD == 3;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -195,18 +200,18 @@ constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
 // kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
 constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
-// MOK_GEMM_FOLD_PROBE: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16), after the ring.
+// MOK_GEMM_FOLD: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16), after the ring.
 constexpr int kFoldRows = 32;
 constexpr uint32_t kFoldTileBytes = kFoldRows * kRowBytes;  // 4 KiB
 constexpr uint32_t kFoldRingOffset = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;
-constexpr uint32_t kFoldRingBytes = kFoldProbe ? kNumStages * kFoldTileBytes : 0;
+constexpr uint32_t kFoldRingBytes = kFoldBuild ? kNumStages * kFoldTileBytes : 0;
 constexpr uint32_t kMainBytes = kFoldRingOffset + kFoldRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
 constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
 constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
-// many boxes as the stages leave room for (2 with 4 stages, 5 with 3, 1 beside MOK_GEMM_FOLD_PROBE's ring), at most
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3, 1 beside MOK_GEMM_FOLD's ring), at most
 // a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later
 // stores were issued (1 box: after its last store has read it).
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
@@ -225,7 +230,7 @@ constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + 
 constexpr int kChunksPerRow = kRowBytes / 16;
 constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
 constexpr int kRowsPerThread = BLOCK_M / kRowStride;
-constexpr int kFoldRowsPerThread = kFoldRows / kRowStride;  // MOK_GEMM_FOLD_PROBE's gathered tail rows
+constexpr int kFoldRowsPerThread = kFoldRows / kRowStride;  // MOK_GEMM_FOLD's gathered tail rows
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
 static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
@@ -243,8 +248,8 @@ static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomByt
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
 static_assert(kStoreBoxesPerWarp >= 1 && (kTmaStore || kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2),
               "the st.global path stages a 16 × 128 tile; the TMA path at least one box");
-static_assert(!kFoldProbe || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
-              "MOK_GEMM_FOLD_PROBE's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
+static_assert(!kFoldBuild || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
+              "MOK_GEMM_FOLD's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
                   BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
                   kMainBytes % ptx::kSw128AtomBytes == 0,
@@ -357,8 +362,8 @@ struct Tile {
   // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
   // to 17% faster (H200, parts vs parts_multicast at c25bf99).
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
-  // MOK_GEMM_FOLD_PROBE's kinds: the forward's BF16 row-wise GEMMs, K-major B (weights as a K-major A operand).
-  static constexpr bool kFold = kFoldProbe && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown);
+  // MOK_GEMM_FOLD's kinds: the forward's BF16 row-wise GEMMs, K-major B (weights as a K-major A operand).
+  static constexpr bool kFold = kFoldBuild && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown);
   static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
@@ -369,9 +374,9 @@ struct Tile {
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
   // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere. A producer that only issues TMA
-  // (one thread) needs few: 40 leaves the consumers 232 for the held tile. GEMM1's gathering producer that also
-  // gathers a tail and reads the counter's ring (MOK_GEMM_FOLD_PROBE with MOK_GEMM_DYNAMIC) spilled 8 bytes at 56.
-  static constexpr bool kWideGather = kGather && kFold && kDynamic;
+  // (one thread) needs few: 40 leaves the consumers 232 for the held tile. GEMM1 folding tails (MOK_GEMM_FOLD) spilled
+  // 4-8 bytes at 56 / 224 (with MOK_GEMM_DYNAMIC or the tail's epilogue); 64 / 216 spills nowhere.
+  static constexpr bool kWideGather = kGather && kFold;
   static constexpr int kProducerRegs = kMx ? 120 : kWideGather ? 64 : kGather ? 56 : 40;
   static constexpr int kConsumerRegs = kMx ? 192 : kWideGather ? 216 : kGather ? 224 : 232;
   static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
@@ -424,7 +429,7 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
-// MOK_GEMM_FOLD_PROBE: whether task t would fold its expert's tail, the next m-tile, when that tile is the expert's
+// MOK_GEMM_FOLD: whether task t would fold its expert's tail, the next m-tile, when that tile is the expert's
 // (segments are padded to whole tiles, so t's own tile is then full) and holds at most kFoldRows real rows (real
 // rows come first: row kFoldRows is padding). Producer and consumers ask alike.
 template <Gemm kGemm>
@@ -438,7 +443,7 @@ MOK_DEVICE bool folds_tail(const Params& p, const Task& t, int num_tasks) {
   }
 }
 
-// MOK_GEMM_FOLD_PROBE=2: whether task t is such a tail, whose task the previous m-tile's would replace (not run).
+// MOK_GEMM_FOLD=2: whether task t is such a tail, whose task the previous m-tile's would replace (not run).
 template <Gemm kGemm>
 MOK_DEVICE bool skips_tail(const Params& p, const Task& t) {
   if constexpr (!Tile<kGemm>::kFold || !kFoldSkipsTails) {
@@ -565,7 +570,7 @@ MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
-MOK_DEVICE uint8_t* stage_fold(uint8_t* smem, uint32_t stage) {  // MOK_GEMM_FOLD_PROBE's tail rows
+MOK_DEVICE uint8_t* stage_fold(uint8_t* smem, uint32_t stage) {  // MOK_GEMM_FOLD's tail rows
   return smem + kFoldRingOffset + stage * kFoldTileBytes;
 }
 // MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
@@ -600,7 +605,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
-  // MOK_GEMM_FOLD_PROBE, A by TMA (kDown): the tail's first kFoldRows rows, through tmap_a2 (box 64 × kFoldRows)
+  // MOK_GEMM_FOLD, A by TMA (kDown): the tail's first kFoldRows rows, through tmap_a2 (box 64 × kFoldRows)
   const bool fold_by_tma = T::kFold && !T::kGather && fold;
   ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes + (fold_by_tma ? kFoldTileBytes : 0));
   if (fold_by_tma) ptx::tma_load_3d(stage_fold(smem, stage), tmap_a2, k0, m0 + BLOCK_M, 0, bar);
@@ -709,7 +714,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
     if (skips_tail<kGemm>(p, t)) return;
     const bool fold = folds_tail<kGemm>(p, t, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
-    int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD_PROBE gathers
+    int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD gathers
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
@@ -1061,7 +1066,7 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
   for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
-// MOK_GEMM_FOLD_PROBE's transposed tail accumulators of a consumer warpgroup: its 64 rows of B0 (w0) and of B1 (w1)
+// MOK_GEMM_FOLD's transposed tail accumulators of a consumer warpgroup: its 64 rows of B0 (w0) and of B1 (w1)
 // × the tail's kFoldRows rows.
 constexpr int kFoldAccPerThread = WG_M * kFoldRows / kWarpgroup;  // 16
 struct FoldAcc {
@@ -1071,6 +1076,79 @@ struct FoldAcc {
 MOK_DEVICE void fence_accumulators(FoldAcc& f) {
 #pragma unroll
   for (int i = 0; i < kFoldAccPerThread; ++i) ptx::fence_operand(f.w0[i]), ptx::fence_operand(f.w1[i]);
+}
+
+// MOK_GEMM_FOLD=3: a consumer warp's share of a folded tail's outputs, after its own tile's epilogue. The fold
+// accumulators hold the tail transposed: w0[4i + 2h + j] is column c0 + 16·warp + 8h + l/4 (c0: this warpgroup's
+// first B0 column; w1: B1's) of tail row 8i + 2(l%4) + j. Each 32 × 16 piece goes through the staging box transposed
+// (stmatrix.trans: box row r = tail row r, 32 bytes), then out by 16-byte st.global. Tail rows past the routes are
+// zeros, in the piece and in rows kFoldRows.. of the tail's tile, which the skipped task used to write: every output
+// row is written, as without the fold.
+template <Gemm kGemm>
+MOK_DEVICE void store_folded_tail(const FoldAcc& f, const Params& p, const Staging& st, int tail_row0, int n0,
+                                  uint32_t group, uint32_t warp, uint32_t lane) {
+  using T = Tile<kGemm>;
+  constexpr int kPieceRowBytes = 16 * 2;  // a piece's row: 16 bf16 columns
+  static_assert(kFoldRows * kPieceRowBytes <= static_cast<int>(kStoreBoxBytes), "a piece fits one staging box");
+  bool real[kFoldRows / 8][2];  // tail row 8i + 2(l%4) + j is a route
+#pragma unroll
+  for (int i = 0; i < kFoldRows / 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) real[i][j] = p.row_to_token[tail_row0 + 8 * i + 2 * (lane % 4) + j] >= 0;
+  const auto masked = [&](const float* v) {  // word(i, h): rows 8i + 2(l%4) + {0, 1} of column 8h + l/4
+    return [&real, v](int i, int h) {
+      return pack_bf16x2(real[i][0] ? v[4 * i + 2 * h] : 0.0f, real[i][1] ? v[4 * i + 2 * h + 1] : 0.0f);
+    };
+  };
+  const auto store_piece = [&](uint16_t* out, int col0, auto word) {
+    uint8_t* box = st.smem;
+    if (lane == 0) ptx::bulk_wait_group_read<0>();  // no TMA store still reads the box
+    __syncwarp();
+    const uint32_t m = lane / 8, q = lane % 8;  // this lane's address: row q of matrix m, (i, h) = (2c + m/2, m%2)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      ptx::stmatrix_x4_trans(box + (8 * (2 * c + m / 2) + q) * kPieceRowBytes + 16 * (m % 2), word(2 * c, 0),
+                             word(2 * c, 1), word(2 * c + 1, 0), word(2 * c + 1, 1));
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {  // 64 chunks of 16 bytes: row chunk / 2, columns 8 · (chunk % 2)..
+      const uint32_t chunk = lane + 32 * k, row = chunk / 2;
+      const int col = col0 + 8 * static_cast<int>(chunk % 2);
+      if (col < p.n)
+        st_v4(out + static_cast<int64_t>(tail_row0 + row) * p.n + col,
+              *reinterpret_cast<const uint4*>(box + row * kPieceRowBytes + 16 * (chunk % 2)));
+    }
+    __syncwarp();  // the box is written again by the next piece
+  };
+  const int col0 = n0 + static_cast<int>(group) * WG_M + 16 * static_cast<int>(warp);
+  if constexpr (T::kSwiGLU) {  // w0 = gate, w1 = up of the same columns; h as the tile's epilogue computes it
+    float h[kFoldAccPerThread];
+#pragma unroll
+    for (int b = 0; b < kFoldAccPerThread; b += 8) {
+      float g[8], u[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = round_bf16(f.w0[b + j]), u[j] = round_bf16(f.w1[b + j]);
+      swiglu_n(g, u, p.swiglu_limit, p.has_limit != 0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) h[b + j] = g[j];
+    }
+    store_piece(p.gate, col0, masked(f.w0));
+    store_piece(p.up, col0, masked(f.w1));
+    store_piece(p.out, col0, masked(h));
+  } else {
+    store_piece(p.out, col0, masked(f.w0));
+    store_piece(p.out, col0 + BLOCK_N_B, masked(f.w1));
+  }
+  // rows kFoldRows.. of the tail's tile: zeros, the CTA's 256 consumer threads over every output's columns
+  constexpr int kChunks = T::kTaskN / 8, kTotal = (BLOCK_M - kFoldRows) * kChunks;
+  const int thread = static_cast<int>((group * kWarpgroup / kWarpSize + warp) * kWarpSize + lane);
+  for (int c = thread; c < kTotal; c += kNumConsumerGroups * kWarpgroup) {
+    const int col = n0 + 8 * (c % kChunks);
+    const int64_t at = static_cast<int64_t>(tail_row0 + kFoldRows + c / kChunks) * p.n + col;
+    if (col >= p.n) continue;
+    st_v4(p.out + at, make_uint4(0, 0, 0, 0));
+    if constexpr (T::kSwiGLU) st_v4(p.gate + at, make_uint4(0, 0, 0, 0)), st_v4(p.up + at, make_uint4(0, 0, 0, 0));
+  }
 }
 
 // This warp's release of a stage: to its own CTA's empty[stage], or (multicast kinds, kCluster) to the same
@@ -1088,7 +1166,7 @@ MOK_DEVICE void release_stage(uint64_t* empty) {
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps of one n256 wgmma, keep one
 // group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
 // wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, so the loop
-// is the code it is without a held tile and the held words are dead in it. kFold (MOK_GEMM_FOLD_PROBE): each k16
+// is the code it is without a held tile and the held words are dead in it. kFold (MOK_GEMM_FOLD): each k16
 // slice also multiplies this warpgroup's 64 rows of B0 and of B1 by the stage's tail rows into `fold`. Returns the
 // position in the stage sequence after the task.
 template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, bool kFold, int kUnderMma,
@@ -1208,7 +1286,7 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     const long long clock_start = clock64();
 #endif
     const bool fold = folds_tail<kGemm>(p, t, num_tasks);
-    FoldAcc fold_acc;  // dropped: the probe prices the fold's MMAs, the tail's own task still writes its rows
+    FoldAcc fold_acc;  // the tail's outputs, transposed (MOK_GEMM_FOLD=3; the probes drop them)
     const auto mainloop = [&](auto folding) {
       if constexpr (decltype(folding)::value) {
 #pragma unroll
@@ -1245,6 +1323,10 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     }
 #endif
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
+    if constexpr (T::kFold && kFoldWritesTails) {
+      if (fold) store_folded_tail<kGemm>(fold_acc, p, staging, (t.m_tile + 1) * BLOCK_M, t.n_tile * T::kTaskN, group,
+                                         warp, lane);
+    }
   });
   epilogue.store_rest(p, outputs, staging, lane);
   drain_stores(lane);
@@ -1360,7 +1442,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  // MOK_GEMM_FOLD_PROBE, A by TMA: the same rows in boxes of a tail's kFoldRows
+  // MOK_GEMM_FOLD, A by TMA: the same rows in boxes of a tail's kFoldRows
   if (T::kFold && !T::kGather && (err = encode_rows_map(&tmap_a2, p.a, 1, p.num_rows, p.k, BLOCK_K, kFoldRows)))
     return err;
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B

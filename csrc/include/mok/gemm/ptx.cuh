@@ -232,7 +232,7 @@ MOK_DEVICE void wgmma_m64n256k16_bf16(float (&d0)[64], float (&d1)[64], uint64_t
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
-// D[64x32] (+)= A[64x16] · B[32x16]ᵀ: the transposed tail MMA of MOK_GEMM_FOLD_PROBE (the weights' 64 rows as A, a
+// D[64x32] (+)= A[64x16] · B[32x16]ᵀ: the transposed tail MMA of MOK_GEMM_FOLD (the weights' 64 rows as A, a
 // tail's 32 rows as B, both K-major). Fragment as above, i in [0, 4).
 MOK_DEVICE void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
@@ -251,6 +251,14 @@ MOK_DEVICE void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t d
 // matrix l / 8 (16-byte aligned).
 MOK_DEVICE void stmatrix_x4(void* smem_row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(smem_row)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The same four matrices transposed: lane l gives the address of row l % 8 of matrix l / 8 as stored, which holds
+// column l % 8 of the matrix as the registers hold it.
+MOK_DEVICE void stmatrix_x4_trans(void* smem_row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(smem_row)),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
 }
