@@ -145,15 +145,15 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
 
 
 @pytest.mark.parametrize("fold", [1, 3, 0])
-def test_gemm_fold_multiplies_tails_only_in_gemm1_and_gemm2(fold, tmp_path):
-    """MOK_GEMM_FOLD=1..3: GEMM1 and GEMM2 carry the transposed tail MMAs (2 per k16 slice: 8 in the folding
-    copy of the mainloop) and the non-folding copy beside them; no other kind folds. Only 3 stores the tails (the
-    transposed stmatrix). 0: no kind folds."""
+def test_gemm_fold_multiplies_tails_only_in_the_row_wise_kinds(fold, tmp_path):
+    """MOK_GEMM_FOLD=1..3: the row-wise kinds (GEMM1, GEMM2 and both dgrads) carry the transposed tail MMAs (2 per
+    k16 slice: 8 in the folding copy of the mainloop) beside the non-folding copy; the weight gradients and the MXFP8
+    forward's GEMM1 never fold. Only 3 stores the tails (the transposed stmatrix). 0: no kind folds."""
     gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_FOLD={fold}")
     tails = [k.count("wgmma.mma_async.sync.aligned.m64n32k16") for k in gemms]
-    assert tails == ([8, 8, 0, 0, 0, 0] if fold else [0] * 6), f"m64n32k16 per kind: {tails}"
+    assert tails == ([8, 8, 8, 8, 0, 0] if fold else [0] * 6), f"m64n32k16 per kind: {tails}"
     stores = [k.count("stmatrix.sync.aligned.m8n8.x4.trans") > 0 for k in gemms]
-    assert stores == [fold == 3, fold == 3, False, False, False, False], f"transposed stores per kind: {stores}"
+    assert stores == [fold == 3] * 4 + [False, False], f"transposed stores per kind: {stores}"
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):

@@ -1,4 +1,5 @@
-"""What folding short tails (docs/l2_fused.md, "Next" 10) would do to GEMM1's and GEMM2's end, counted on the CPU.
+"""What folding short tails (MOK_GEMM_FOLD, docs/l2_fused.md "Tails folded into the previous tile") would do to the
+end of the row-wise GEMMs (GEMM1, GEMM2 and both dgrads), counted on the CPU.
 
 A model, not a measurement. Each task of the grouped row-wise order (csrc/include/mok/gemm/grouped_gemm_bf16.cuh,
 decode_task: groups of 8 m-tiles, m fastest inside a group) costs 1. A task whose next m-tile is its expert's tail
@@ -61,14 +62,15 @@ def makespan(costs: list[float], grid: int, counter: bool) -> float:
 
 
 def fold_rows(cfg, costs=(1.3, 1.5, 1.8), seed: int = 0, grid: int = NUM_SMS) -> list[dict]:
-    """One row per (GEMM, fold cost, order): the folded kernel's end over the default's, and the work's."""
+    """One row per (row-wise GEMM, fold cost, order): the folded kernel's end over the default's, and the work's."""
     topk_idx, _ = routing.random_routing(cfg.num_tokens, cfg.num_experts, cfg.num_topk,
                                          generator=torch.Generator().manual_seed(seed))
     sched = make_schedule(topk_idx, cfg.num_experts, block_m=BLOCK_M)
     tail = tails(sched.tile_to_expert.tolist(), sched.tile_num_rows.tolist())
     num_m = len(tail)
     rows = []
-    for gemm, n, task_n in (("gemm1", cfg.intermediate, 128), ("gemm2", cfg.hidden, 256)):
+    for gemm, n, task_n in (("gemm1", cfg.intermediate, 128), ("gemm2", cfg.hidden, 256),
+                            ("down_dgrad", cfg.intermediate, 256), ("gate_up_dgrad", cfg.hidden, 256)):
         order = task_order(num_m, -(-n // task_n))
         tasks_grid = min(grid, len(order))
         for cost in costs:

@@ -131,11 +131,12 @@ namespace mok::gemm {
 #define MOK_GEMM_N256 1
 #endif
 // MOK_GEMM_FOLD (docs/l2_fused.md, "Tails folded into the previous tile"): an expert's short tail (its last m-tile,
-// at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in GEMM1 and GEMM2 (kGateUp,
-// kDown). That task also loads the tail's first kFoldRows A rows with each k-block (a 4 KiB box per stage, in a
-// ring beside the stages: the epilogue staging falls to one box per warp, in every kind) and multiplies them per
-// k16 slice, in each consumer warpgroup, by its 64 rows of B0 and of B1 as the A operand (two m64n32k16: the tail's
-// outputs transposed). In steps, so that each can be timed before the next is trusted:
+// at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in the BF16 row-wise kinds
+// (kGateUp, kDown, kDownDgrad, kGateUpDgrad). That task also loads the tail's first kFoldRows A rows with each
+// k-block (a 4 KiB box per stage, in a ring beside the stages: the epilogue staging falls to one box per warp, in
+// every kind) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
+// A operand (two m64n32k16: the tail's outputs transposed). In steps, so that each can be timed before the next is
+// trusted:
 //   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped; the tails' own tasks
 //      still run, so every output keeps its bits;
 //   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
@@ -362,8 +363,10 @@ struct Tile {
   // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
   // to 17% faster (H200, parts vs parts_multicast at c25bf99).
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
-  // MOK_GEMM_FOLD's kinds: the forward's BF16 row-wise GEMMs, K-major B (weights as a K-major A operand).
-  static constexpr bool kFold = kFoldBuild && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown);
+  // MOK_GEMM_FOLD's kinds: the BF16 row-wise GEMMs (the weights' tile as the tail MMA's A operand, K-major in the
+  // forward, MN-major in the dgrads), not on clusters.
+  static constexpr bool kFold = kFoldBuild && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown ||
+                                                              kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad);
   static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
@@ -583,6 +586,12 @@ MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // a
 
 // ---- producer: warpgroup 0 -----------------------------------------------------------------------------
 
+// MOK_GEMM_FOLD, A by TMA: A's rows (a2's: kGateUpDgrad's second half of K) in boxes of a tail's kFoldRows, which the
+// kernel's tmap_gate and tmap_up carry in these kinds (the SwiGLU kinds' stores use them otherwise).
+struct FoldMaps {
+  const CUtensorMap *a, *a2;
+};
+
 // Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
 // kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
 // MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
@@ -590,8 +599,8 @@ MOK_DEVICE uint8_t* land_scales(uint8_t* smem, uint32_t slot, int which) {  // a
 // same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
-                          int kb, int k, bool fold) {
+                          const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, uint8_t* smem, uint64_t* bar,
+                          uint32_t stage, const Work& w, int kb, int k, bool fold) {
   using T = Tile<kGemm>;
   if (!w.active) {
     ptx::mbarrier_arrive_expect_tx(bar, 0);
@@ -605,10 +614,11 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
-  // MOK_GEMM_FOLD, A by TMA (kDown): the tail's first kFoldRows rows, through tmap_a2 (box 64 × kFoldRows)
+  // MOK_GEMM_FOLD, A by TMA: the tail's first kFoldRows rows of this half's A (boxes of 64 × kFoldRows)
   const bool fold_by_tma = T::kFold && !T::kGather && fold;
   ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes + (fold_by_tma ? kFoldTileBytes : 0));
-  if (fold_by_tma) ptx::tma_load_3d(stage_fold(smem, stage), tmap_a2, k0, m0 + BLOCK_M, 0, bar);
+  if (fold_by_tma)
+    ptx::tma_load_3d(stage_fold(smem, stage), second ? fold_maps.a2 : fold_maps.a, k0, m0 + BLOCK_M, 0, bar);
   if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
     ptx::tma_load_3d(stage_a(smem, stage) + kATileBytes / 2, tmap_a, m0 + 64, k0, 0, bar);
@@ -692,7 +702,7 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                        const CUtensorMap* tmap_b1, const Landing& land, const Params& p, uint8_t* smem,
+                        const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, const Landing& land, const Params& p, uint8_t* smem,
                         uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
@@ -731,8 +741,8 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       }
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
-        if (thread == 0) issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k,
-                                          fold);
+        if (thread == 0)
+          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, fold_maps, smem, &full[stage], stage, w, kb, p.k, fold);
       }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
@@ -1174,7 +1184,7 @@ template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluste
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], FoldAcc& fold,
                                  uint8_t* smem, uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it,
                                  int num_k_blocks, uint32_t lane, UnderMma under_mma) {
-  static_assert(!kFold || (!kMajorMNA && !kMajorMN), "the fold reads K-major tiles");
+  static_assert(!kFold || !kMajorMNA, "the fold's tail rows are K-major A rows");
   uint32_t prev_stage = 0;
   const auto k_block = [&](int kb, auto&& under) {
     const uint32_t stage = it % kStages, phase = (it / kStages) & 1;
@@ -1208,12 +1218,18 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
         ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
         ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
       }
-      if constexpr (kFold) {  // B's rows of this warpgroup as A (K-major, like A's own rows), the tail rows as B
+      if constexpr (kFold) {  // this warpgroup's 64 columns of B0 and B1 as A, the tail rows as B (K-major)
+        // K-major B: rows a_offset / 128.. of each tile; MN-major B: the tile's 64-column box number `group`, which
+        // sits a_offset bytes in too (a box of 64 k-rows × 128 bytes is a warpgroup's 64 rows of A: 8 KiB)
+        static_assert(kMajorMN ? WG_M * kRowBytes == kBTileBytes / 2 : true, "a warpgroup's columns are one box");
+        const auto weights = [&](int which) {
+          uint8_t* tile = stage_b(smem, stage, which) + a_offset;
+          return ptx::desc_advance(kMajorMN ? ptx::smem_desc_sw128_mn(tile, kBTileBytes / 2) : ptx::smem_desc_sw128(tile),
+                                   kBStep * kk);
+        };
         const uint64_t tail = ptx::desc_advance(ptx::smem_desc_sw128(stage_fold(smem, stage)), 32 * kk);
-        ptx::wgmma_m64n32k16_bf16(
-            fold.w0, ptx::desc_advance(ptx::smem_desc_sw128(stage_b(smem, stage, 0) + a_offset), 32 * kk), tail);
-        ptx::wgmma_m64n32k16_bf16(
-            fold.w1, ptx::desc_advance(ptx::smem_desc_sw128(stage_b(smem, stage, 1) + a_offset), 32 * kk), tail);
+        ptx::wgmma_m64n32k16_bf16<kMajorMN>(fold.w0, weights(0), tail);
+        ptx::wgmma_m64n32k16_bf16<kMajorMN>(fold.w1, weights(1), tail);
       }
     }
     ptx::wgmma_commit_group();
@@ -1341,8 +1357,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                              const __grid_constant__ CUtensorMap tmap_s0,  // MXFP8 kinds: B0's scales
                              const __grid_constant__ CUtensorMap tmap_s1,  // MXFP8 kinds: B1's scales
                              const __grid_constant__ CUtensorMap tmap_out,
-                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
-                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp's TMA stores; FoldMaps
+                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp's TMA stores; FoldMaps
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
@@ -1379,7 +1395,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
-    if constexpr (kGemm == Gemm::kGateUpDgrad || (T::kFold && !T::kGather)) ptx::prefetch_tensor_map(&tmap_a2);
+    if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
+    if constexpr (T::kFold && !T::kGather) ptx::prefetch_tensor_map(&tmap_gate);
+    if constexpr (T::kFold && kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_up);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
     if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
@@ -1399,7 +1417,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, ring, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, {&tmap_gate, &tmap_up}, land, p, smem, full, empty, ring,
+                   num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
     consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, ring, num_tasks, num_k_blocks);
@@ -1442,9 +1461,12 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  // MOK_GEMM_FOLD, A by TMA: the same rows in boxes of a tail's kFoldRows
-  if (T::kFold && !T::kGather && (err = encode_rows_map(&tmap_a2, p.a, 1, p.num_rows, p.k, BLOCK_K, kFoldRows)))
-    return err;
+  CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
+  if constexpr (T::kFold && !T::kGather) {  // FoldMaps: A's rows (and a2's) in boxes of a tail's kFoldRows
+    if ((err = encode_rows_map(&tmap_gate, p.a, 1, p.num_rows, p.k, BLOCK_K, kFoldRows))) return err;
+    if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_up, p.a2, 1, p.num_rows, p.k, BLOCK_K, kFoldRows)))
+      return err;
+  }
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {
@@ -1466,7 +1488,6 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
   // past m (dims (n, m, E): never into the next expert's dW).
-  CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
   if constexpr (kTmaStore) {
     const auto encode_out = [&](CUtensorMap* map, const void* out) {
       return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)

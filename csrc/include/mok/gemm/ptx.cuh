@@ -232,17 +232,18 @@ MOK_DEVICE void wgmma_m64n256k16_bf16(float (&d0)[64], float (&d1)[64], uint64_t
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
-// D[64x32] (+)= A[64x16] · B[32x16]ᵀ: the transposed tail MMA of MOK_GEMM_FOLD (the weights' 64 rows as A, a
-// tail's 32 rows as B, both K-major). Fragment as above, i in [0, 4).
+// D[64x32] (+)= A[64x16] · B[32x16]ᵀ: the transposed tail MMA of MOK_GEMM_FOLD (the weights' 64 rows as A, K- or
+// MN-major as the kind reads them; a tail's 32 rows as B, K-major). Fragment as above, i in [0, 4).
+template <int kTransA = 0>
 MOK_DEVICE void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, p, 1, 1, 0, 0;\n\t}"
+      "%16, %17, p, 1, 1, %18, 0;\n\t}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b), "n"(kTransA));
 }
 
 // ---- stmatrix: four 8x8 bf16 matrices from the mma accumulator layout into shared memory -------------
