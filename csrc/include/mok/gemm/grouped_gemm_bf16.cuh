@@ -446,7 +446,7 @@ MOK_DEVICE bool folds_tail(const Params& p, const Task& t, int num_tasks) {
   }
 }
 
-// MOK_GEMM_FOLD=2: whether task t is such a tail, whose task the previous m-tile's would replace (not run).
+// MOK_GEMM_FOLD >= 2: whether task t is such a tail, whose work the previous m-tile's task takes (not run).
 template <Gemm kGemm>
 MOK_DEVICE bool skips_tail(const Params& p, const Task& t) {
   if constexpr (!Tile<kGemm>::kFold || !kFoldSkipsTails) {
@@ -702,8 +702,9 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                        const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, const Landing& land, const Params& p, uint8_t* smem,
-                        uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks, int num_k_blocks) {
+                        const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, const Landing& land, const Params& p,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks,
+                        int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
@@ -1224,8 +1225,8 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
         static_assert(kMajorMN ? WG_M * kRowBytes == kBTileBytes / 2 : true, "a warpgroup's columns are one box");
         const auto weights = [&](int which) {
           uint8_t* tile = stage_b(smem, stage, which) + a_offset;
-          return ptx::desc_advance(kMajorMN ? ptx::smem_desc_sw128_mn(tile, kBTileBytes / 2) : ptx::smem_desc_sw128(tile),
-                                   kBStep * kk);
+          const uint64_t desc = kMajorMN ? ptx::smem_desc_sw128_mn(tile, kBTileBytes / 2) : ptx::smem_desc_sw128(tile);
+          return ptx::desc_advance(desc, kBStep * kk);
         };
         const uint64_t tail = ptx::desc_advance(ptx::smem_desc_sw128(stage_fold(smem, stage)), 32 * kk);
         ptx::wgmma_m64n32k16_bf16<kMajorMN>(fold.w0, weights(0), tail);
