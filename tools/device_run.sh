@@ -144,6 +144,10 @@ step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 step launch 120 " us$" python tools/launch_cost.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
 step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
+# `fold`: the short tails' fold (MOK_GEMM_FOLD, docs/l2_fused.md "Tails folded into the previous tile"): its GEMM
+# tests and the counter's, then the level's suite on the fold's build with tasks from the counter.
+step fold 580 "passed|failed|FAILED|Error" bash -c 'python -m pytest -q tests/test_ops_gemm.py -k "fold or DYNAMIC" \
+  && MOK_GEMM_FOLD=3 MOK_GEMM_DYNAMIC=1 python -m pytest -q tests/test_fused.py tests/test_nosync.py'
 # `timeline`: per-task SM clocks of GEMM1 from MOK_GEMM_TRACE builds, plain and with each switch of MOK_TIMELINE
 # ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
 step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \
