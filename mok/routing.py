@@ -24,6 +24,7 @@ __all__ = [
     "check_topk_idx",
     "hot_expert_routing",
     "load_stats",
+    "moved_routes",
     "random_routing",
     "round_to_tiles",
     "sigmoid_bias_topk",
@@ -430,3 +431,11 @@ def load_stats(topk_idx: torch.Tensor, num_experts: int) -> dict:
         "cv": float(c.std(unbiased=False)) / mean if mean > 0 else nan,
         "num_empty": int((counts == 0).sum()),
     }
+
+
+def moved_routes(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """bool `[num_tokens, num_topk]`: the routes of `after` whose expert is not among the token's experts in `before`
+    (both `topk_idx` of the same tokens; e.g. a routing and its round_to_tiles)."""
+    if before.shape != after.shape:
+        fail("after", f"the shape of before, {tuple(before.shape)}", tuple(after.shape))
+    return ~(after.unsqueeze(2) == before.unsqueeze(1)).any(dim=2)

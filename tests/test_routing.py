@@ -12,6 +12,7 @@ from mok.routing import (
     balanced_routing,
     hot_expert_routing,
     load_stats,
+    moved_routes,
     random_routing,
     round_to_tiles,
     sigmoid_bias_topk,
@@ -191,6 +192,14 @@ def test_balanced_routing_gives_every_expert_the_same_routes(T, E, K):
     assert counts.tolist() == [T * K // E + (e < T * K % E) for e in range(E)]  # the first T·K mod E get one more
     assert bool((w > 0).all())
     torch.testing.assert_close(w.sum(-1), torch.ones(T))
+
+
+def test_moved_routes_marks_the_experts_new_to_their_token():
+    before = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    after = torch.tensor([[1, 0], [2, 0], [3, 0]])  # token 0 reordered only; token 1 one new; token 2 two new
+    assert moved_routes(before, after).tolist() == [[False, False], [False, True], [True, True]]
+    with pytest.raises(ValueError, match=r"after: expected the shape of before, \(3, 2\)"):
+        moved_routes(before, after[:, :1])
 
 
 def test_load_stats_values():
