@@ -156,6 +156,15 @@ def test_gemm_fold_multiplies_tails_only_in_the_row_wise_kinds(fold, tmp_path):
     assert stores == [fold == 3] * 4 + [False, False], f"transposed stores per kind: {stores}"
 
 
+def test_gemm_fold_leaves_the_other_kinds_as_they_are(tmp_path):
+    """MOK_GEMM_FOLD=3 changes only the folding kinds: the weight gradients and the MXFP8 forward's GEMM1 keep the
+    default build's PTX (up to register numbers), their staging boxes included."""
+    registers = re.compile(r"%(r|rd|f|fd|p|rs)\d+")
+    default = [registers.sub("%", k) for k in _gemm_kernels_ptx(tmp_path, "-DMOK_GEMM_FOLD=0")]
+    folded = [registers.sub("%", k) for k in _gemm_kernels_ptx(tmp_path, "-DMOK_GEMM_FOLD=3")]
+    assert [a == b for a, b in zip(default, folded)] == [False] * 4 + [True, True]
+
+
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):
     """mxfp8_fake_quantize_gathered's kernel (quantize_tiled_kernel with kGather) loads x with an L2 evict_last
     policy and stores its round trip with an evict_first one, each load and store hinted; no other tiled kernel

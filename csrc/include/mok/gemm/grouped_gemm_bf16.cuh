@@ -133,8 +133,8 @@ namespace mok::gemm {
 // MOK_GEMM_FOLD (docs/l2_fused.md, "Tails folded into the previous tile"): an expert's short tail (its last m-tile,
 // at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in the BF16 row-wise kinds
 // (kGateUp, kDown, kDownDgrad, kGateUpDgrad). That task also loads the tail's first kFoldRows A rows with each
-// k-block (a 4 KiB box per stage, in a ring beside the stages: the epilogue staging falls to one box per warp, in
-// every kind) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
+// k-block (a 4 KiB box per stage, in a ring after the stages: these kinds' epilogue staging falls to one box per
+// warp) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
 // A operand (two m64n32k16: the tail's outputs transposed). In steps, so that each can be timed before the next is
 // trusted:
 //   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped; the tails' own tasks
@@ -201,27 +201,29 @@ constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
 // kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
 constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
-// MOK_GEMM_FOLD: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16), after the ring.
+constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
+// MOK_GEMM_FOLD's kinds: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16) right after the
+// ring, in what is the others' staging; their staging follows, with fewer boxes (Tile::kStagingOffset).
 constexpr int kFoldRows = 32;
 constexpr uint32_t kFoldTileBytes = kFoldRows * kRowBytes;  // 4 KiB
-constexpr uint32_t kFoldRingOffset = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;
-constexpr uint32_t kFoldRingBytes = kFoldBuild ? kNumStages * kFoldTileBytes : 0;
-constexpr uint32_t kMainBytes = kFoldRingOffset + kFoldRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
 constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
 constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
-// many boxes as the stages leave room for (2 with 4 stages, 5 with 3, 1 beside MOK_GEMM_FOLD's ring), at most
-// a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after kStoreBoxesPerWarp - 1 later
-// stores were issued (1 box: after its last store has read it).
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3; 1 in MOK_GEMM_FOLD's kinds, beside their
+// tail ring), at most a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after
+// kBoxes - 1 later stores were issued (1 box: after its last store has read it).
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
-constexpr uint32_t kStoreBoxesRoom =
-    (kSmemLimit - kMainBytes - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
-    (kNumConsumerWarps * kStoreBoxBytes);
-constexpr int kStoreBoxesPerWarp = !kTmaStore ? 2 : kStoreBoxesRoom < 6 ? static_cast<int>(kStoreBoxesRoom) : 6;
+// The store boxes per consumer warp when the staging starts `staging_offset` bytes into shared memory.
+constexpr int store_boxes_from(uint32_t staging_offset) {
+  const uint32_t room = (kSmemLimit - staging_offset - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
+                        (kNumConsumerWarps * kStoreBoxBytes);
+  return !kTmaStore ? 2 : room < 6 ? static_cast<int>(room) : 6;
+}
+constexpr int kStoreBoxesPerWarp = store_boxes_from(kMainBytes);
 constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
 constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
@@ -247,8 +249,8 @@ static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomByt
                   kLandTileBytes % ptx::kSw128AtomBytes == 0,
               "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
-static_assert(kStoreBoxesPerWarp >= 1 && (kTmaStore || kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2),
-              "the st.global path stages a 16 × 128 tile; the TMA path at least one box");
+static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
+              "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
 static_assert(!kFoldBuild || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
               "MOK_GEMM_FOLD's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
@@ -368,6 +370,13 @@ struct Tile {
   static constexpr bool kFold = kFoldBuild && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown ||
                                                               kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad);
   static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
+  // The epilogue staging: after the ring, or in a folding kind after its tail ring, with the boxes left there.
+  static constexpr uint32_t kStagingOffset = kMainBytes + (kFold ? kNumStages * kFoldTileBytes : 0);
+  static constexpr int kStoreBoxes = kFold ? store_boxes_from(kStagingOffset) : kStoreBoxesPerWarp;
+  static constexpr uint32_t kStagingBytesPerWarp = kStoreBoxes * kStoreBoxBytes;
+  static_assert(kStoreBoxes >= 1 && kStagingOffset + kNumConsumerWarps * kStagingBytesPerWarp <= kMainBytes +
+                                                                                                      kStagingBytes,
+                "a folding kind's tail ring and staging fit in the others' staging");
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -574,7 +583,7 @@ MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // whic
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
 }
 MOK_DEVICE uint8_t* stage_fold(uint8_t* smem, uint32_t stage) {  // MOK_GEMM_FOLD's tail rows
-  return smem + kFoldRingOffset + stage * kFoldTileBytes;
+  return smem + kMainBytes + stage * kFoldTileBytes;
 }
 // MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
 MOK_DEVICE uint8_t* land_tile(uint8_t* smem, uint32_t slot, int which) {
@@ -782,7 +791,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
 
 constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per accumulator
 
-// A consumer warp's staging area (kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
+// A consumer warp's staging area (Tile::kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
 struct Staging {
   uint8_t* smem;
   int box;
@@ -830,13 +839,13 @@ MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col
   __syncwarp();  // the staging area is reused by the next call
 }
 
-// TMA path: the same 16 × 128 tile as two boxes of 64 columns. Per box: lane 0 waits until the box's staging
-// was read by the store issued kStoreBoxesPerWarp boxes ago (its bulk groups complete in order), stmatrix
-// writes the 8 column groups with the 128-byte swizzle the tensor map reads (the box is 1024-aligned, so
-// sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy, and lane 0
-// issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
+// TMA path: the same 16 × 128 tile as two boxes of 64 columns, in a staging area of kBoxes boxes. Per box: lane 0
+// waits until the box's staging was read by the store issued kBoxes boxes ago (its bulk groups complete in
+// order), stmatrix writes the 8 column groups with the 128-byte swizzle the tensor map reads (the box is
+// 1024-aligned, so sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy,
+// and lane 0 issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
 // rest: a partial box writes only columns < n and rows < num_rows).
-template <typename Values>
+template <int kBoxes, typename Values>
 MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
@@ -844,7 +853,7 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
     const int col = col0 + b * kStoreBoxCols;
     if (col >= out.n || row0 >= out.num_rows) break;  // warp-uniform
     uint8_t* box = st.smem + st.box * kStoreBoxBytes;
-    if (lane == 0) ptx::bulk_wait_group_read<kStoreBoxesPerWarp - 1>();
+    if (lane == 0) ptx::bulk_wait_group_read<kBoxes - 1>();
     __syncwarp();  // no lane writes the box before its last store has read it
 #pragma unroll
     for (int c = 0; c < kStoreBoxCols / 8; c += 2) {  // chunk c of a box row: the tile's 8 columns i = 8b + c
@@ -858,15 +867,15 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
       ptx::tma_store_3d(out.tmap, box, col, row0, out.batch);
       ptx::bulk_commit_group();
     }
-    st.box = st.box + 1 == kStoreBoxesPerWarp ? 0 : st.box + 1;
+    st.box = st.box + 1 == kBoxes ? 0 : st.box + 1;
   }
 }
 
 // Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
-template <typename Values>
+template <int kBoxes, typename Values>
 MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   if constexpr (kTmaStore) {
-    store_tile_tma(st, out, row0, col0, lane, values);
+    store_tile_tma<kBoxes>(st, out, row0, col0, lane, values);
   } else {
     store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
   }
@@ -878,11 +887,11 @@ MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, u
 // 2-byte store at its place in the 128-byte swizzle (a row's 8 lanes hit 8 distinct 16-byte slots). Then the
 // box leaves as store_tile's boxes do: one TMA store through `tmap` (uint8, box 128 × 16), or 16-byte st.global.
 static_assert(BLOCK_N_B * kStoreBoxRows == static_cast<int>(kStoreBoxBytes), "a warp's E4M3 tile is one store box");
-template <typename Fill>
+template <int kBoxes, typename Fill>
 MOK_DEVICE void store_tile_e4m3(Staging& st, uint8_t* data, const CUtensorMap* tmap, int n, int row0, int col0,
                                 uint32_t lane, Fill fill) {
   uint8_t* box = st.smem + (kTmaStore ? st.box * kStoreBoxBytes : 0);
-  if (kTmaStore && lane == 0) ptx::bulk_wait_group_read<kStoreBoxesPerWarp - 1>();
+  if (kTmaStore && lane == 0) ptx::bulk_wait_group_read<kBoxes - 1>();
   __syncwarp();  // no lane writes the box before its last store has read it
   fill([&](int i, int h, uint32_t two_bytes) {
     const uint32_t row = lane / 4 + 8 * h, byte = 8 * (i % 2) + 2 * (lane % 4);
@@ -895,7 +904,7 @@ MOK_DEVICE void store_tile_e4m3(Staging& st, uint8_t* data, const CUtensorMap* t
       ptx::tma_store_3d(tmap, box, col0, row0, 0);
       ptx::bulk_commit_group();
     }
-    st.box = st.box + 1 == kStoreBoxesPerWarp ? 0 : st.box + 1;
+    st.box = st.box + 1 == kBoxes ? 0 : st.box + 1;
   } else {
     __syncwarp();
 #pragma unroll
@@ -996,7 +1005,7 @@ struct Epilogue {
           }
         });
       }
-      store_tile(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+      store_tile<T::kStoreBoxes>(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
                  [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
     } else {
 #pragma unroll
@@ -1039,7 +1048,7 @@ struct Epilogue {
                                  const float* acc) const {
     const auto word = acc_values(acc);
     const int64_t scale_cols = p.n / mxfp8::kBlockSize;
-    store_tile_e4m3(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
+    store_tile_e4m3<T::kStoreBoxes>(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
       rowwise_blocks(word, [&](int b, const mxfp8::Scale& s0, const mxfp8::Scale& s1) {
 #pragma unroll
         for (int i = 4 * b; i < 4 * b + 4; ++i)
@@ -1059,13 +1068,13 @@ struct Epilogue {
   MOK_DEVICE void store_piece_from(const Params& p, const Outputs& o, Staging& st, uint32_t lane, int piece,
                                    Values values) const {
     if constexpr (T::kSwiGLU) {
-      store_tile(st, {piece == 0 ? p.gate : p.up, piece == 0 ? o.gate : o.up, 0, p.n, kAllRows}, row0, n0, lane,
-                 values);
+      const Output out{piece == 0 ? p.gate : p.up, piece == 0 ? o.gate : o.up, 0, p.n, kAllRows};
+      store_tile<T::kStoreBoxes>(st, out, row0, n0, lane, values);
     } else if (piece == 0 || n0 + BLOCK_N_B < p.n) {
       const Output out = kGemm == Gemm::kWeightGrad
                              ? Output{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m}
                              : Output{p.out, o.out, 0, p.n, kAllRows};
-      store_tile(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
+      store_tile<T::kStoreBoxes>(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
     }
   }
 };
@@ -1261,8 +1270,8 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
   const uint32_t lane = lane_id();
   const uint32_t a_offset = group * WG_M * kRowBytes;  // this warpgroup's rows of the A tile
-  Staging staging{smem + kMainBytes +
-                      (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
+  Staging staging{smem + T::kStagingOffset +
+                      (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * T::kStagingBytesPerWarp,
                   0};
   // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
   // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
