@@ -1,4 +1,4 @@
-// Instantiates the forward GEMMs with MXFP8 weights (kGateUpMx, kDownMx of mok/gemm/grouped_gemm_bf16.cuh)
+// Instantiates the forward GEMMs with MXFP8 weights (kGateUpMx, kDownMx of mok/gemm/tasks.cuh)
 // behind the host API of mok/api.h. Torch-free.
 #include "mok/api.h"
 #include "mok/gemm/grouped_gemm_bf16.cuh"

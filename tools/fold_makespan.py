@@ -1,7 +1,7 @@
 """What folding short tails (MOK_GEMM_FOLD, docs/l2_fused.md "Tails folded into the previous tile") would do to the
 end of the row-wise GEMMs (GEMM1, GEMM2 and both dgrads), counted on the CPU.
 
-A model, not a measurement. Each task of the grouped row-wise order (csrc/include/mok/gemm/grouped_gemm_bf16.cuh,
+A model, not a measurement. Each task of the grouped row-wise order (csrc/include/mok/gemm/tasks.cuh,
 decode_task: groups of 8 m-tiles, m fastest inside a group) costs 1. A task whose next m-tile is its expert's tail
 of at most 32 routes costs `cost` (it folds that tail) and the tail's own task costs 0. The kernel ends with its
 busiest CTA, so the model compares the largest sum over CTAs with the default's, for two ways of handing out tasks:

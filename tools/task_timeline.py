@@ -1,4 +1,4 @@
-"""Where a GEMM's time goes task by task, from a MOK_GEMM_TRACE build (csrc/include/mok/gemm/grouped_gemm_bf16.cuh):
+"""Where a GEMM's time goes task by task, from a MOK_GEMM_TRACE build (csrc/include/mok/gemm/config.cuh):
 every consumer warpgroup records, per task, its SM clock at the task's start, after its mainloop and after its
 epilogue. For the trace build and for the trace build with each NAME=VALUE switch, this runs the shape's forward
 steps (mok.bench_parts) once to warm, then GEMM1 once, and prints per build and per kind of tile (`half_padding`:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 CSRC = REPO / "csrc"
 CACHE = REPO / ".cache" / "torch_extensions"
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
-# name -> the values it may take; unset = the header's default (csrc/include/mok/gemm/grouped_gemm_bf16.cuh).
+# name -> the values it may take; unset = the header's default (csrc/include/mok/gemm/config.cuh).
 BUILD_SWITCHES = {
     "MOK_GEMM_TMA_STORE": (0, 1),  # 1 (default): GEMM epilogues store by TMA; 0: by 16-byte st.global
     "MOK_GEMM_NUM_STAGES": (3, 4),  # GEMM shared-memory stages (default 4; 3 gives the TMA staging 5 boxes a warp)

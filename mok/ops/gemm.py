@@ -16,7 +16,7 @@ from mok.checks import fail
 from mok.ops.core import check_cuda_tensor, load_extension
 from mok.ops.quant import BLOCK_SIZE
 
-GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/grouped_gemm_bf16.cuh
+GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/config.cuh
 GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is each segment's real rows rounded up to it
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
 

@@ -131,7 +131,7 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
                                           int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
 
 // The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
-// (csrc/include/mok/gemm/grouped_gemm_bf16.cuh says what each does).
+// (csrc/include/mok/gemm/config.cuh says what each does).
 struct GemmBuildSwitches {
   int tma_store, num_stages, multicast, defer_epilogue, group_m, skip_padding_half, trace, n256, fold, dynamic;
 };

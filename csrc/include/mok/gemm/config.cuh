@@ -1,0 +1,246 @@
+// The grouped BF16 GEMMs' build switches (-D, from the environment at JIT-build time), tiling constants,
+// shared-memory layout and the 128-byte swizzle (the kernel: mok/gemm/grouped_gemm_bf16.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "mok/gemm/ptx.cuh"
+#include "mok/gemm/tensor_map.cuh"
+#include "mok/quant/mxfp8.cuh"
+#include "mok/swiglu.cuh"
+
+namespace mok::gemm {
+
+// ---- build switches (-D, from the environment at JIT-build time: mok/ops/core.py) -------------------------
+// MOK_GEMM_TMA_STORE=1: the epilogues write global memory with TMA bulk tensor stores, issued by one lane per
+// consumer warp and awaited only before the staging is written again (so they drain during the next task's
+// mainloop); 0: every lane re-reads the staging and writes 16-byte st.global (the path before TMA stores).
+// MOK_GEMM_NUM_STAGES: the shared-memory ring depth; with TMA stores, the staging takes what the stages leave.
+#ifndef MOK_GEMM_TMA_STORE
+#define MOK_GEMM_TMA_STORE 1
+#endif
+#ifndef MOK_GEMM_NUM_STAGES
+#define MOK_GEMM_NUM_STAGES 4
+#endif
+// MOK_GEMM_MULTICAST=1: the BF16 row-wise kinds whose A comes by TMA (GEMM2 and both dgrads) run on clusters of
+// 2 CTAs that take an expert's m-tiles two at a time and load each k-block's weight tile once for both, by TMA
+// multicast. 0 (default): one CTA per task. Alone, those kernels ran up to 20% faster on clusters; inside the
+// layer, no pass moved beyond the noise (docs/l2_fused.md, "B multicast"), so the simpler launch stays default.
+#ifndef MOK_GEMM_MULTICAST
+#define MOK_GEMM_MULTICAST 0
+#endif
+// MOK_GEMM_DEFER_EPILOGUE=1: the weight gradients' consumers hold a finished tile in registers as bf16 and store it
+// during the next task's first k-blocks, under their MMAs (`Epilogue`, gemm/epilogue.cuh); 0: they store it before
+// the next task starts, as the other kinds always do.
+#ifndef MOK_GEMM_DEFER_EPILOGUE
+#define MOK_GEMM_DEFER_EPILOGUE 1
+#endif
+// MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
+// by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
+// same time; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a wave apart), with which
+// dsv4pro's GEMM1, GEMM2 and gate/up dgrad ran 1.11-1.19x slower, its layer 1.03-1.04x (docs/l2_fused.md, "Task
+// order").
+#ifndef MOK_GEMM_GROUP_M
+#define MOK_GEMM_GROUP_M 8
+#endif
+// MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
+// at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
+// the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
+// NOTE: 1 measured 1.03-1.35x slower on the H200: those tasks end early, the CTAs fall out of step, and the grouped
+// order's weight tiles stop being shared in L2 (docs/l2_fused.md, "The padding-half skip, measured").
+#ifndef MOK_GEMM_SKIP_PADDING_HALF
+#define MOK_GEMM_SKIP_PADDING_HALF 0
+#endif
+// MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
+// task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
+// grouped_gemm_bf16_trace; tools/task_timeline.py). No device printf: a call inside the consumers serializes
+// their wgmmas (ptxas C7510).
+#ifndef MOK_GEMM_TRACE
+#define MOK_GEMM_TRACE 0
+#endif
+// MOK_GEMM_DYNAMIC=1: the single-CTA BF16 kinds take their tasks from a counter in device memory (producer thread 0,
+// atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
+// order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
+// lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
+// the bits. Launches of one kind must be stream-ordered (one counter per kind and module, reset by the last CTA).
+// NOTE: measured neutral alone and reverted at 19c02bf ("Tasks from a counter"); back, default off, because the
+// fold (MOK_GEMM_FOLD) makes tasks uneven by design: with the static stride a CTA's share of the
+// longer tasks decides the kernel's end (counted on the CPU, docs/l2_fused.md "Tails folded into the previous tile").
+#ifndef MOK_GEMM_DYNAMIC
+#define MOK_GEMM_DYNAMIC 0
+#endif
+
+// MOK_GEMM_N256=1 (default): each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1, so its A slice is
+// read from shared memory once; 0: two m64n128k16 (A read twice). The same fragments and bits. At the power cap,
+// where a kernel's time is its energy, 1 ran every pass but one 0.6-1.7% faster (docs/l2_fused.md, "One wgmma over
+// B0|B1, at the cap").
+#ifndef MOK_GEMM_N256
+#define MOK_GEMM_N256 1
+#endif
+// MOK_GEMM_FOLD (docs/l2_fused.md, "Tails folded into the previous tile"): an expert's short tail (its last m-tile,
+// at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in the BF16 row-wise kinds
+// (kGateUp, kDown, kDownDgrad, kGateUpDgrad). That task also loads the tail's first kFoldRows A rows with each
+// k-block (a 4 KiB box per stage, in a ring after the stages: these kinds' epilogue staging falls to one box per
+// warp) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
+// A operand (two m64n32k16: the tail's outputs transposed). In steps, so that each can be timed before the next is
+// trusted:
+//   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped; the tails' own tasks
+//      still run, so every output keeps its bits;
+//   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
+//      times each build's kernels on the default build's intermediates; mok.ops warns when it loads it);
+//   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its
+//      padding rows as zeros), so the tails' tasks are skipped and every output is written.
+// With the static task stride the longer folding tasks pile up on some CTAs; tasks from the counter
+// (MOK_GEMM_DYNAMIC=1) are what the fold was sized with (tools/fold_makespan.py).
+#ifndef MOK_GEMM_FOLD
+#define MOK_GEMM_FOLD 0
+#endif
+
+#if MOK_GEMM_TRACE
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding (+2: folds), 3 clocks
+constexpr int kTraceRecords = 1 << 18;
+__device__ long long g_trace[kTraceRecords * kTraceWords];
+__device__ int g_trace_count;
+#endif
+
+// ---- tiling -------------------------------------------------------------------------------------------
+
+constexpr int kNumConsumerGroups = 2;              // consumer warpgroups
+constexpr int WG_M = 64;                           // rows per consumer warpgroup: one m64 wgmma
+constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
+constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
+constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
+constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
+constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
+constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
+constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
+constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
+constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
+constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
+constexpr bool kN256 = MOK_GEMM_N256 != 0;
+constexpr bool kFoldBuild = MOK_GEMM_FOLD != 0;
+constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD >= 2;
+constexpr bool kFoldWritesTails = MOK_GEMM_FOLD == 3;
+static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
+constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
+constexpr int kWarpgroup = 128;
+constexpr int kNumProducerThreads = kWarpgroup;
+constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
+constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
+// A CTA holds kNumThreads × (its launch registers) and setmaxnreg.inc only takes from that pool (it spins until
+// it can): with __launch_bounds__(384, 1) ptxas launches at 168 (65536 / 384 rounded down to 8), so the budgets
+// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch, in a first version of
+// the MXFP8 kinds).
+constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
+constexpr int kRowBytes = BLOCK_K * 2;
+constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
+constexpr uint32_t kBTileBytes = BLOCK_N_B * kRowBytes;  // 16 KiB
+constexpr uint32_t kStageBytes = kATileBytes + 2 * kBTileBytes;
+constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory an sm_90 block may use
+// MXFP8 weights: the bf16 ring has one stage less, and a landing slot holds a k-block of B0 and B1 as E4M3
+// (128 rows × 64 bytes each) plus their scales (2 bytes per row: the two 32-element blocks of the k-block).
+constexpr int kMxStages = kNumStages - 1;
+constexpr int kNumLanding = 3;
+constexpr uint32_t kLandTileBytes = BLOCK_N_B * BLOCK_K;  // 8 KiB of E4M3
+constexpr uint32_t kLandScaleBytes = BLOCK_N_B * 2;       // 256 bytes of E8M0
+constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
+// Shared memory: [the ring][epilogue staging][landing scales][barriers], the ring being the BF16 kinds'
+// kNumStages stages or the MXFP8 kinds' kMxStages stages and landing tiles (the same 192 KiB with 4 stages).
+constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
+constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
+constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
+// MOK_GEMM_FOLD's kinds: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16) right after the
+// ring, in what is the others' staging; their staging follows, with fewer boxes (Tile::kStagingOffset).
+constexpr int kFoldRows = 32;
+constexpr uint32_t kFoldTileBytes = kFoldRows * kRowBytes;  // 4 KiB
+constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
+constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
+// Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
+// 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3; 1 in MOK_GEMM_FOLD's kinds, beside their
+// tail ring), at most a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after
+// kBoxes - 1 later stores were issued (1 box: after its last store has read it).
+constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
+constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
+// The store boxes per consumer warp when the staging starts `staging_offset` bytes into shared memory.
+constexpr int store_boxes_from(uint32_t staging_offset) {
+  const uint32_t room = (kSmemLimit - staging_offset - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
+                        (kNumConsumerWarps * kStoreBoxBytes);
+  return !kTmaStore ? 2 : room < 6 ? static_cast<int>(room) : 6;
+}
+constexpr int kStoreBoxesPerWarp = store_boxes_from(kMainBytes);
+constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
+constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
+constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
+
+// The producer warpgroup gathers an A tile as 128 rows × 8 chunks of 16 bytes: thread t copies chunk t % 8
+// of rows t / 8 + 16j, j in [0, 8) (8 threads read one row's 128 contiguous bytes).
+constexpr int kChunksPerRow = kRowBytes / 16;
+constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
+constexpr int kRowsPerThread = BLOCK_M / kRowStride;
+constexpr int kFoldRowsPerThread = kFoldRows / kRowStride;  // MOK_GEMM_FOLD's gathered tail rows
+
+static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
+static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
+                  kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
+              "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
+static_assert(kRowsPerThread * kRowStride == BLOCK_M && kFoldRowsPerThread * kRowStride == kFoldRows &&
+                  kRowStride * kChunksPerRow == kNumProducerThreads,
+              "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
+static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
+static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
+static_assert(kMxStages >= 2, "the mainloop keeps one wgmma group in flight: it holds two stages");
+static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomBytes == 0 &&
+                  kLandTileBytes % ptx::kSw128AtomBytes == 0,
+              "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
+static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
+static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
+              "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
+static_assert(!kFoldBuild || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
+              "MOK_GEMM_FOLD's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
+static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
+                  BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
+                  kMainBytes % ptx::kSw128AtomBytes == 0,
+              "a store box is one 128-byte swizzle row wide, one warp's rows high, and 1024-byte aligned (TMA "
+              "applies the 128B swizzle on the address bits, as sw128_offset does)");
+
+// ---- the 128-byte swizzle ------------------------------------------------------------------------------
+// Shared-memory byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte rows:
+// rows are contiguous, and inside each 1024-byte atom of 8 rows the chunk index is XORed with the row
+// index mod 8. This is what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what a wgmma descriptor of
+// layout "128B swizzle" reads: on the byte offset o, bits [4:6] ^= bits [7:9].
+
+MOK_HOST_DEVICE constexpr uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
+  return row * 128 + ((chunk ^ (row % 8)) << 4);
+}
+
+// Whether `offset` (rows of kRowBytes = kChunks · 16 bytes) is TMA's swizzle of that width, the XOR on the
+// address bits: bits [4:4+log2(kChunks)) ^= the same many bits from bit 7 (128 rows: every row of a tile).
+template <uint32_t (*offset)(uint32_t, uint32_t), uint32_t kChunks>
+constexpr bool is_the_address_xor() {
+  for (uint32_t row = 0; row < 128; ++row)
+    for (uint32_t chunk = 0; chunk < kChunks; ++chunk) {
+      const uint32_t o = row * kChunks * 16 + chunk * 16;
+      if (offset(row, chunk) != (o ^ (((o >> 7) & (kChunks - 1)) << 4))) return false;
+    }
+  return true;
+}
+static_assert(is_the_address_xor<sw128_offset, 8>(), "sw128_offset is the 128B swizzle: bits [4:6] ^= bits [7:9]");
+static_assert(sw128_offset(9, 3) == 9 * 128 + 2 * 16, "row 9 is row 1 of its atom: chunk 3 lands in slot 2");
+
+// The 64-byte swizzle of the E4M3 landing tiles (rows of 64 bytes: 4 chunks of 16): TMA XORs bits [4:5] of
+// the byte offset with bits [7:8], so chunk `chunk` of row `row` sits in slot chunk ^ ((row / 2) % 4). A
+// producer warp reading one chunk of 8 consecutive rows touches 8 distinct 16-byte slots of a 128-byte
+// line: no bank conflict (unswizzled, rows 2 apart would share banks).
+MOK_HOST_DEVICE constexpr uint32_t sw64_offset(uint32_t row, uint32_t chunk) {
+  return row * 64 + ((chunk ^ ((row / 2) % 4)) << 4);
+}
+
+static_assert(is_the_address_xor<sw64_offset, 4>(), "sw64_offset is the 64B swizzle: bits [4:5] ^= bits [7:8]");
+
+}  // namespace mok::gemm

@@ -1,0 +1,203 @@
+// The grouped GEMMs' producer warpgroup: TMA loads, the gathered A rows, MXFP8 weights' landing and
+// dequantization into the stage ring.
+#pragma once
+
+#include "mok/gemm/tasks.cuh"
+
+namespace mok::gemm {
+
+// ---- producer: warpgroup 0 -----------------------------------------------------------------------------
+
+// MOK_GEMM_FOLD, A by TMA: A's rows (a2's: kGateUpDgrad's second half of K) in boxes of a tail's kFoldRows, which the
+// kernel's tmap_gate and tmap_up carry in these kinds (the SwiGLU kinds' stores use them otherwise).
+struct FoldMaps {
+  const CUtensorMap *a, *a2;
+};
+
+// Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
+// kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
+// MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
+// Multicast kinds: a shared pair's CTA rank r loads only B piece r, into both CTAs (the stage's full[] counts the
+// same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
+template <Gemm kGemm>
+MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
+                          const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, uint8_t* smem, uint64_t* bar,
+                          uint32_t stage, const Work& w, int kb, int k, bool fold) {
+  using T = Tile<kGemm>;
+  if (!w.active) {
+    ptx::mbarrier_arrive_expect_tx(bar, 0);
+    return;
+  }
+  const Task& t = w.t;
+  const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
+  const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
+  const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
+  const int batch = kGemm == Gemm::kWeightGrad ? 0 : t.expert;  // kWeightGrad's operands are row matrices
+  const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
+  const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
+  const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
+  // MOK_GEMM_FOLD, A by TMA: the tail's first kFoldRows rows of this half's A (boxes of 64 × kFoldRows)
+  const bool fold_by_tma = T::kFold && !T::kGather && fold;
+  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes + (fold_by_tma ? kFoldTileBytes : 0));
+  if (fold_by_tma)
+    ptx::tma_load_3d(stage_fold(smem, stage), second ? fold_maps.a2 : fold_maps.a, k0, m0 + BLOCK_M, 0, bar);
+  if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
+    ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
+    ptx::tma_load_3d(stage_a(smem, stage) + kATileBytes / 2, tmap_a, m0 + 64, k0, 0, bar);
+  } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
+    ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
+  }
+  const auto load_b = [&](uint8_t* dst, const CUtensorMap* map, int c0, int c1) {
+    if (T::kMulticast && w.shared) {
+      ptx::tma_load_3d_multicast(dst, map, c0, c1, batch, bar, (1u << kClusterSize) - 1);
+    } else {
+      ptx::tma_load_3d(dst, map, c0, c1, batch, bar);
+    }
+  };
+  for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
+    if (T::kMulticast && w.shared && which != static_cast<int>(ptx::cluster_cta_rank())) continue;
+    const CUtensorMap* map = which == 0 ? b_first : b_second;
+    const int col = n0 + which * T::kB1Offset;
+    if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
+      load_b(stage_b(smem, stage, which), map, col, k0);
+      load_b(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0);
+    } else {  // map dims (k, n, experts), box (64, 128, 1)
+      load_b(stage_b(smem, stage, which), map, k0, col);
+    }
+  }
+}
+
+// The landing barriers of the MXFP8 kinds: land_full[slot] (thread 0's arrive.expect_tx + the bytes),
+// land_empty[slot] (one arrival per producer thread, once it has read the slot).
+struct Landing {
+  const CUtensorMap *b0, *b1, *s0, *s1;  // E4M3 data maps (k, n, E) and scale maps (2n, k-blocks, E)
+  uint64_t *full, *empty;
+};
+
+// Thread 0: the CTA's k-block j of the MXFP8 kinds into landing slot j % kNumLanding (every task of these
+// kinds runs all of K: k-block j is task blockIdx.x + (j / num_k_blocks)·gridDim.x, k-block j % num_k_blocks),
+// once all producer threads have read the slot's previous k-block.
+template <Gemm kGemm>
+MOK_DEVICE void issue_landing(const Landing& land, const Params& p, uint8_t* smem, int j, int num_k_blocks,
+                              int num_tasks) {
+  using T = Tile<kGemm>;
+  const uint32_t slot = j % kNumLanding;
+  if (j >= kNumLanding) ptx::mbarrier_wait_parity(&land.empty[slot], (j / kNumLanding - 1) & 1);
+  const int kb = j % num_k_blocks;
+  const Task t = decode_task<kGemm>(p, static_cast<int>(blockIdx.x) + (j / num_k_blocks) * gridDim.x, num_k_blocks,
+                                    num_tasks);
+  const int n0 = t.n_tile * T::kTaskN, n1 = n0 + T::kB1Offset;
+  ptx::mbarrier_arrive_expect_tx(&land.full[slot], kLandTxBytes);
+  ptx::tma_load_3d(land_tile(smem, slot, 0), land.b0, kb * BLOCK_K, n0, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_tile(smem, slot, 1), land.b1, kb * BLOCK_K, n1, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 0), land.s0, 2 * n0, kb, t.expert, &land.full[slot]);
+  ptx::tma_load_3d(land_scales(smem, slot, 1), land.s1, 2 * n1, kb, t.expert, &land.full[slot]);
+}
+
+// Producer thread `row`: row `row` of B0 and B1 from landing slot `slot` (64 E4M3 bytes each, two scales)
+// to the stage's bf16 tiles, exactly as mxfp8_dequantize computes each element (mxfp8::dequantize8). A
+// tile's 4 shared loads go out before its first conversion (all 8 at once spilled in kDownMx).
+MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, uint32_t row) {
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    uint4 q[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      q[c] = *reinterpret_cast<const uint4*>(land_tile(smem, slot, which) + sw64_offset(row, c));
+    const uint32_t scale_bytes = *reinterpret_cast<const uint16_t*>(land_scales(smem, slot, which) + 2 * row);
+    uint8_t* b_tile = stage_b(smem, stage, which);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
+      // NOTE: a cheaper-looking path (one cvt per two elements, then integer ops and a bf16 multiply by
+      // 2^(112+e), exact for scale bytes 10..142) measured slower: the mxfp8 forward took 10.7 / 14.5 / 3.8 /
+      // 39.8 ms on the four standard shapes against 8.8 / 11.2 / 3.0 / 30.3 with this one (H200, moe bench
+      // with MXFP8 weights in the mainloop at c8c131e and 70824c8; data/bench/mx_gemm_ab.csv has its GEMMs).
+      const float s = mxfp8::scale_byte_to_f32((scale_bytes >> (8 * (c / 2))) & 0xFFu);
+      const float scale[8] = {s, s, s, s, s, s, s, s};
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) =
+          mxfp8::dequantize8(make_uint2(q[c].x, q[c].y), scale);
+      *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c + 1)) =
+          mxfp8::dequantize8(make_uint2(q[c].z, q[c].w), scale);
+    }
+  }
+}
+
+template <Gemm kGemm>
+MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
+                        const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, const Landing& land, const Params& p,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks,
+                        int num_k_blocks) {
+  using T = Tile<kGemm>;
+  const uint32_t thread = threadIdx.x;  // 0..127
+  if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
+  const uint32_t chunk = thread % kChunksPerRow;
+  const uint32_t row_in_tile = thread / kChunksPerRow;
+  // MXFP8: thread 0 keeps the landing ring kNumLanding - 1 k-blocks ahead of the stage it fills.
+  int num_landings = 0;  // this CTA's k-blocks
+  if constexpr (T::kMx) {
+    if (static_cast<int>(blockIdx.x) < num_tasks)
+      num_landings = ((num_tasks - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1) * num_k_blocks;
+    for (int j = 0; thread == 0 && j < kNumLanding - 1 && j < num_landings; ++j)
+      issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
+  }
+  uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
+  for_each_unit<kGemm>(p, num_tasks, ring, thread == 0, [&](int unit) {
+    const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
+    const Task& t = w.t;
+    if (skips_tail<kGemm>(p, t)) return;
+    const bool fold = folds_tail<kGemm>(p, t, num_tasks);
+    int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
+    int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD gathers
+    if constexpr (T::kGather) {
+#pragma unroll
+      for (int j = 0; j < kRowsPerThread; ++j)
+        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+#pragma unroll
+      for (int j = 0; j < kFoldRowsPerThread; ++j)
+        fold_token[j] = fold ? p.row_to_token[(t.m_tile + 1) * BLOCK_M + row_in_tile + kRowStride * j] : -1;
+    }
+    for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
+      const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
+      if constexpr (T::kMx) {  // before waiting for the stage: the landing runs ahead of the consumers too
+        const int ahead = static_cast<int>(it) + kNumLanding - 1;
+        if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks, num_tasks);
+      }
+      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
+      if constexpr (T::kTmaIntoStage) {
+        if (thread == 0)
+          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, fold_maps, smem, &full[stage], stage, w, kb, p.k, fold);
+      }
+      if constexpr (T::kGather) {
+        uint8_t* a_tile = stage_a(smem, stage);
+        const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
+#pragma unroll
+        for (int j = 0; j < kRowsPerThread; ++j) {
+          const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
+          const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
+          ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
+        }
+        if (T::kFold && fold) {
+#pragma unroll
+          for (int j = 0; j < kFoldRowsPerThread; ++j) {
+            const bool real = fold_token[j] >= 0 && col < p.k;
+            const uint16_t* src = real ? p.a + static_cast<int64_t>(fold_token[j]) * p.k + col : p.a;
+            ptx::cp_async_16_zfill(stage_fold(smem, stage) + sw128_offset(row_in_tile + kRowStride * j, chunk), src,
+                                   real ? 16 : 0);
+          }
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+      }
+      if constexpr (T::kMx) {
+        const uint32_t slot = it % kNumLanding;
+        ptx::mbarrier_wait_parity(&land.full[slot], (it / kNumLanding) & 1);
+        dequantize_b_row(smem, slot, stage, thread);
+        ptx::fence_proxy_async_shared();  // the bf16 rows, before the consumers' wgmma reads them
+        ptx::mbarrier_arrive(&land.empty[slot]);
+        ptx::mbarrier_arrive(&full[stage]);
+      }
+    }
+  });
+  if constexpr (T::kGather) ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
+}
+
+}  // namespace mok::gemm
