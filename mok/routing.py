@@ -150,10 +150,10 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     receivers = [e for e in range(num_experts) if delta[e] > 0]
     cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
     tokens, inv = torch.unique(pool // num_topk, return_inverse=True)  # [U] the pool's tokens, [P] -> them
-    may = (scores[tokens][:, cols] > float("-inf")) & ~held[tokens][:, cols]  # [U, R]
-    pool_scores = scores[tokens][:, cols][inv]  # [P, R]
+    token_scores = scores[tokens][:, cols]  # [U, R]
+    may = (token_scores > float("-inf")) & ~held[tokens][:, cols]  # [U, R]
+    pool_scores = token_scores[inv]  # [P, R]
     need = delta_t[cols]  # [R]
-    filled = torch.zeros_like(need)  # [R]
     alive = torch.ones_like(pool, dtype=torch.bool)  # [P]
     ids = torch.arange(pool.numel(), device=pool.device)  # [P]
     while True:
@@ -168,16 +168,15 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
         slack = torch.where(need > 0, cand.sum(dim=0) - need, torch.iinfo(torch.int64).max)  # [R]
         first_pick = torch.empty_like(slack).scatter_(0, torch.sort(slack, stable=True).indices,
                                                       torch.arange(len(receivers), device=pool.device))  # [R]
-        pick, j = torch.where(proposed, first_pick, len(receivers)).min(dim=1)  # [P]: the winning receiver
+        # the winning receiver (a route no one proposed: index 0, not chosen)
+        pick, j = torch.where(proposed, first_pick, len(receivers)).min(dim=1)  # [P]
         chosen = pick < len(receivers)  # [P]
-        flat[pool] = torch.where(chosen, cols[j.clamp(max=len(receivers) - 1)], flat[pool])  # flat: a view of idx
+        flat[pool] = torch.where(chosen, cols[j], flat[pool])  # flat: a view of idx
         alive &= ~chosen
-        won = torch.zeros_like(proposed).index_put_((ids[chosen], j[chosen]), torch.tensor(True, device=pool.device))
-        filled += won.sum(dim=0)
-        need -= won.sum(dim=0)
+        need -= torch.bincount(j[chosen], minlength=len(receivers))
         may[inv[chosen], j[chosen]] = False  # a token holds each expert once
-    for e, n in zip(receivers, filled.tolist()):
-        delta[e] -= n
+    for e, n in zip(receivers, need.tolist()):
+        delta[e] = n  # what each receiver still lacks
     pool = pool[alive]
     if pool.numel():
         _swap_to_fill(idx, scores, pool.tolist(), topk_idx.reshape(-1), delta)

@@ -154,28 +154,30 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
-// MOK_GEMM_FOLD: whether task t would fold its expert's tail, the next m-tile, when that tile is the expert's
-// (segments are padded to whole tiles, so t's own tile is then full) and holds at most kFoldRows real rows (real
-// rows come first: row kFoldRows is padding). Producer and consumers ask alike.
+// MOK_GEMM_FOLD: whether real m-tile m is a short tail, the last of an expert that already has a tile before it
+// (segments are padded to whole tiles, so that one is full), holding at most kFoldRows real rows (real rows come
+// first: row kFoldRows is padding).
+MOK_DEVICE bool is_short_tail(const Params& p, int m) {
+  return m > 0 && p.tile_to_expert[m - 1] == p.tile_to_expert[m] && p.row_to_token[m * BLOCK_M + kFoldRows] < 0;
+}
+
+// Whether task t folds the next m-tile, a short tail; producer and consumers ask alike.
 template <Gemm kGemm>
 MOK_DEVICE bool folds_tail(const Params& p, const Task& t, int num_tasks) {
   if constexpr (!Tile<kGemm>::kFold) {
     return false;
   } else {
-    const int next = t.m_tile + 1;
-    return next < num_tasks / p.num_n_tiles && p.tile_to_expert[next] == t.expert &&
-           p.row_to_token[next * BLOCK_M + kFoldRows] < 0;
+    return t.m_tile + 1 < num_tasks / p.num_n_tiles && is_short_tail(p, t.m_tile + 1);
   }
 }
 
-// MOK_GEMM_FOLD >= 2: whether task t is such a tail, whose work the previous m-tile's task takes (not run).
+// MOK_GEMM_FOLD >= 2: whether task t is a short tail, whose work the previous m-tile's task takes (not run).
 template <Gemm kGemm>
 MOK_DEVICE bool skips_tail(const Params& p, const Task& t) {
   if constexpr (!Tile<kGemm>::kFold || !kFoldSkipsTails) {
     return false;
   } else {
-    return t.m_tile > 0 && p.tile_to_expert[t.m_tile - 1] == t.expert &&
-           p.row_to_token[t.m_tile * BLOCK_M + kFoldRows] < 0;
+    return is_short_tail(p, t.m_tile);
   }
 }
 
