@@ -491,13 +491,16 @@ def _folded_tail_rows(sched) -> torch.Tensor:
     return tail.repeat_interleave(128)
 
 
+# MOK_GEMM_FOLD's probe that skips the tails and the fold itself, each with the static stride and the task counter
+FOLD_VARIANTS = [{"MOK_GEMM_FOLD": fold, **counter} for fold in (2, 3) for counter in ({}, {"MOK_GEMM_DYNAMIC": 1})]
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.filterwarnings("ignore:MOK_GEMM_FOLD=2")
-@pytest.mark.parametrize("dynamic", [0, 1], ids=["stride", "counter"])
-@pytest.mark.parametrize("fold", [2, 3])
+@pytest.mark.parametrize("switches", FOLD_VARIANTS, ids=[str(v) for v in FOLD_VARIANTS])
 @pytest.mark.parametrize("limit", [None, 0.75])
-def test_gemm_fold_writes_or_skips_exactly_the_tails(fold, dynamic, limit, monkeypatch):
+def test_gemm_fold_writes_or_skips_exactly_the_tails(switches, limit, monkeypatch):
     """The row-wise GEMMs with short tails folded into the previous m-tile's task, against the default build, each
     kernel on the default build's inputs. MOK_GEMM_FOLD=2 (timing only) skips the tails' tasks: the rows they own in
     each GEMM's output keep the poisoned allocator's NaN (the SwiGLU backward after the down dgrad is not checked
@@ -511,9 +514,9 @@ def test_gemm_fold_writes_or_skips_exactly_the_tails(fold, dynamic, limit, monke
     assert tail.any(), f"short-tails has no tail to fold (seed {seed})"
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     outs = {}
-    folded = {"MOK_GEMM_FOLD": fold, **({"MOK_GEMM_DYNAMIC": 1} if dynamic else {})}
-    for name, switches in (("default", {}), ("folded", folded)):
-        ext = core.load_extension(switches)
+    fold = switches["MOK_GEMM_FOLD"]
+    for name, build in (("default", {}), ("folded", switches)):
+        ext = core.load_extension(build)
         monkeypatch.setattr(gemm_ops, "load_extension", lambda ext=ext: ext)
         poison_allocator(2 * 8 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
         base = {k: v.cuda() for k, v in outs.get("default", {}).items()}  # the default's outputs as inputs

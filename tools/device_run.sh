@@ -35,8 +35,17 @@ switch=${MOK_SWITCH:-MOK_GEMM_MULTICAST=1}  # the build switch of the steps swit
 ab_args=${MOK_AB_ARGS:-}  # more options of `ab`, `ab_parts`, `mx_steps_ab`, e.g. "--rounds 5 --shapes dsv4pro-rank"
 # Build the extension first, outside any tool: built under compute-sanitizer it crashed (segfault, rc 139), and
 # the crash left torch's build lock behind, on which every later build of that machine waited until killed.
+# Every build the steps load is made here side by side (a build is ~1 minute, nearly all on one core): the
+# default, MOK_SWITCH's for the A/B steps, the trace builds of `timeline`; pytest builds its tests' own switch
+# sets side by side too (tests/conftest.py).
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
-timeout 300 python -c "from mok.ops import load_extension; load_extension()" || echo "build failed"
+builds=default
+[[ $steps =~ \ (ab|ab_parts|parts_sw|switches_sw)\  ]] && builds+=" $switch"
+if [[ $steps == *" timeline "* ]]; then
+  builds+=" MOK_GEMM_TRACE=1"
+  for sw in ${MOK_TIMELINE:-MOK_GEMM_SKIP_PADDING_HALF=1}; do [[ $sw == *=* ]] && builds+=" MOK_GEMM_TRACE=1,$sw"; done
+fi
+timeout 420 python tools/prebuild.py --timeout-s 360 $builds || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds every
 # variant (about a minute each) and requires its bits to equal the default build's; for one switch MOK_SWITCH
 # (NAME=VALUE, default MOK_GEMM_MULTICAST=1), `switches_sw` does that for it alone, `parts_sw` is `parts` on its

@@ -16,7 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -147,6 +152,44 @@ def _load(switches: tuple[tuple[str, int], ...]):
         build_directory=str(build_dir),
         verbose=os.environ.get("MOK_VERBOSE_BUILD", "0") == "1",
     )
+
+
+def is_built(switches: dict | None = None) -> bool:
+    """Whether `switches`' build (None = the environment's) is already in .cache/ for today's csrc/."""
+    name = extension_name(build_switches(switches))
+    return (CACHE / name / f"{name}.so").is_file()
+
+
+# One build, in a process of its own: the switches come as JSON in argv[1].
+_BUILD_ONE = "import json, sys; from mok.ops.core import load_extension; load_extension(json.loads(sys.argv[1]))"
+
+
+def prebuild(variants: list[dict], timeout_s: float = 600) -> list[dict]:
+    """Build every switch set of `variants` ({} = the headers' defaults) not yet in .cache/, side by side, one process
+    each, and wait for them. A build takes about a minute, nearly all of it csrc/bindings.cpp under torch's headers
+    on one core, so N builds take about one's time instead of N (device time is what the GPU sessions lack).
+    Returns the switch sets it built; raises naming every build that failed or ran past `timeout_s` (then killed),
+    with the end of its output. Loading a built variant afterwards is immediate."""
+    todo = [c for c in dict.fromkeys(build_switches(s) for s in variants) if not is_built(dict(c))]  # in order, once
+    procs = {checked: subprocess.Popen([sys.executable, "-c", _BUILD_ONE, json.dumps(dict(checked))], cwd=REPO,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True)  # a group: a kill reaches ninja and nvcc too
+             for checked in todo}
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for checked, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.returncode != 0:
+                failed.append(f"{dict(checked)}: exit {proc.returncode}\n" + "\n".join(output.splitlines()[-15:]))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            (CACHE / extension_name(checked) / "lock").unlink(missing_ok=True)  # else the next build waits on it
+            failed.append(f"{dict(checked)}: still building after {timeout_s:g} s, killed")
+    if failed:
+        raise RuntimeError("mok.ops.prebuild: builds failed:\n" + "\n".join(failed))
+    return [dict(checked) for checked in procs]
 
 
 def check_cuda_tensor(name: str, t, dtype: torch.dtype) -> None:

@@ -1,0 +1,69 @@
+"""mok.ops.core.prebuild on the CPU: each build is a stand-in process (it sleeps, and fails where told), so what is
+tested is the side-by-side running, the skipping, and how a failed or stuck build is reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from mok.ops import core
+
+# Stands in for one build: sleeps MOK_GEMM_GROUP_M / 10 s (a minute if MOK_GEMM_NUM_STAGES is 3: stuck), exits
+# with MOK_GEMM_TRACE.
+FAKE_BUILD = ("import json, sys, time; s = json.loads(sys.argv[1]); print('building', s, flush=True); "
+              "time.sleep(60 if s.get('MOK_GEMM_NUM_STAGES') == 3 else s.get('MOK_GEMM_GROUP_M', 1) / 10); "
+              "sys.exit(s.get('MOK_GEMM_TRACE', 0))")
+
+
+@pytest.fixture
+def fake_builds(monkeypatch):
+    monkeypatch.setattr(core, "_BUILD_ONE", FAKE_BUILD)
+    monkeypatch.setattr(core, "is_built", lambda switches=None: switches == {"MOK_GEMM_N256": 0})
+
+
+def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
+    variants = [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_FOLD": 1}, {"MOK_GEMM_FOLD": 1,
+                "MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_N256": 0}]
+    start = time.monotonic()
+    built = core.prebuild(variants)
+    elapsed = time.monotonic() - start
+    # the same switches in another order are one build; an already built one is skipped
+    assert built == [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_FOLD": 1, "MOK_GEMM_GROUP_M": 8},
+                     {"MOK_GEMM_DYNAMIC": 1, "MOK_GEMM_GROUP_M": 8}]
+    assert elapsed < 2.4, f"three builds of 0.8 s each took {elapsed:.1f} s: not side by side"
+
+
+def test_prebuild_names_every_failed_build(fake_builds):
+    with pytest.raises(RuntimeError) as err:
+        core.prebuild([{"MOK_GEMM_TRACE": 1}, {"MOK_GEMM_FOLD": 2}, {"MOK_GEMM_TRACE": 1, "MOK_GEMM_FOLD": 3}])
+    message = str(err.value)
+    assert "{'MOK_GEMM_TRACE': 1}: exit 1" in message and "building {'MOK_GEMM_TRACE': 1}" in message
+    assert "{'MOK_GEMM_FOLD': 3, 'MOK_GEMM_TRACE': 1}: exit 1" in message
+    assert "{'MOK_GEMM_FOLD': 2}" not in message
+
+
+def test_prebuild_kills_a_build_past_the_timeout(fake_builds):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}], timeout_s=3)
+    assert time.monotonic() - start < 10
+    assert str(err.value).endswith("{'MOK_GEMM_NUM_STAGES': 3}: still building after 3 s, killed")
+
+
+def test_prebuild_rejects_an_unknown_switch():
+    with pytest.raises(ValueError, match="MOK_GEMM_FOLD"):
+        core.prebuild([{"MOK_GEMM_FOLD": 5}])
+
+
+def test_prebuild_tool_reads_the_device_runs_specs(fake_builds, capsys):
+    spec = importlib.util.spec_from_file_location("prebuild_tool", Path(__file__).parents[1] / "tools" / "prebuild.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["default", "MOK_GEMM_FOLD=3,MOK_GEMM_DYNAMIC=1", "MOK_GEMM_DYNAMIC=1,MOK_GEMM_FOLD=3",
+                      "MOK_GEMM_N256=0"]) == 0
+    assert capsys.readouterr().out.startswith("prebuild: 2 built, 2 already there or repeated")
+    with pytest.raises(ValueError, match="MOK_GEMM_FOLD"):
+        tool.main(["MOK_GEMM_FOLD=4"])
