@@ -69,7 +69,8 @@ def routing_of(kind: str):
     """A `make_inputs` routing_fn by name, for the kernels' irregular test cases: "random" (None: make_inputs'
     own), "hot" (95% of routes on expert 3), "two" (only experts 1 and 6 get tokens: the others stay empty),
     "balanced" (every expert the same routes, routing.balanced_routing), "rounded" (make_inputs' own draw with every
-    expert's routes rounded to the fused level's 128-row tile, routing.round_to_tiles)."""
+    expert's routes rounded to the fused level's 128-row tile, routing.round_to_tiles), "tails" (expert e gets a
+    full 128-row tile and a tail of 1, 32, 8 or 33 routes, by e mod 4: T·K must be their sum)."""
     if kind == "random":
         return None
     if kind == "hot":
@@ -83,7 +84,17 @@ def routing_of(kind: str):
         return lambda T, E, K, g: routing.balanced_routing(T, E, K, generator=g)
     if kind == "rounded":
         return lambda T, E, K, g: routing.random_routing(T, E, K, generator=g, tile=GEMM_BLOCK_M)
-    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', 'rounded', got {kind!r}")
+    if kind == "tails":
+        def tails(T, E, K, g):
+            counts = torch.tensor([GEMM_BLOCK_M + (1, 32, 8, 33)[e % 4] for e in range(E)])  # [E]
+            if int(counts.sum()) != T * K or int(counts.max()) > T:
+                raise ValueError(f"num_tokens: expected T·K = {int(counts.sum())} routes, none over T, got "
+                                 f"T = {T}, K = {K}")
+            # token t takes the experts at t, t + T, ... of the routes sorted by expert: distinct, as no count > T
+            idx = torch.repeat_interleave(torch.arange(E), counts).view(K, T).t()  # [T, K]
+            return idx[torch.randperm(T, generator=g)], torch.ones(T, K)
+        return tails
+    raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', 'rounded', 'tails', got {kind!r}")
 
 
 def fresh_seed() -> int:

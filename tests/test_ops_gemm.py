@@ -34,6 +34,9 @@ CASES = {
     "pairs": (MoEConfig("pairs", 450, 128, 96, 3, 2), "random"),
     # ~150 routes per expert: a full m-tile, then a tail of mostly <= 32 routes (what MOK_GEMM_FOLD folds)
     "short-tails": (MoEConfig("short-tails", 300, 128, 96, 4, 2), "random"),
+    # tails of exactly 1, 32, 8 and 33 routes (the last not folded), with n- and k-tails: 3 n-tiles of GEMM2 and
+    # the gate/up dgrad (the last 8 columns wide), 2 of GEMM1, the down dgrad's B1 half 72 columns wide
+    "wide-tails": (MoEConfig("wide-tails", 293, 520, 200, 4, 2), "tails"),
 }
 NEAR_BITWISE = 0.98  # fraction of elements that must equal L0's bits (fp32 sum order flips a few roundings)
 
@@ -154,6 +157,21 @@ def test_build_switches_from_env_and_arguments(monkeypatch):
         core.build_switches()
     with pytest.raises(ValueError, match="switches: expected names from"):
         core.build_switches({"MOK_TMA_STORE": 0})
+    with pytest.raises(ValueError, match="MOK_GEMM_FOLD: expected 0 with MOK_GEMM_TMA_STORE=0"):
+        core.build_switches({"MOK_GEMM_FOLD": 3, "MOK_GEMM_TMA_STORE": 0})  # else a static_assert at build time
+
+
+@pytest.mark.parametrize("block_m", [128, 384])
+def test_wide_tails_fold_three_of_four_tails(block_m):
+    """routing_of("tails"): each expert a full tile and a tail of 1, 32, 8 or 33 routes, each token's experts
+    distinct. The fold takes the first three tails, never the 33 nor, at block_m = 384, the empty tile after a
+    tail (which runs its own task: the kernel's is_short_tail asks for a full tile before the tail)."""
+    seed = fresh_seed()
+    inputs, sched = _problem("wide-tails", seed, block_m)
+    assert torch.bincount(inputs["topk_idx"].view(-1), minlength=4).tolist() == [129, 160, 136, 161]
+    assert all(len(set(experts)) == 2 for experts in inputs["topk_idx"].tolist()), f"seed {seed}"
+    folded = _folded_tail_rows(sched).view(-1, 128)[:, 0]  # [m-tiles]
+    assert folded.nonzero().view(-1).tolist() == ([1, 3, 5] if block_m == 128 else [1, 4, 7])
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -456,7 +474,7 @@ SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("switches", SWITCH_VARIANTS, ids=[str(v) for v in SWITCH_VARIANTS])
-@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs", "short-tails"])
+@pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs", "short-tails", "wide-tails"])
 def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     """Epilogue edges of the TMA path: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
     kWeightGrad's m = 520, 200, 32, 192 (rows past m clipped, whole warps skipped); num_sms = 3: several tasks
@@ -482,12 +500,12 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
 
 
 def _folded_tail_rows(sched) -> torch.Tensor:
-    """[num_rows] bool: the rows of every m-tile that follows a tile of its own expert and holds at most 32 routes
-    (the tails MOK_GEMM_FOLD folds into the previous m-tile), counted on the CPU from the schedule."""
+    """[num_rows] bool: the rows of every m-tile that follows a full tile of its own expert and holds at most 32
+    routes (the tails MOK_GEMM_FOLD folds into the previous m-tile), counted on the CPU from the schedule."""
     tiles = sched.row_to_token.cpu().view(-1, 128)  # [m-tiles, 128]
-    expert = sched.tile_to_expert.cpu()  # [m-tiles]
+    expert = sched.row_to_expert.cpu()[::128]  # [m-tiles]
     tail = torch.zeros(len(expert), dtype=torch.bool)
-    tail[1:] = (expert[1:] == expert[:-1]) & (tiles[1:, 32] < 0)
+    tail[1:] = (expert[1:] == expert[:-1]) & (tiles[:-1, 127] >= 0) & (tiles[1:, 32] < 0)
     return tail.repeat_interleave(128)
 
 
@@ -500,18 +518,20 @@ FOLD_VARIANTS = [{"MOK_GEMM_FOLD": fold, **counter} for fold in (2, 3) for count
 @pytest.mark.filterwarnings("ignore:MOK_GEMM_FOLD=2")
 @pytest.mark.parametrize("switches", FOLD_VARIANTS, ids=[str(v) for v in FOLD_VARIANTS])
 @pytest.mark.parametrize("limit", [None, 0.75])
-def test_gemm_fold_writes_or_skips_exactly_the_tails(switches, limit, monkeypatch):
+@pytest.mark.parametrize("case, block_m", [("short-tails", 128), ("wide-tails", 128), ("wide-tails", 384)])
+def test_gemm_fold_writes_or_skips_exactly_the_tails(case, block_m, switches, limit, monkeypatch):
     """The row-wise GEMMs with short tails folded into the previous m-tile's task, against the default build, each
     kernel on the default build's inputs. MOK_GEMM_FOLD=2 (timing only) skips the tails' tasks: the rows they own in
     each GEMM's output keep the poisoned allocator's NaN (the SwiGLU backward after the down dgrad is not checked
     there: it reads those rows). MOK_GEMM_FOLD=3 writes them from the folding task (transposed MMAs, a transposed
     store, zeros past the routes): every row must have the default's bits. Every other row has them in both. With
-    the static stride and with tasks from the counter."""
+    the static stride and with tasks from the counter; wide-tails adds later n-tiles, B1's half of the fold and
+    tails of exactly 1 and 32 routes, and at block_m = 384 an empty tile after each tail, which runs its own task."""
     seed = fresh_seed()
-    inputs, sched = _problem("short-tails", seed)
+    inputs, sched = _problem(case, seed, block_m)
     sched = sched.to("cuda")
     tail = _folded_tail_rows(sched)  # [num_rows]
-    assert tail.any(), f"short-tails has no tail to fold (seed {seed})"
+    assert tail.any(), f"{case} has no tail to fold (seed {seed})"
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     outs = {}
     fold = switches["MOK_GEMM_FOLD"]

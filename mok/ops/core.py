@@ -73,6 +73,10 @@ def build_switches(switches: dict | None = None) -> tuple[tuple[str, int], ...]:
         if str(value).strip() not in {str(v) for v in allowed}:
             fail(name, f"one of {allowed} (a build switch; environment variable or unset)", repr(value))
         checked.append((name, int(str(value).strip())))
+    values = dict(checked)
+    if values.get("MOK_GEMM_FOLD", 0) and values.get("MOK_GEMM_TMA_STORE") == 0:  # else a static_assert, at build
+        fail("MOK_GEMM_FOLD", "0 with MOK_GEMM_TMA_STORE=0 (the fold's tail ring takes the room the st.global "
+             "epilogue stages in)", values["MOK_GEMM_FOLD"])
     return tuple(sorted(checked))
 
 

@@ -263,7 +263,12 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
 #endif
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
-#if MOK_GEMM_TRACE
+    if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
+    if constexpr (T::kFold && kFoldWritesTails) {
+      if (fold) store_folded_tail<kGemm>(fold_acc, p, staging, (t.m_tile + 1) * BLOCK_M, t.n_tile * T::kTaskN, group,
+                                         warp, lane);
+    }
+#if MOK_GEMM_TRACE  // the epilogue's end: after every store this task issues (a folded tail's too)
     if (warp == 0 && lane == 0) {
       const int slot = atomicAdd(&g_trace_count, 1);
       if (slot < kTraceRecords) {
@@ -275,11 +280,6 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
       }
     }
 #endif
-    if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
-    if constexpr (T::kFold && kFoldWritesTails) {
-      if (fold) store_folded_tail<kGemm>(fold_acc, p, staging, (t.m_tile + 1) * BLOCK_M, t.n_tile * T::kTaskN, group,
-                                         warp, lane);
-    }
   });
   epilogue.store_rest(p, outputs, staging, lane);
   drain_stores(lane);

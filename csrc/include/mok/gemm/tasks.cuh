@@ -154,11 +154,13 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
 }
 
-// MOK_GEMM_FOLD: whether real m-tile m is a short tail, the last of an expert that already has a tile before it
-// (segments are padded to whole tiles, so that one is full), holding at most kFoldRows real rows (real rows come
-// first: row kFoldRows is padding).
+// MOK_GEMM_FOLD: whether real m-tile m is a short tail: it holds at most kFoldRows real rows (real rows come first:
+// row kFoldRows is padding) and follows a full tile of its expert (whose task folds it). Full, not merely the same
+// expert's: a schedule of block_m = 256 or more can give an expert two short tiles in a row (128 / 128 / 14 / 0
+// routes), and the second must run its own task, since the first's is skipped.
 MOK_DEVICE bool is_short_tail(const Params& p, int m) {
-  return m > 0 && p.tile_to_expert[m - 1] == p.tile_to_expert[m] && p.row_to_token[m * BLOCK_M + kFoldRows] < 0;
+  return m > 0 && p.tile_to_expert[m - 1] == p.tile_to_expert[m] && p.row_to_token[m * BLOCK_M - 1] >= 0 &&
+         p.row_to_token[m * BLOCK_M + kFoldRows] < 0;
 }
 
 // Whether task t folds the next m-tile, a short tail; producer and consumers ask alike.
