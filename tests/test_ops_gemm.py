@@ -564,6 +564,36 @@ def test_gemm_fold_writes_or_skips_exactly_the_tails(case, block_m, switches, li
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(monkeypatch):
+    """MOK_GEMM_DYNAMIC: GEMM2 launched eight times over two streams, each launch on half the SMs so that they run
+    side by side, stores what one launch alone stores, every time: each launch takes its tasks from a counter of
+    its own (one counter per kind, as the switch had at first, would hand one launch's tasks to the other)."""
+    seed = fresh_seed()
+    ext = core.load_extension({"MOK_GEMM_DYNAMIC": 1})
+    monkeypatch.setattr(gemm_ops, "load_extension", lambda: ext)
+    cfg = MoEConfig("two-streams", 4096, 1024, 512, 16, 4)
+    inputs = make_inputs(cfg, seed=seed)
+    sched = make_schedule(inputs["topk_idx"], cfg.num_experts).to("cuda")
+    g = torch.Generator().manual_seed(seed)
+    a_rows = torch.randn(sched.num_rows, cfg.intermediate, generator=g).to(BF16).cuda()  # [R, I]
+    w = inputs["w_down"].cuda()  # [E, H, I]
+    half = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    expected = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=half)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(4):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                poison_allocator(sched.num_rows * cfg.hidden * 2)
+                outs.append(ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=half))
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, expected), f"launch {i} (stream {i % 2}) differs from one launch alone (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_gemm1_then_gemm2_match_l0_moe_forward(shape, limit):

@@ -65,7 +65,7 @@ namespace mok::gemm {
 // atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
 // order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
 // lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
-// the bits. Launches of one kind must be stream-ordered (one counter per kind and module, reset by the last CTA).
+// the bits. Each launch has a counter of its own (launch_grouped_gemm_bf16), so launches may overlap.
 // NOTE: measured neutral alone and reverted at 19c02bf ("Tasks from a counter"); back, default off, because the
 // fold (MOK_GEMM_FOLD) makes tasks uneven by design: with the static stride a CTA's share of the
 // longer tasks decides the kernel's end (counted on the CPU, docs/l2_fused.md "Tails folded into the previous tile").

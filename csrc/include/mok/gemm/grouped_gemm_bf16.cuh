@@ -52,6 +52,9 @@
 //   weights transposed): two boxes of 64 k-rows × 64 n (128 bytes), n0.. then n0+64.. (8 KiB apart).
 #pragma once
 
+#include <map>
+#include <mutex>
+
 #include "mok/gemm/consumer.cuh"
 #include "mok/gemm/producer.cuh"
 
@@ -149,6 +152,33 @@ struct MxScales {
   const void *s0, *s1;  // of w_b0, w_b1
 };
 
+#if MOK_GEMM_DYNAMIC
+// kDynamic: every launch takes a counter of its own from this pool, zeroed before it and freed after it in stream
+// order, so launches that overlap (two streams, two branches of a graph) never share one. One pool per device,
+// mok's own: it keeps its memory across synchronizations (the default pool gives it back at each).
+inline cudaError_t counter_pool(cudaMemPool_t* pool) {
+  static std::mutex mutex;
+  static std::map<int, cudaMemPool_t> pools;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (!pools.count(device)) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t created;
+    if ((err = cudaMemPoolCreate(&created, &props))) return err;
+    uint64_t keep = UINT64_MAX;
+    if ((err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep))) return err;
+    pools[device] = created;
+  }
+  *pool = pools[device];
+  return cudaSuccess;
+}
+#endif
+
 template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
                                      int num_sms, cudaStream_t stream, MxScales mx = {nullptr, nullptr}) {
@@ -224,9 +254,25 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   if constexpr (!T::kMulticast) {
     const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
+#if MOK_GEMM_DYNAMIC
+    cudaMemPool_t pool;
+    if constexpr (T::kDynamic) {
+      if ((err = counter_pool(&pool)) ||
+          (err = cudaMallocFromPoolAsync(reinterpret_cast<void**>(&p.unit_counter), sizeof(int), pool, stream)) ||
+          (err = cudaMemsetAsync(p.unit_counter, 0, sizeof(int), stream)))
+        return err;
+    }
+#endif
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
                                                       tmap_gate, tmap_up, p);
-    return cudaGetLastError();
+    err = cudaGetLastError();
+#if MOK_GEMM_DYNAMIC
+    if constexpr (T::kDynamic) {
+      const cudaError_t freed = cudaFreeAsync(p.unit_counter, stream);
+      if (!err) err = freed;
+    }
+#endif
+    return err;
   } else {  // whole clusters: one per pair unit at most, no more than fit at once, at least one
     cudaLaunchConfig_t config{};
     config.blockDim = dim3(kNumThreads);

@@ -31,6 +31,9 @@ struct Params {
   int num_tasks;                   // the most tasks (row-wise kinds: num_rows' tiles); see num_tasks_of
   float swiglu_limit;              // used when has_limit
   int has_limit;
+#if MOK_GEMM_DYNAMIC
+  int* unit_counter;  // the launch's own counter of units handed out, zero at the start (launch_grouped_gemm_bf16)
+#endif
 };
 
 // kGateUpMxOut's gate (or up) in MXFP8, one buffer at p.gate (p.up): E4M3 data [num_rows, n] (n % 32 == 0), then
@@ -230,12 +233,8 @@ MOK_DEVICE Work decode_work(const Params& p, int unit, int num_k_blocks, int num
 
 // ---- the CTA's sequence of work units ------------------------------------------------------------------
 // Static: first, first + step, ... < count (units_of). kDynamic: producer thread 0 takes each next unit from the
-// launch's counter and passes it through a ring of kUnitSlots in shared memory to the roles that read it (the
-// consumer warps; the producer's gather warps); the last CTA to run out resets the counter for the next launch.
-#if MOK_GEMM_DYNAMIC
-__device__ int g_unit_counter[8];    // per Gemm kind: the next unit to hand out
-__device__ unsigned g_ctas_done[8];  // per Gemm kind: CTAs that ran out
-#endif
+// launch's counter (p.unit_counter) and passes it through a ring of kUnitSlots in shared memory to the roles that
+// read it (the consumer warps; the producer's gather warps).
 
 struct UnitRing {
   uint64_t* full;   // [kUnitSlots] the writer's arrival: the slot holds the next unit
@@ -247,6 +246,7 @@ template <Gemm kGemm>
 struct UnitFeed {
   Units units;
   UnitRing ring;
+  int* counter;  // the launch's (kDynamic builds; else null)
 
   // Reader warps of a slot: the consumers', and the producer's when it gathers (TMA producers: thread 0 alone,
   // which writes the units and reads none).
@@ -262,14 +262,9 @@ struct UnitFeed {
       const uint32_t phase = (i / kUnitSlots) & 1;
       if (writer) {
         ptx::mbarrier_wait_parity(&ring.empty[slot], phase ^ 1);  // its readers are done with its last unit
-        const int unit = atomicAdd(&g_unit_counter[static_cast<int>(kGemm)], 1);
+        const int unit = atomicAdd(counter, 1);
         ring.unit[slot] = unit < units.count ? unit : -1;
         ptx::mbarrier_arrive(&ring.full[slot]);  // release: the readers see the unit
-        if (unit >= units.count && atomicAdd(&g_ctas_done[static_cast<int>(kGemm)], 1u) == gridDim.x - 1) {
-          // every CTA has taken its last unit: none reads the counter again in this launch
-          g_unit_counter[static_cast<int>(kGemm)] = 0;
-          g_ctas_done[static_cast<int>(kGemm)] = 0;
-        }
         if (!Tile<kGemm>::kGather) return unit < units.count ? unit : -1;
       }
       ptx::mbarrier_wait_parity(&ring.full[slot], phase);
@@ -288,7 +283,11 @@ template <Gemm kGemm, typename Body>
 MOK_DEVICE void for_each_unit(const Params& p, int num_tasks, const UnitRing& ring, bool writer, Body body) {
   const Units units = units_of<kGemm>(p, num_tasks);
   if constexpr (Tile<kGemm>::kDynamic) {
-    const UnitFeed<kGemm> feed{units, ring};
+#if MOK_GEMM_DYNAMIC
+    const UnitFeed<kGemm> feed{units, ring, p.unit_counter};
+#else
+    const UnitFeed<kGemm> feed{units, ring, nullptr};
+#endif
     for (int i = 0, unit; (unit = feed.next(i, writer)) >= 0; ++i) body(unit);
   } else {
     for (int unit = units.first; unit < units.count; unit += units.step) body(unit);
