@@ -594,6 +594,31 @@ def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(m
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+def test_gemm_dynamic_launch_replays_from_a_cuda_graph(monkeypatch):
+    """MOK_GEMM_DYNAMIC: a launch's counter is allocated, zeroed and freed in stream order, so GEMM2 captured in a
+    CUDA graph (allocation, memset, kernel and free nodes) replays to one eager launch's bits, twice."""
+    seed = fresh_seed()
+    ext = core.load_extension({"MOK_GEMM_DYNAMIC": 1})
+    monkeypatch.setattr(gemm_ops, "load_extension", lambda: ext)
+    inputs, sched = _problem("deep-k", seed)
+    sched = sched.to("cuda")
+    cfg = CASES["deep-k"][0]
+    a_rows = torch.randn(sched.num_rows, cfg.intermediate, generator=torch.Generator().manual_seed(seed))
+    a_rows, w = a_rows.to(BF16).cuda(), inputs["w_down"].cuda()
+    expected = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched)  # also the first launch: the pool is made
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched)
+    for replay in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"replay {replay} differs from the eager launch (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_gemm1_then_gemm2_match_l0_moe_forward(shape, limit):
