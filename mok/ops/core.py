@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -175,22 +176,26 @@ def prebuild(variants: list[dict], timeout_s: float = 600) -> list[dict]:
     Returns the switch sets it built; raises naming every build that failed or ran past `timeout_s` (then killed),
     with the end of its output. Loading a built variant afterwards is immediate."""
     todo = [c for c in dict.fromkeys(build_switches(s) for s in variants) if not is_built(dict(c))]  # in order, once
+    logs = {checked: tempfile.TemporaryFile("w+") for checked in todo}  # not pipes: a full one would stall a build
     procs = {checked: subprocess.Popen([sys.executable, "-c", _BUILD_ONE, json.dumps(dict(checked))], cwd=REPO,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       stdout=logs[checked], stderr=subprocess.STDOUT,
                                        start_new_session=True)  # a group: a kill reaches ninja and nvcc too
              for checked in todo}
     deadline = time.monotonic() + timeout_s
     failed = []
     for checked, proc in procs.items():
         try:
-            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             if proc.returncode != 0:
-                failed.append(f"{dict(checked)}: exit {proc.returncode}\n" + "\n".join(output.splitlines()[-15:]))
+                logs[checked].seek(0)
+                tail = logs[checked].read().splitlines()[-15:]
+                failed.append(f"{dict(checked)}: exit {proc.returncode}\n" + "\n".join(tail))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait()
             (CACHE / extension_name(checked) / "lock").unlink(missing_ok=True)  # else the next build waits on it
             failed.append(f"{dict(checked)}: still building after {timeout_s:g} s, killed")
+        logs[checked].close()
     if failed:
         raise RuntimeError("mok.ops.prebuild: builds failed:\n" + "\n".join(failed))
     return [dict(checked) for checked in procs]
