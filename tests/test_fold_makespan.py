@@ -23,10 +23,11 @@ def test_task_order_is_decode_tasks_grouped_order():
     assert fold_makespan.task_order(3, 2, group_m=1) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
 
 
-def test_tails_are_an_experts_later_tiles_of_at_most_32_routes():
-    experts = [0, 0, 1, 1, 1, 2, 3, 3]
-    rows = [128, 20, 128, 128, 40, 5, 128, 32]
-    assert fold_makespan.tails(experts, rows) == [False, True, False, False, False, False, False, True]
+def test_tails_are_an_experts_later_tiles_of_at_most_32_routes_after_a_full_one():
+    experts = [0, 0, 1, 1, 1, 2, 3, 3, 4, 4, 4]
+    rows = [128, 20, 128, 128, 40, 5, 128, 32, 128, 14, 0]  # expert 4: a schedule of 384-row segments
+    assert fold_makespan.tails(experts, rows) == [False, True, False, False, False, False, False, True, False, True,
+                                                  False]
 
 
 @pytest.mark.parametrize("counter", [False, True])

@@ -40,10 +40,10 @@ def task_order(num_m_tiles: int, num_n_tiles: int, group_m: int = GROUP_M) -> li
 
 
 def tails(tile_to_expert: list[int], tile_num_rows: list[int], fold_rows: int = FOLD_ROWS) -> list[bool]:
-    """Per m-tile: whether it is a tail that would fold into the previous m-tile (the same expert, at most
-    fold_rows routes): the kernel's skips_tail."""
-    return [m > 0 and tile_to_expert[m - 1] == tile_to_expert[m] and tile_num_rows[m] <= fold_rows
-            for m in range(len(tile_to_expert))]
+    """Per m-tile: whether it is a tail that would fold into the previous m-tile (a full one of the same expert; at
+    most fold_rows routes): the kernel's is_short_tail."""
+    return [m > 0 and tile_to_expert[m - 1] == tile_to_expert[m] and tile_num_rows[m - 1] == BLOCK_M
+            and tile_num_rows[m] <= fold_rows for m in range(len(tile_to_expert))]
 
 
 def makespan(costs: list[float], grid: int, counter: bool) -> float:
