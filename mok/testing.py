@@ -92,7 +92,7 @@ def routing_of(kind: str):
                                  f"T = {T}, K = {K}")
             # token t takes the experts at t, t + T, ... of the routes sorted by expert: distinct, as no count > T
             idx = torch.repeat_interleave(torch.arange(E), counts).view(K, T).t()  # [T, K]
-            return idx[torch.randperm(T, generator=g)], torch.ones(T, K)
+            return idx[torch.randperm(T, generator=g, device=g.device).cpu()], torch.ones(T, K)
         return tails
     raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', 'rounded', 'tails', got {kind!r}")
 

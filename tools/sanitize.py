@@ -3,7 +3,8 @@
 One pass runs every L2 kernel (the four GEMM kinds and the weight-gradient kind, the schedule, the
 route-gradient glue and the combine, and in mxfp8 the quantizers and GEMM1 with MXFP8 outputs; the last case
 with MOK_MX_WEIGHTS=mainloop, the MXFP8-weight GEMMs) with and without the shared expert, then checks the
-result against L0 so that a sanitizer run that silently skipped a kernel cannot pass.
+result against L0 so that a sanitizer run that silently skipped a kernel cannot pass. The case "tails" gives each
+expert a full tile and a short tail (what a MOK_GEMM_FOLD build folds: run it under that build's switches).
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)
@@ -16,10 +17,11 @@ import torch
 
 from mok import fused, testing
 from mok import reference as L0
-from mok.config import TINY_SHAPES
+from mok.config import TINY_SHAPES, MoEConfig
 
+SHAPES = {**TINY_SHAPES, "tails": MoEConfig("tails", 293, 128, 96, 4, 2)}  # testing.routing_of("tails")
 CASES = [("tiny", "bf16", "dequantize"), ("tiny-top8", "bf16", "dequantize"), ("tiny-noshared", "bf16", "dequantize"),
-         ("tiny", "mxfp8", "dequantize"), ("tiny-top8", "mxfp8", "mainloop")]
+         ("tails", "bf16", "dequantize"), ("tiny", "mxfp8", "dequantize"), ("tiny-top8", "mxfp8", "mainloop")]
 TOLERANCE = {"bf16": testing.TOLERANCES["bf16_vs_l0"], "mxfp8": testing.TOLERANCES["mxfp8_vs_l0_mxfp8"]}
 
 words = sys.argv[1:]
@@ -27,7 +29,8 @@ for name, precision, mx_weights in CASES:
     if words and not any(w in (name, precision, mx_weights) for w in words):
         continue
     os.environ[fused.MX_WEIGHTS_ENV] = mx_weights
-    inputs = testing.make_inputs(TINY_SHAPES[name], device="cuda", seed=1, draw_on="cuda")
+    routing_fn = testing.routing_of("tails") if name == "tails" else None
+    inputs = testing.make_inputs(SHAPES[name], device="cuda", seed=1, draw_on="cuda", routing_fn=routing_fn)
     out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
     out0, grads0 = testing.run_level(L0, inputs, precision=precision, swiglu_limit=1.0)
     torch.cuda.synchronize()
