@@ -13,7 +13,8 @@ from mok.ops import core
 
 # Stands in for one build: sleeps MOK_GEMM_GROUP_M / 10 s (a minute if MOK_GEMM_NUM_STAGES is 3: stuck), exits
 # with MOK_GEMM_TRACE.
-FAKE_BUILD = ("import json, sys, time; s = json.loads(sys.argv[1]); print('building', s, flush=True); "
+FAKE_BUILD = ("import json, os, sys, time; s = json.loads(sys.argv[1]); "
+              "print('building', s, 'MAX_JOBS', os.environ.get('MAX_JOBS'), flush=True); "
               "time.sleep(60 if s.get('MOK_GEMM_NUM_STAGES') == 3 else s.get('MOK_GEMM_GROUP_M', 1) / 10); "
               "sys.exit(s.get('MOK_GEMM_TRACE', 0))")
 
@@ -28,7 +29,7 @@ def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
     variants = [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_FOLD": 1}, {"MOK_GEMM_FOLD": 1,
                 "MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_N256": 0}]
     start = time.monotonic()
-    built = core.prebuild(variants)
+    built = core.prebuild(variants, workers=3)
     elapsed = time.monotonic() - start
     # the same switches in another order are one build; an already built one is skipped
     assert built == [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_FOLD": 1, "MOK_GEMM_GROUP_M": 8},
@@ -36,11 +37,19 @@ def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
     assert elapsed < 2.4, f"three builds of 0.8 s each took {elapsed:.1f} s: not side by side"
 
 
+def test_prebuild_runs_at_most_workers_builds_at_once(fake_builds):
+    start = time.monotonic()
+    core.prebuild([{"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 1},
+                   {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 2}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 3}], workers=2)
+    assert time.monotonic() - start >= 0.8, "four builds of 0.4 s, two at a time, take two rounds"
+
+
 def test_prebuild_names_every_failed_build(fake_builds):
     with pytest.raises(RuntimeError) as err:
         core.prebuild([{"MOK_GEMM_TRACE": 1}, {"MOK_GEMM_FOLD": 2}, {"MOK_GEMM_TRACE": 1, "MOK_GEMM_FOLD": 3}])
     message = str(err.value)
-    assert "{'MOK_GEMM_TRACE': 1}: exit 1" in message and "building {'MOK_GEMM_TRACE': 1}" in message
+    assert "{'MOK_GEMM_TRACE': 1}: exit 1" in message
+    assert "building {'MOK_GEMM_TRACE': 1} MAX_JOBS 2" in message, "each build's compiles are bounded"
     assert "{'MOK_GEMM_FOLD': 3, 'MOK_GEMM_TRACE': 1}: exit 1" in message
     assert "{'MOK_GEMM_FOLD': 2}" not in message
 
@@ -48,9 +57,11 @@ def test_prebuild_names_every_failed_build(fake_builds):
 def test_prebuild_kills_a_build_past_the_timeout(fake_builds):
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
-        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}], timeout_s=3)
+        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_FOLD": 1}], timeout_s=3,
+                      workers=2)  # the third waits for the second, then runs while the first is stuck
     assert time.monotonic() - start < 10
     assert str(err.value).endswith("{'MOK_GEMM_NUM_STAGES': 3}: still building after 3 s, killed")
+    assert "MOK_GEMM_FOLD" not in str(err.value)
 
 
 def test_prebuild_rejects_an_unknown_switch():
@@ -67,3 +78,10 @@ def test_prebuild_tool_reads_the_device_runs_specs(fake_builds, capsys):
     assert capsys.readouterr().out.startswith("prebuild: 2 built, 2 already there or repeated")
     with pytest.raises(ValueError, match="MOK_GEMM_FOLD"):
         tool.main(["MOK_GEMM_FOLD=4"])
+
+
+def test_prebuild_reports_builds_never_started_before_the_timeout(fake_builds):
+    with pytest.raises(RuntimeError) as err:
+        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}], timeout_s=2, workers=1)
+    assert "{'MOK_GEMM_NUM_STAGES': 3}: still building after 2 s, killed" in str(err.value)
+    assert str(err.value).endswith("{'MOK_GEMM_GROUP_M': 1}: not started within 2 s")

@@ -169,36 +169,47 @@ def is_built(switches: dict | None = None) -> bool:
 _BUILD_ONE = "import json, sys; from mok.ops.core import load_extension; load_extension(json.loads(sys.argv[1]))"
 
 
-def prebuild(variants: list[dict], timeout_s: float = 600) -> list[dict]:
-    """Build every switch set of `variants` ({} = the headers' defaults) not yet in .cache/, side by side, one process
-    each, and wait for them. A build takes about a minute, nearly all of it csrc/bindings.cpp under torch's headers
-    on one core, so N builds take about one's time instead of N (device time is what the GPU sessions lack).
-    Returns the switch sets it built; raises naming every build that failed or ran past `timeout_s` (then killed),
-    with the end of its output. Loading a built variant afterwards is immediate."""
-    todo = [c for c in dict.fromkeys(build_switches(s) for s in variants) if not is_built(dict(c))]  # in order, once
-    logs = {checked: tempfile.TemporaryFile("w+") for checked in todo}  # not pipes: a full one would stall a build
-    procs = {checked: subprocess.Popen([sys.executable, "-c", _BUILD_ONE, json.dumps(dict(checked))], cwd=REPO,
-                                       stdout=logs[checked], stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # a group: a kill reaches ninja and nvcc too
-             for checked in todo}
+def prebuild(variants: list[dict], timeout_s: float = 600, workers: int | None = None) -> list[dict]:
+    """Build every switch set of `variants` ({} = the headers' defaults) not yet in .cache/, side by side, and wait
+    for them. A build takes about a minute, most of it csrc/bindings.cpp under torch's headers on one core (the .cu
+    units compile in seconds), so N builds take about one's time instead of N: device time is what the GPU sessions
+    lack. `workers` builds at once (default: half the cores), each with two compiles at once (MAX_JOBS=2 unless
+    set), so that memory stays bounded. Returns the switch sets it built; raises naming every build that failed or
+    was still running after `timeout_s` (then killed, with its compilers), with the end of its output."""
+    pending = [c for c in dict.fromkeys(build_switches(s) for s in variants) if not is_built(dict(c))]  # once each
+    built = [dict(c) for c in pending]
+    workers = workers or max(1, (os.cpu_count() or 2) // 2)
+    env = {"MAX_JOBS": "2", **os.environ}
     deadline = time.monotonic() + timeout_s
-    failed = []
-    for checked, proc in procs.items():
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            if proc.returncode != 0:
-                logs[checked].seek(0)
-                tail = logs[checked].read().splitlines()[-15:]
-                failed.append(f"{dict(checked)}: exit {proc.returncode}\n" + "\n".join(tail))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            (CACHE / extension_name(checked) / "lock").unlink(missing_ok=True)  # else the next build waits on it
-            failed.append(f"{dict(checked)}: still building after {timeout_s:g} s, killed")
-        logs[checked].close()
+    running, failed = {}, []
+    while pending or running:
+        while pending and len(running) < workers:
+            checked = pending.pop(0)
+            log = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the build
+            running[checked] = log, subprocess.Popen(
+                [sys.executable, "-c", _BUILD_ONE, json.dumps(dict(checked))], cwd=REPO, env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)  # its own group: a kill reaches ninja and nvcc
+        late = time.monotonic() > deadline
+        for checked, (log, proc) in list(running.items()):
+            if proc.poll() is None and not late:
+                continue
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                (CACHE / extension_name(checked) / "lock").unlink(missing_ok=True)  # else the next build waits
+                failed.append(f"{dict(checked)}: still building after {timeout_s:g} s, killed")
+            elif proc.returncode != 0:
+                log.seek(0)
+                failed.append(f"{dict(checked)}: exit {proc.returncode}\n" + "\n".join(log.read().splitlines()[-15:]))
+            log.close()
+            del running[checked]
+        if late:
+            failed += [f"{dict(checked)}: not started within {timeout_s:g} s" for checked in pending]
+            break
+        time.sleep(0.05)
     if failed:
         raise RuntimeError("mok.ops.prebuild: builds failed:\n" + "\n".join(failed))
-    return [dict(checked) for checked in procs]
+    return built
 
 
 def check_cuda_tensor(name: str, t, dtype: torch.dtype) -> None:
