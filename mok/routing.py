@@ -81,7 +81,7 @@ def _topk_lowest_id(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 # ---- rounding to the kernels' tiles ------------------------------------------------------------
 
 
-def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> torch.Tensor:
+def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, device_rounds: bool = True) -> torch.Tensor:
     """Move the fewest routes so that every expert's route count is a multiple of `tile` (all but one expert's when
     T·K is not a multiple of it): the fused level's segments then need no padding rows (SonicMoE's token rounding,
     kept to mok's fixed K: a route moves to another expert, never away).
@@ -101,8 +101,9 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: ~10 rounds of small ops at the standard
-    shapes (one host read each), with a handful more before and after them.
+    descending score, then ascending id. Runs on topk_idx's device: ~40 small ops and a few host reads, and the
+    rounds (fill_rounds), on a GPU one kernel (mok.ops.route_fill_rounds; device_rounds=False: its PyTorch twin,
+    ~25 ops and a host read per round).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
@@ -141,40 +142,20 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
     pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
-    # The receivers fill in rounds, all at once. In each round every receiver short of routes proposes its best
-    # candidates (ties: lower route id): a token's first pool route still unmoved (the others score it alike), if the
-    # token may go to it. A route proposed by several goes to the receiver with the least slack (candidates left
-    # minus need; ties lower id), which takes all it proposes; the others try again with what is left. Which
-    # receivers a token may go to changes only by the routes it gains (a move takes away a giving expert, never a
-    # receiver), so `took` keeps that. Each round fills the first receiver's proposals, so the rounds end.
+    # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere).
     receivers = [e for e in range(num_experts) if delta[e] > 0]
     cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
     tokens, inv = torch.unique(pool // num_topk, return_inverse=True)  # [U] the pool's tokens, [P] -> them
     token_scores = scores[tokens][:, cols]  # [U, R]
     may = (token_scores > float("-inf")) & ~held[tokens][:, cols]  # [U, R]
-    pool_scores = token_scores[inv]  # [P, R]
-    need = delta_t[cols]  # [R]
-    alive = torch.ones_like(pool, dtype=torch.bool)  # [P]
-    ids = torch.arange(pool.numel(), device=pool.device)  # [P]
-    while True:
-        lowest = torch.full_like(tokens, pool.numel()).scatter_reduce_(0, inv, torch.where(alive, ids, pool.numel()),
-                                                                      "amin")  # [U]: each token's first alive route
-        cand = (alive & (lowest[inv] == ids)).unsqueeze(1) & may[inv] & (need > 0)  # [P, R]
-        if not bool(cand.any()):
-            break
-        order = torch.sort(pool_scores.masked_fill(~cand, float("-inf")), dim=0, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(0, order, ids.unsqueeze(1).expand_as(order))  # [P, R]
-        proposed = cand & (rank < need)  # [P, R]
-        slack = torch.where(need > 0, cand.sum(dim=0) - need, torch.iinfo(torch.int64).max)  # [R]
-        first_pick = torch.empty_like(slack).scatter_(0, torch.sort(slack, stable=True).indices,
-                                                      torch.arange(len(receivers), device=pool.device))  # [R]
-        # the winning receiver (a route no one proposed: index 0, not chosen)
-        pick, j = torch.where(proposed, first_pick, len(receivers)).min(dim=1)  # [P]
-        chosen = pick < len(receivers)  # [P]
-        flat[pool] = torch.where(chosen, cols[j], flat[pool])  # flat: a view of idx
-        alive &= ~chosen
-        need -= torch.bincount(j[chosen], minlength=len(receivers))
-        may[inv[chosen], j[chosen]] = False  # a token holds each expert once
+    order = torch.sort(token_scores[inv], dim=0, descending=True, stable=True).indices  # [P, R]
+    fill = fill_rounds
+    if pool.is_cuda and device_rounds:
+        from mok.ops.moe import route_fill_rounds as fill
+    assign, need = fill(order, may, inv, delta_t[cols])  # [P] a receiver's index or -1, [R] what each still lacks
+    chosen = assign >= 0  # [P]
+    flat[pool[chosen]] = cols[assign[chosen]]  # flat: a view of idx
+    alive = ~chosen  # [P]
     for e, n in zip(receivers, need.tolist()):
         delta[e] = n  # what each receiver still lacks
     pool = pool[alive]
@@ -184,6 +165,48 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int) -> t
     idx = torch.sort(idx, dim=1).values  # [T, K]
     order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
     return idx.gather(1, order_k)
+
+
+def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
+                need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """round_to_tiles' rounds, in PyTorch (the twin of the kernel mok.ops.route_fill_rounds, which must give the
+    same result). The movable routes form a pool of P entries, in ascending route id, so each token's entries sit
+    together; R receivers each still need need[r] routes. In each round every receiver with need[r] > 0 proposes
+    its best candidates, at most need[r] of them: the entries still unassigned that are their token's first such
+    (the others score it alike) and that it may take, best first in `order`. An entry proposed by several goes to
+    the receiver with the least slack (its candidates minus need; ties lower index), which takes all it proposes;
+    the others try again with what is left. A token takes each receiver once; otherwise which receivers it may go to
+    never changes (a move takes a giving expert from it, never a receiver). Rounds go on while some receiver has a
+    candidate; each round fills the least-slack receiver's proposals, so they end.
+
+    order: int64 [P, R], column r the entries by descending score for receiver r, ties ascending (a stable sort);
+    may: bool [U, R], whether the token may go to the receiver; inv: int64 [P], each entry's token in [0, U),
+    nondecreasing; need: int [R]. Returns (assign int64 [P]: the receiver an entry goes to, or -1; need int64 [R]:
+    what each receiver still lacks). The inputs are not changed.
+    """
+    num_pool, num_receivers = order.shape
+    may = may.clone()
+    need = need.to(torch.int64).clone()
+    assign = torch.full((num_pool,), -1, dtype=torch.int64, device=order.device)  # [P]
+    ids = torch.arange(num_pool, device=order.device)  # [P]
+    for _ in range(num_pool + 1):  # each round assigns an entry, or ends them
+        free = assign < 0  # [P]
+        first = torch.full((may.shape[0],), num_pool, dtype=torch.int64, device=order.device).scatter_reduce_(
+            0, inv, torch.where(free, ids, num_pool), "amin")  # [U]: each token's first free entry
+        cand = (free & (first[inv] == ids)).unsqueeze(1) & may[inv] & (need > 0)  # [P, R]
+        if not bool(cand.any()):
+            break
+        rank = torch.empty_like(order).scatter_(0, order, cand.gather(0, order).cumsum(0) - 1)  # [P, R], among cands
+        proposed = cand & (rank < need)  # [P, R]
+        slack = torch.where(need > 0, cand.sum(dim=0) - need, torch.iinfo(torch.int64).max)  # [R]
+        first_pick = torch.empty_like(slack).scatter_(0, torch.sort(slack, stable=True).indices,
+                                                      torch.arange(num_receivers, device=order.device))  # [R]
+        pick, j = torch.where(proposed, first_pick, num_receivers).min(dim=1)  # [P]: the winner (none: R)
+        chosen = pick < num_receivers  # [P]
+        assign[chosen] = j[chosen]
+        need -= torch.bincount(j[chosen], minlength=num_receivers)
+        may[inv[chosen], j[chosen]] = False  # a token holds each expert once
+    return assign, need
 
 
 def _swap_to_fill(idx: torch.Tensor, scores: torch.Tensor, pool: list[int], before: torch.Tensor,

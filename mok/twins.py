@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mok import mxfp8
+from mok import mxfp8, routing
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
 from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
@@ -26,7 +26,7 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_m
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
-           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered")
+           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_fill_rounds")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -191,3 +191,7 @@ def mxfp8_fake_quantize_dual(x, counts=None):
 def mxfp8_fake_quantize_gathered(x, sched):
     """The column-wise round trip of L0's dispatch of x into the schedule's rows (NaN in its spare rows)."""
     return _poison_spare(mxfp8.fake_quantize(gather_rows(x, sched), dim=-2), sched)
+
+
+def route_fill_rounds(order, may, inv, need):
+    return routing.fill_rounds(order, may, inv, need)  # the reference itself: the kernel matches it bit for bit

@@ -85,6 +85,31 @@ def test_unit_compiles_without_spills(unit, tmp_path):
     _check_compiles_without_spills(unit, tmp_path)
 
 
+def test_bindings_type_check_against_torch_headers(tmp_path):
+    """csrc/bindings.cpp, the one file that sees torch, type-checks against this machine's torch headers and
+    mok/api.h (-fsyntax-only): a binding that disagrees with the host API would break every build on the device.
+    A CPU wheel of torch lacks one generated CUDA header, c10/cuda/impl/cuda_cmake_macros.h: a stub stands in."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    cxx, python_include = shutil.which("g++") or shutil.which("c++"), Path(sysconfig.get_paths()["include"])
+    homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", str(Path(os.path.realpath(NVCC)).parents[1])]
+    cuda_include = next((Path(h) / "include" for h in homes if h and (Path(h) / "include/cuda_runtime.h").is_file()),
+                        None)
+    if cxx is None or not (python_include / "Python.h").is_file() or cuda_include is None:
+        pytest.skip(f"needs a C++ compiler, Python's headers ({python_include}/Python.h) and cuda_runtime.h")
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in include_paths()), f"-I{tmp_path}",
+           f"-I{python_include}", f"-I{cuda_include}", f"-I{INCLUDE}",
+           "-DTORCH_EXTENSION_NAME=mok_type_check", str(CSRC / "bindings.cpp")]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 0, "bindings.cpp does not type-check:\n" + "\n".join(errors[:20])
+
+
 PROBES = sorted((CSRC.parent / "tools").glob("*.cu"))  # stand-alone GPU probes (a main each), built on the device
 
 

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+from mok import ops, twins
 from mok.routing import (
     balanced_routing,
+    fill_rounds,
     hot_expert_routing,
     load_stats,
     moved_routes,
@@ -310,6 +312,92 @@ def test_gpu_ties_follow_the_same_rule():
     idx, _ = random_routing(8192, 128, 8, generator=gen(5))
     scores = torch.randn(8192, 128, generator=gen(6))
     assert torch.equal(round_to_tiles(idx.cuda(), scores.cuda(), 128).cpu(), round_to_tiles(idx, scores, 128))
+
+
+# ---- round_to_tiles' rounds: the twin, and the kernel against it ----------------------------------------
+
+
+def _order(pool_scores: torch.Tensor) -> torch.Tensor:
+    return torch.sort(pool_scores, dim=0, descending=True, stable=True).indices  # [P, R]
+
+
+def test_fill_rounds_gives_a_contested_route_to_the_receiver_with_least_slack():
+    """Token 0 has two pool entries, token 1 one; token 1 may not go to receiver 1. Both receivers want entry 0
+    most. Receiver 1 has one candidate for one need (slack 0), receiver 0 two (slack 1): receiver 1 wins entry 0,
+    and in the next round receiver 0 takes token 0's next entry, which it scores above token 1's."""
+    scores = torch.tensor([[0.9, 0.8], [0.7, 0.1], [0.5, 0.3]])  # [P, R]: entries 0, 1 (token 0), 2 (token 1)
+    may = torch.tensor([[True, True], [True, False]])  # [U, R]
+    inv = torch.tensor([0, 0, 1])
+    need = torch.tensor([1, 1])
+    assign, left = fill_rounds(_order(scores), may, inv, need)
+    assert assign.tolist() == [1, 0, -1] and left.tolist() == [0, 0]
+    assert may.tolist() == [[True, True], [True, False]] and need.tolist() == [1, 1], "inputs unchanged"
+    # a receiver that needs more than it may take keeps its lack
+    assign, left = fill_rounds(_order(scores), may, inv, torch.tensor([3, 0]))
+    assert assign.tolist() == [0, -1, 0] and left.tolist() == [1, 0], "one route per token: entry 1 never comes up"
+
+
+def _fill_problem(seed: int, num_tokens: int = 400, num_receivers: int = 24) -> tuple:
+    """A random fill: tokens of 1-3 pool entries, scores with ties and -inf (a receiver the token may not take),
+    needs of 1-6 routes."""
+    g = gen(seed)
+    per_token = torch.randint(1, 4, (num_tokens,), generator=g)  # [U]
+    inv = torch.repeat_interleave(torch.arange(num_tokens), per_token)  # [P]
+    token_scores = (torch.randn(num_tokens, num_receivers, generator=g) * 4).round() / 4  # [U, R], ties
+    token_scores[torch.rand(num_tokens, num_receivers, generator=g) < 0.2] = float("-inf")
+    held = torch.rand(num_tokens, num_receivers, generator=g) < 0.1  # the token is already routed there
+    may = (token_scores > float("-inf")) & ~held  # [U, R]
+    need = torch.randint(1, 7, (num_receivers,), generator=g)  # [R]
+    return _order(token_scores[inv]), may, inv, need
+
+
+def test_fill_rounds_assigns_within_the_rules():
+    """Every assigned entry's token may take its receiver, takes each receiver once, and gives entries in order;
+    no receiver gets more than it needs, and the lack returned is what it did not get."""
+    order, may, inv, need = _fill_problem(0)
+    assign, left = fill_rounds(order, may, inv, need)
+    got = torch.bincount(assign[assign >= 0], minlength=len(need))
+    assert torch.equal(got + left, need) and bool((left >= 0).all())
+    assert 0 < int((assign >= 0).sum()) < len(assign)
+    for u in range(may.shape[0]):
+        taken = assign[inv == u].tolist()
+        assert all(may[u, r] for r in taken if r >= 0)
+        assert len({r for r in taken if r >= 0}) == sum(r >= 0 for r in taken), f"token {u} takes a receiver twice"
+        assert taken == sorted(taken, key=lambda r: r < 0), f"token {u}: an entry skipped before a taken one"
+
+
+def test_route_fill_rounds_bad_inputs_name_the_argument():
+    order, may, inv, need = _fill_problem(1, num_tokens=8, num_receivers=3)
+    for call, match in [
+        (lambda: ops.route_fill_rounds(order.int(), may, inv, need), "order: expected dtype torch.int64"),
+        (lambda: ops.route_fill_rounds(order, may[:, :2], inv, need), r"may: expected shape .* = \[\*, 3\]"),
+        (lambda: ops.route_fill_rounds(order, may, inv[:-1], need), "inv: expected shape"),
+        (lambda: ops.route_fill_rounds(order, may, inv, need.float()), "need: expected dtype torch.int32 or"),
+        (lambda: ops.route_fill_rounds(torch.zeros(2, 1025, dtype=torch.int64), torch.zeros(2, 1025, dtype=torch.bool),
+                                       torch.zeros(2, dtype=torch.int64), torch.ones(1025, dtype=torch.int64)),
+         "order: expected at most 1024 receivers"),
+        (lambda: ops.route_fill_rounds(order, may, inv, need), "order: expected a CUDA tensor"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.gpu
+def test_route_fill_rounds_kernel_gives_its_twins_bits():
+    """The kernel against routing.fill_rounds on random fills (ties, -inf, tokens of several entries), and
+    round_to_tiles on the GPU with its rounds in the kernel, in PyTorch ops, and on the CPU."""
+    for seed in range(12):
+        problem = _fill_problem(seed, num_tokens=50 + 90 * seed, num_receivers=4 + 7 * seed)
+        expected = twins.route_fill_rounds(*problem)
+        got = ops.route_fill_rounds(*(t.cuda() for t in problem))
+        assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), f"seed {seed}"
+    for T, E, K in [(2048, 48, 6), (8192, 128, 8), (1000, 16, 2)]:
+        scores = torch.randn(T, E, generator=gen(T + E)).softmax(-1)
+        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        cpu = round_to_tiles(idx, scores, 128 if T * K >= 128 * E else 16)
+        for device_rounds in (True, False):
+            gpu = round_to_tiles(idx.cuda(), scores.cuda(), 128 if T * K >= 128 * E else 16, device_rounds)
+            assert torch.equal(gpu.cpu(), cpu), f"T={T} E={E} K={K} device_rounds={device_rounds}"
 
 
 # ---- bad input ---------------------------------------------------------------------------------

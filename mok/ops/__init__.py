@@ -7,7 +7,8 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
     moe    the fixed-order combine (combine_rows), the row gather (gather_rows_cuda), the device schedule
-           (make_schedule_cuda) and the backward's routed-gradient prep (route_grads_prep)
+           (make_schedule_cuda), the backward's routed-gradient prep (route_grads_prep) and the rounds of
+           routing.round_to_tiles (route_fill_rounds)
 
 Every op checks its arguments first (errors name the argument, the expectation and the actual value),
 then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
@@ -33,12 +34,14 @@ from mok.ops.gemm_mx import (
     mx_scales_by_k_block,
 )
 from mok.ops.moe import (
+    FILL_MAX_RECEIVERS,
     ROUTE_GRADS_MAX_TOPK,
     SCHEDULE_MAX_EXPERTS,
     combine_rows,
     gather_rows_cuda,
     make_schedule_cuda,
     mxfp8_fake_quantize_gathered,
+    route_fill_rounds,
     route_grads_prep,
 )
 from mok.ops.quant import (
@@ -52,7 +55,8 @@ from mok.ops.quant import (
 )
 
 __all__ = [
-    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO", "ROUTE_GRADS_MAX_TOPK",
+    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO",
+    "ROUTE_GRADS_MAX_TOPK",
     "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
     "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
     "grouped_gemm_bf16_nt_contiguous",
@@ -61,5 +65,5 @@ __all__ = [
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
     "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
-    "mxfp8_quantize_rowwise", "require_hopper", "route_grads_prep",
+    "mxfp8_quantize_rowwise", "require_hopper", "route_fill_rounds", "route_grads_prep",
 ]

@@ -232,3 +232,36 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     load_extension().route_grads_prep(d_out, topk_weights, y_rows, sched.route_to_row, sched.tile_num_rows,
                                       real_num_rows(sched, y_rows.device), dy_rows, d_topk_weights, sched.block_m)
     return dy_rows, d_topk_weights
+
+
+# ---- round_to_tiles' rounds (csrc/include/mok/moe/route_fill_rounds.cuh) ----------------------------------
+
+FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): four ints per receiver in shared memory
+
+
+def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
+                      need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounds of routing.round_to_tiles in one launch (one block), with the contract and the bits of its twin
+    routing.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], all on one
+    GPU; returns (assign int64 [P], need int64 [R]). The inputs are not changed."""
+    _check_combine_operand("order", order, torch.int64, (None, None), "[num_pool, num_receivers]")
+    num_pool, num_receivers = order.shape
+    _check_combine_operand("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
+    _check_combine_operand("inv", inv, torch.int64, (num_pool,), "[num_pool]")
+    _check_combine_operand("need", need, (torch.int32, torch.int64), (num_receivers,), "[num_receivers]")
+    if num_receivers > FILL_MAX_RECEIVERS:
+        fail("order", f"at most {FILL_MAX_RECEIVERS} receivers (dim 1)", num_receivers)
+    if may.shape[0] > num_pool:
+        fail("may", f"at most num_pool = {num_pool} tokens (dim 0): each has an entry", may.shape[0])
+    device = order.device
+    for name, t in (("order", order), ("may", may), ("inv", inv), ("need", need)):
+        if t.device.type != "cuda" or t.device != device:
+            fail(name, f"a CUDA tensor on order's device ({device})", t.device)
+    need = need.to(torch.int64, copy=True)  # [R] in, then out
+    assign = torch.full((num_pool,), -1, dtype=torch.int64, device=device)  # [P]
+    if num_pool and num_receivers:
+        first = torch.empty(may.shape[0], dtype=torch.int32, device=device)  # [U] scratch
+        pick = torch.empty(num_pool, dtype=torch.int32, device=device)  # [P] scratch
+        load_extension().route_fill_rounds(order.t().contiguous(), may.to(torch.uint8), inv.contiguous(), need,
+                                           assign, first, pick)  # order as [R, P]: a warp walks a receiver's row
+    return assign, need

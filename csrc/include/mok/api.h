@@ -205,6 +205,20 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
                           int64_t block_m, int64_t max_num_rows, const ScheduleOutputs& out, int32_t* chunk_counts,
                           cudaStream_t stream);
 
+// ---- round_to_tiles' rounds (csrc/route_fill_rounds.cu) ---------------------------------------------------
+// mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/route_fill_rounds.cuh): a pool
+// of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
+// (receiver r's entries by descending score, ties ascending); may uint8 [U, R] (whether the token may take the
+// receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
+// receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32
+// [U] and pick int32 [P]: scratch. num_receivers <= kFillMaxReceivers (four ints each in shared memory).
+
+constexpr int64_t kFillMaxReceivers = 1024;
+
+cudaError_t route_fill_rounds(const int64_t* order, uint8_t* may, const int64_t* inv, int64_t* need, int64_t* assign,
+                              int32_t* first, int32_t* pick, int64_t num_pool, int64_t num_tokens,
+                              int64_t num_receivers, cudaStream_t stream);
+
 // ---- routed-gradient prep (csrc/route_grads.cu) -----------------------------------------------------------
 // For each route (t, k) with row r = route_to_row[t, k]: dy_rows[r] = bf16(fp32(d_out[t]) · w[t, k]) and
 // d_topk_weights[t, k] = Σ_h fp32(d_out[t, h]) · fp32(y_rows[r, h]) in a fixed order; padding rows of

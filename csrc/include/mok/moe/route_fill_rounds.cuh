@@ -1,0 +1,124 @@
+// The rounds of routing.round_to_tiles in one block (mok/routing.py fill_rounds is its PyTorch twin: the same
+// result, bit for bit). A pool of P movable routes, in ascending route id (a token's entries side by side),
+// R receivers each lacking need[r] routes. Per round:
+//   1. a warp per receiver counts its candidates: entries not yet assigned, first of their token's unassigned
+//      ones, whose token may take the receiver;
+//   2. the receivers are ranked by slack (candidates minus need; none needed: last), ties by index: first_pick;
+//   3. a warp per receiver walks its entries by descending score (`order`) and proposes its first need[r]
+//      candidates: each proposal is an atomicMin of the receiver's rank into the entry's pick (an integer
+//      minimum: the same for any order of the atomics);
+//   4. every proposed entry goes to its best-ranked proposer; that receiver's need falls, the token may not take it
+//      again, and the token's next entry becomes its first unassigned one.
+// Rounds end when none assigns an entry (then no receiver with need has a candidate, as in the twin). The host
+// reads nothing between rounds: the whole fill is one launch, where the twin costs ~25 ops and a sync a round.
+// One block keeps it simple: at the standard shapes P is 300-2,100 and R 24-64.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/common.cuh"
+
+namespace mok::moe {
+
+constexpr int kFillThreads = 1024;
+
+struct FillArgs {
+  const int64_t* order;  // [R, P]: receiver r's entries by descending score, ties ascending
+  uint8_t* may;          // [U, R]: whether the token may take the receiver (cleared as it takes it)
+  const int64_t* inv;    // [P]: each entry's token, nondecreasing
+  int64_t* need;         // [R]: in, what each receiver lacks; out, what it still lacks
+  int64_t* assign;       // [P]: out, the receiver an entry goes to, or -1
+  int32_t* first;        // [U] scratch: each token's first unassigned entry
+  int32_t* pick;         // [P] scratch: the best rank proposing the entry this round (R: none)
+  int num_pool, num_tokens, num_receivers;
+};
+
+__global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArgs a) {
+  extern __shared__ int fill_smem[];
+  const int P = a.num_pool, R = a.num_receivers;
+  int* need = fill_smem;          // [R]
+  int* count = need + R;          // [R]: this round's candidates
+  int* first_pick = count + R;    // [R]: the receiver's rank (0 wins a conflict)
+  int* by_pick = first_pick + R;  // [R]: the receiver of each rank
+  __shared__ int assigned_any;
+  const int lane = static_cast<int>(lane_id()), warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) need[r] = static_cast<int>(a.need[r]);
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    a.assign[p] = -1;
+    a.pick[p] = R;
+    if (p == 0 || a.inv[p - 1] != a.inv[p]) a.first[a.inv[p]] = p;
+  }
+  __syncthreads();
+  const auto is_candidate = [&](int p, int r) {
+    const int64_t u = a.inv[p];
+    return a.assign[p] < 0 && a.first[u] == p && a.may[u * R + r] != 0;
+  };
+  const auto slack = [&](int r) {  // int64 like the twin's, whose receivers needing nothing sort last
+    return need[r] > 0 ? static_cast<int64_t>(count[r]) - need[r] : INT64_MAX;
+  };
+  for (;;) {
+    for (int r = warp; r < R; r += warps) {  // 1. candidates
+      int c = 0;
+      if (need[r] > 0) {
+        for (int i = lane; i < P; i += kWarpSize) c += is_candidate(static_cast<int>(a.order[int64_t{r} * P + i]), r);
+      }
+      c = __reduce_add_sync(0xffffffffu, c);
+      if (lane == 0) count[r] = c;
+    }
+    if (threadIdx.x == 0) assigned_any = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {  // 2. ranks by (slack, index)
+      const int64_t s = slack(r);
+      int rank = 0;
+      for (int q = 0; q < R; ++q) {
+        const int64_t sq = slack(q);
+        rank += sq < s || (sq == s && q < r);
+      }
+      first_pick[r] = rank;
+      by_pick[rank] = r;
+    }
+    __syncthreads();
+    for (int r = warp; r < R; r += warps) {  // 3. proposals: each receiver's first need[r] candidates
+      if (need[r] <= 0 || count[r] == 0) continue;  // warp-uniform
+      int seen = 0;
+      for (int base = 0; base < P && seen < need[r]; base += kWarpSize) {
+        const int i = base + lane;
+        const int p = i < P ? static_cast<int>(a.order[int64_t{r} * P + i]) : 0;
+        const bool c = i < P && is_candidate(p, r);
+        const unsigned ballot = __ballot_sync(0xffffffffu, c);
+        if (c && seen + __popc(ballot & ((1u << lane) - 1u)) < need[r]) atomicMin(&a.pick[p], first_pick[r]);
+        seen += __popc(ballot);
+      }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {  // 4. each proposed entry to its best-ranked proposer
+      const int k = a.pick[p];
+      if (k < R) {
+        const int r = by_pick[k];
+        const int64_t u = a.inv[p];
+        a.assign[p] = r;
+        atomicSub(&need[r], 1);
+        a.may[u * R + r] = 0;
+        a.first[u] = p + 1;  // the token's next entry, if it has one (entries are assigned in order)
+        a.pick[p] = R;
+        assigned_any = 1;
+      }
+    }
+    __syncthreads();
+    if (!assigned_any) break;  // block-uniform
+    __syncthreads();           // every thread read assigned_any before thread 0 clears it
+  }
+  for (int r = threadIdx.x; r < R; r += blockDim.x) a.need[r] = need[r];
+}
+
+inline cudaError_t launch_route_fill_rounds(const FillArgs& args, cudaStream_t stream) {
+  if (args.num_pool == 0 || args.num_receivers == 0) return cudaSuccess;
+  const size_t smem = 4 * sizeof(int) * static_cast<size_t>(args.num_receivers);
+  route_fill_rounds_kernel<<<1, kFillThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace mok::moe
