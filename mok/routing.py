@@ -151,7 +151,10 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     order = torch.sort(token_scores[inv], dim=0, descending=True, stable=True).indices  # [P, R]
     fill = fill_rounds
     if pool.is_cuda and device_rounds:
-        from mok.ops.moe import route_fill_rounds as fill
+        from mok.ops import moe
+
+        if len(receivers) <= moe.FILL_MAX_RECEIVERS:  # the kernel's shared memory: else the twin
+            fill = moe.route_fill_rounds
     assign, need = fill(order, may, inv, delta_t[cols])  # [P] a receiver's index or -1, [R] what each still lacks
     chosen = assign >= 0  # [P]
     flat[pool[chosen]] = cols[assign[chosen]]  # flat: a view of idx

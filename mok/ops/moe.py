@@ -262,6 +262,7 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     if num_pool and num_receivers:
         first = torch.empty(may.shape[0], dtype=torch.int32, device=device)  # [U] scratch
         pick = torch.empty(num_pool, dtype=torch.int32, device=device)  # [P] scratch
-        load_extension().route_fill_rounds(order.t().contiguous(), may.to(torch.uint8), inv.contiguous(), need,
-                                           assign, first, pick)  # order as [R, P]: a warp walks a receiver's row
+        order_rows = order.t().contiguous()  # [R, P]: a warp walks a receiver's row
+        may_bytes = may.to(torch.uint8).contiguous()  # [U, R], a copy: the kernel clears what tokens take
+        load_extension().route_fill_rounds(order_rows, may_bytes, inv.contiguous(), need, assign, first, pick)
     return assign, need
