@@ -101,9 +101,9 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: ~40 small ops and a few host reads, and the
-    rounds (fill_rounds), on a GPU one kernel (mok.ops.route_fill_rounds; device_rounds=False: its PyTorch twin,
-    ~25 ops and a host read per round).
+    descending score, then ascending id. Runs on topk_idx's device: ~45 small ops, two host reads (the pool's size;
+    whether any receiver still lacks routes) and the rounds (fill_rounds), on a GPU one kernel
+    (mok.ops.route_fill_rounds; device_rounds=False: its PyTorch twin, ~20 ops and a host read per round).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
@@ -121,14 +121,11 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     scores = scores.detach()
     counts = torch.bincount(idx.reshape(-1), minlength=num_experts)  # [E]
     rem = counts % tile  # [E]
-    num_up, extra = divmod(int(rem.sum()), tile)
-    order = torch.sort(-rem, stable=True).indices  # [E]: largest remainder first, ties lower id
-    target = counts - rem  # [E]
-    target[order[:num_up]] += tile
-    if extra:
-        target[order[num_up]] += extra
+    by_rem = torch.sort(-rem, stable=True).indices  # [E]: largest remainder first, ties lower id
+    rank_e = torch.empty_like(by_rem).scatter_(0, by_rem, torch.arange(num_experts, device=rem.device))  # [E]
+    num_up, extra = rem.sum() // tile, rem.sum() % tile  # on the device: no host read
+    target = counts - rem + tile * (rank_e < num_up) + extra * (rank_e == num_up)  # [E]
     delta_t = target - counts  # [E]: > 0 needs routes, < 0 gives routes
-    delta = delta_t.tolist()
     # Every rounding-down expert's weakest routes that could move: routes sorted by (expert, whether the token may
     # go to no receiver, score ascending, route id).
     flat = idx.reshape(-1)  # [T·K]
@@ -141,29 +138,27 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
-    pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending
-    # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere).
-    receivers = [e for e in range(num_experts) if delta[e] > 0]
-    cols = torch.tensor(receivers, dtype=torch.int64, device=pool.device)  # [R]
-    tokens, inv = torch.unique(pool // num_topk, return_inverse=True)  # [U] the pool's tokens, [P] -> them
-    token_scores = scores[tokens][:, cols]  # [U, R]
-    may = (token_scores > float("-inf")) & ~held[tokens][:, cols]  # [U, R]
-    order = torch.sort(token_scores[inv], dim=0, descending=True, stable=True).indices  # [P, R]
+    pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending (a host read)
+    # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere). Every expert is a
+    # receiver there, lacking max(delta, 0), and a token is keyed by its first pool entry: no host read.
+    tokens = pool // num_topk  # [P], nondecreasing
+    ids = torch.arange(pool.numel(), device=pool.device)  # [P]
+    starts_token = torch.ones_like(tokens, dtype=torch.bool)
+    starts_token[1:] = tokens[1:] != tokens[:-1]
+    inv = torch.where(starts_token, ids, 0).cummax(0).values  # [P]: the index of the token's first entry
+    pool_scores = scores[tokens]  # [P, E]
+    may = (pool_scores > float("-inf")) & ~held[tokens]  # [P, E]: row inv[p] is p's token's
+    order = torch.sort(pool_scores, dim=0, descending=True, stable=True).indices  # [P, E]
     fill = fill_rounds
     if pool.is_cuda and device_rounds:
         from mok.ops import moe
 
-        if len(receivers) <= moe.FILL_MAX_RECEIVERS:  # the kernel's shared memory: else the twin
+        if num_experts <= moe.FILL_MAX_RECEIVERS:  # the kernel's shared memory: else the twin
             fill = moe.route_fill_rounds
-    assign, need = fill(order, may, inv, delta_t[cols])  # [P] a receiver's index or -1, [R] what each still lacks
-    chosen = assign >= 0  # [P]
-    flat[pool[chosen]] = cols[assign[chosen]]  # flat: a view of idx
-    alive = ~chosen  # [P]
-    for e, n in zip(receivers, need.tolist()):
-        delta[e] = n  # what each receiver still lacks
-    pool = pool[alive]
-    if pool.numel():
-        _swap_to_fill(idx, scores, pool.tolist(), topk_idx.reshape(-1), delta)
+    assign, need = fill(order, may, inv, delta_t.clamp(min=0))  # [P] an expert or -1, [E] what each still lacks
+    flat[pool] = torch.where(assign >= 0, assign, flat[pool])  # flat: a view of idx
+    if bool((need > 0).any()):  # a host read; rare at the standard shapes
+        _swap_to_fill(idx, scores, pool[assign < 0].tolist(), topk_idx.reshape(-1), need.tolist())
     # each token's experts by descending score, then ascending id (the routers' order)
     idx = torch.sort(idx, dim=1).values  # [T, K]
     order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
@@ -183,8 +178,9 @@ def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     candidate; each round fills the least-slack receiver's proposals, so they end.
 
     order: int64 [P, R], column r the entries by descending score for receiver r, ties ascending (a stable sort);
-    may: bool [U, R], whether the token may go to the receiver; inv: int64 [P], each entry's token in [0, U),
-    nondecreasing; need: int [R]. Returns (assign int64 [P]: the receiver an entry goes to, or -1; need int64 [R]:
+    inv: int64 [P], each entry's token as a key in [0, U), nondecreasing (round_to_tiles: the index of the token's
+    first entry, so U = P); may: bool [U, R], row u whether token u may go to the receiver; need: int [R] (a receiver
+    needing nothing takes nothing). Returns (assign int64 [P]: the receiver an entry goes to, or -1; need int64 [R]:
     what each receiver still lacks). The inputs are not changed.
     """
     num_pool, num_receivers = order.shape
