@@ -236,7 +236,7 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
 
 # ---- round_to_tiles' rounds (csrc/include/mok/moe/route_fill_rounds.cuh) ----------------------------------
 
-FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): four ints per receiver in shared memory
+FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
 
 
 def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
@@ -248,11 +248,12 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     num_pool, num_receivers = order.shape
     _check_combine_operand("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
     _check_combine_operand("inv", inv, torch.int64, (num_pool,), "[num_pool]")
-    _check_combine_operand("need", need, (torch.int32, torch.int64), (num_receivers,), "[num_receivers]")
+    _check_combine_operand("need", need, (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8),
+                           (num_receivers,), "[num_receivers]")
     if num_receivers > FILL_MAX_RECEIVERS:
         fail("order", f"at most {FILL_MAX_RECEIVERS} receivers (dim 1)", num_receivers)
-    if may.shape[0] > num_pool:
-        fail("may", f"at most num_pool = {num_pool} tokens (dim 0): each has an entry", may.shape[0])
+    if num_pool > 2**31 - 1 - 1024:
+        fail("order", "fewer than 2^31 - 1024 entries (dim 0)", num_pool)
     device = order.device
     for name, t in (("order", order), ("may", may), ("inv", inv), ("need", need)):
         if t.device.type != "cuda" or t.device != device:

@@ -211,7 +211,7 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
 // (receiver r's entries by descending score, ties ascending); may uint8 [U, R] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
 // receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32
-// [U] and pick int32 [P]: scratch. num_receivers <= kFillMaxReceivers (four ints each in shared memory).
+// [U] and pick int32 [P]: scratch. num_receivers <= kFillMaxReceivers (20 bytes each in shared memory).
 
 constexpr int64_t kFillMaxReceivers = 1024;
 

@@ -36,16 +36,16 @@ struct FillArgs {
 };
 
 __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArgs a) {
-  extern __shared__ int fill_smem[];
+  extern __shared__ long long fill_smem[];
   const int P = a.num_pool, R = a.num_receivers;
-  int* need = fill_smem;          // [R]
-  int* count = need + R;          // [R]: this round's candidates
+  long long* need = fill_smem;    // [R]: int64, as the twin's (any int64 need gives its result)
+  int* count = reinterpret_cast<int*>(need + R);  // [R]: this round's candidates
   int* first_pick = count + R;    // [R]: the receiver's rank (0 wins a conflict)
   int* by_pick = first_pick + R;  // [R]: the receiver of each rank
   __shared__ int assigned_any;
   const int lane = static_cast<int>(lane_id()), warp = threadIdx.x / kWarpSize;
   const int warps = blockDim.x / kWarpSize;
-  for (int r = threadIdx.x; r < R; r += blockDim.x) need[r] = static_cast<int>(a.need[r]);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) need[r] = a.need[r];
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     a.assign[p] = -1;
     a.pick[p] = R;
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
     return a.assign[p] < 0 && a.first[u] == p && a.may[u * R + r] != 0;
   };
   const auto slack = [&](int r) {  // int64 like the twin's, whose receivers needing nothing sort last
-    return need[r] > 0 ? static_cast<int64_t>(count[r]) - need[r] : INT64_MAX;
+    return need[r] > 0 ? count[r] - need[r] : INT64_MAX;
   };
   for (;;) {
     for (int r = warp; r < R; r += warps) {  // 1. candidates
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
     __syncthreads();
     for (int r = warp; r < R; r += warps) {  // 3. proposals: each receiver's first need[r] candidates
       if (need[r] <= 0 || count[r] == 0) continue;  // warp-uniform
-      int seen = 0;
+      long long seen = 0;
       for (int base = 0; base < P && seen < need[r]; base += kWarpSize) {
         const int i = base + lane;
         const int p = i < P ? static_cast<int>(a.order[int64_t{r} * P + i]) : 0;
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
         const int r = by_pick[k];
         const int64_t u = a.inv[p];
         a.assign[p] = r;
-        atomicSub(&need[r], 1);
+        atomicAdd(reinterpret_cast<unsigned long long*>(&need[r]), ~0ull);  // need[r] -= 1
         a.may[u * R + r] = 0;
         a.first[u] = p + 1;  // the token's next entry, if it has one (entries are assigned in order)
         a.pick[p] = R;
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
 
 inline cudaError_t launch_route_fill_rounds(const FillArgs& args, cudaStream_t stream) {
   if (args.num_pool == 0 || args.num_receivers == 0) return cudaSuccess;
-  const size_t smem = 4 * sizeof(int) * static_cast<size_t>(args.num_receivers);
+  const size_t smem = (sizeof(long long) + 3 * sizeof(int)) * static_cast<size_t>(args.num_receivers);
   route_fill_rounds_kernel<<<1, kFillThreads, smem, stream>>>(args);
   return cudaGetLastError();
 }
