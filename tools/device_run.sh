@@ -41,6 +41,9 @@ ab_args=${MOK_AB_ARGS:-}  # more options of `ab`, `ab_parts`, `mx_steps_ab`, e.g
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 builds=default
 [[ $steps =~ \ (ab|ab_parts|parts_sw|switches_sw)\  ]] && builds+=" $switch"
+# the fold step's tests' switch sets (tests/test_ops_gemm.py), built beside the default rather than after it
+[[ $steps == *" fold "* ]] && builds+=" MOK_GEMM_DYNAMIC=1 MOK_GEMM_DYNAMIC=1,MOK_GEMM_SKIP_PADDING_HALF=1
+  MOK_GEMM_FOLD=1 MOK_GEMM_FOLD=2 MOK_GEMM_FOLD=2,MOK_GEMM_DYNAMIC=1 MOK_GEMM_FOLD=3 MOK_GEMM_FOLD=3,MOK_GEMM_DYNAMIC=1"
 if [[ $steps == *" timeline "* ]]; then
   builds+=" MOK_GEMM_TRACE=1"
   for sw in ${MOK_TIMELINE:-MOK_GEMM_SKIP_PADDING_HALF=1}; do [[ $sw == *=* ]] && builds+=" MOK_GEMM_TRACE=1,$sw"; done
