@@ -400,14 +400,15 @@ void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const 
 // ---- round_to_tiles' rounds (mok.ops.route_fill_rounds) ---------------------------------------------------
 
 void fill_rounds(const at::Tensor& order, at::Tensor& may, const at::Tensor& inv, at::Tensor& need,
-                 at::Tensor& assign, at::Tensor& first, at::Tensor& pick) {
+                 at::Tensor& assign, at::Tensor& first, at::Tensor& pick, const std::optional<at::Tensor>& num_real) {
   check_arg(may, "may"), check_arg(first, "first"), check_arg(pick, "pick");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
   TORCH_CHECK(first.scalar_type() == at::kInt && pick.scalar_type() == at::kInt, "first, pick: expected int32");
   const c10::cuda::CUDAGuard guard(order.device());
   check_cuda(mok::route_fill_rounds(int64_ptr(order, "order"), may.data_ptr<uint8_t>(), int64_ptr(inv, "inv"),
                                     int64_ptr(need, "need"), int64_ptr(assign, "assign"), first.data_ptr<int32_t>(),
-                                    pick.data_ptr<int32_t>(), order.size(1), first.size(0), order.size(0),
+                                    pick.data_ptr<int32_t>(), num_real ? int64_ptr(*num_real, "num_real") : nullptr,
+                                    order.size(1), first.size(0), order.size(0),
                                     c10::cuda::getCurrentCUDAStream()),
              "route_fill_rounds");
 }
@@ -462,5 +463,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
   m.def("route_fill_rounds", &fill_rounds,
         "order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 [R], in/out), assign (int64 "
-        "[P], out), first (int32 [U]), pick (int32 [P]): round_to_tiles' rounds");
+        "[P], out), first (int32 [U]), pick (int32 [P]), num_real (int64 [1] or None): round_to_tiles' rounds");
 }

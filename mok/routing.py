@@ -101,8 +101,8 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: ~45 small ops, two host reads (the pool's size;
-    whether any receiver still lacks routes) and the rounds (fill_rounds), on a GPU one kernel
+    descending score, then ascending id. Runs on topk_idx's device: ~50 small ops, one host read (whether any
+    receiver still lacks routes, for the swaps) and the rounds (fill_rounds), on a GPU one kernel
     (mok.ops.route_fill_rounds; device_rounds=False: its PyTorch twin, ~20 ops and a host read per round).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
@@ -138,16 +138,23 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
-    pool = torch.sort(by_expert[rank < give[flat[by_expert]]]).values  # [P] route ids, ascending (a host read)
+    # The pool: those routes in ascending id (_pool_size: on a GPU padded to a bound); padding entries (id T·K) come
+    # last, score -inf and are never candidates.
+    num_routes = flat.numel()
+    chosen = rank < give[flat[by_expert]]  # [T·K], in by_expert's order
+    pool = torch.sort(torch.where(chosen, by_expert, num_routes)).values  # [T·K] route ids, then padding
+    pool = pool[:_pool_size(chosen, num_experts, tile)]  # [P]
+    real = pool < num_routes  # [P]
     # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere). Every expert is a
-    # receiver there, lacking max(delta, 0), and a token is keyed by its first pool entry: no host read.
-    tokens = pool // num_topk  # [P], nondecreasing
+    # receiver there, lacking max(delta, 0), and a token is keyed by its first pool entry (the padding: one more).
+    tokens = torch.where(real, pool // num_topk, num_tokens)  # [P], nondecreasing
     ids = torch.arange(pool.numel(), device=pool.device)  # [P]
     starts_token = torch.ones_like(tokens, dtype=torch.bool)
     starts_token[1:] = tokens[1:] != tokens[:-1]
     inv = torch.where(starts_token, ids, 0).cummax(0).values  # [P]: the index of the token's first entry
-    pool_scores = scores[tokens]  # [P, E]
-    may = (pool_scores > float("-inf")) & ~held[tokens]  # [P, E]: row inv[p] is p's token's
+    rows = tokens.clamp(max=num_tokens - 1)  # [P], a token's row of scores (the padding's: any, masked)
+    pool_scores = scores[rows].masked_fill(~real.unsqueeze(1), float("-inf"))  # [P, E]
+    may = (pool_scores > float("-inf")) & ~held[rows]  # [P, E]: row inv[p] is p's token's
     order = torch.sort(pool_scores, dim=0, descending=True, stable=True).indices  # [P, E]
     fill = fill_rounds
     if pool.is_cuda and device_rounds:
@@ -155,18 +162,30 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
 
         if num_experts <= moe.FILL_MAX_RECEIVERS:  # the kernel's shared memory: else the twin
             fill = moe.route_fill_rounds
-    assign, need = fill(order, may, inv, delta_t.clamp(min=0))  # [P] an expert or -1, [E] what each still lacks
-    flat[pool] = torch.where(assign >= 0, assign, flat[pool])  # flat: a view of idx
-    if bool((need > 0).any()):  # a host read; rare at the standard shapes
-        _swap_to_fill(idx, scores, pool[assign < 0].tolist(), topk_idx.reshape(-1), need.tolist())
+    # [P] an expert or -1, [E] what each still lacks; entries from real.sum() on are padding (the kernel stops there)
+    assign, need = fill(order, may, inv, delta_t.clamp(min=0), real.sum())
+    moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes
+    at = torch.where(real, pool, num_routes)  # [P]
+    moves[at] = torch.where(assign >= 0, assign, moves[at])
+    idx = moves[:num_routes].view(num_tokens, num_topk)
+    if bool((need > 0).any()):  # the one host read; rare at the standard shapes
+        _swap_to_fill(idx, scores, pool[real & (assign < 0)].tolist(), topk_idx.reshape(-1), need.tolist())
     # each token's experts by descending score, then ascending id (the routers' order)
     idx = torch.sort(idx, dim=1).values  # [T, K]
     order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
     return idx.gather(1, order_k)
 
 
-def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
-                need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool_size(chosen: torch.Tensor, num_experts: int, tile: int) -> int:
+    """round_to_tiles' pool as allocated: on a GPU its bound, so that nothing waits for the device to count it (a
+    giving expert gives its remainder, less than the tile); elsewhere its size. chosen: bool [T·K]."""
+    if chosen.is_cuda:
+        return min(chosen.numel(), num_experts * (tile - 1))
+    return int(chosen.sum())
+
+
+def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
+                num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """round_to_tiles' rounds, in PyTorch (the twin of the kernel mok.ops.route_fill_rounds, which must give the
     same result). The movable routes form a pool of P entries, in ascending route id, so each token's entries sit
     together; R receivers each still need need[r] routes. In each round every receiver with need[r] > 0 proposes
@@ -180,8 +199,11 @@ def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     order: int64 [P, R], column r the entries by descending score for receiver r, ties ascending (a stable sort);
     inv: int64 [P], each entry's token as a key in [0, U), nondecreasing (round_to_tiles: the index of the token's
     first entry, so U = P); may: bool [U, R], row u whether token u may go to the receiver; need: int [R] (a receiver
-    needing nothing takes nothing). Returns (assign int64 [P]: the receiver an entry goes to, or -1; need int64 [R]:
-    what each receiver still lacks). The inputs are not changed.
+    needing nothing takes nothing); num_real: None, or an int64 scalar tensor: the entries from it on are padding,
+    never candidates (their tokens may take no receiver: the twin needs nothing more; the kernel stops its walks
+    there, so in `order` they must come after every entry whose token may take that receiver). Returns (assign int64
+    [P]: the receiver an entry goes to, or -1; need int64 [R]: what each receiver still lacks). The inputs are not
+    changed.
     """
     num_pool, num_receivers = order.shape
     may = may.clone()

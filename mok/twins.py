@@ -193,5 +193,5 @@ def mxfp8_fake_quantize_gathered(x, sched):
     return _poison_spare(mxfp8.fake_quantize(gather_rows(x, sched), dim=-2), sched)
 
 
-def route_fill_rounds(order, may, inv, need):
-    return routing.fill_rounds(order, may, inv, need)  # the reference itself: the kernel matches it bit for bit
+def route_fill_rounds(order, may, inv, need, num_real=None):
+    return routing.fill_rounds(order, may, inv, need, num_real)  # the reference itself: the kernel gives its bits

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mok import ops, twins
+from mok import ops, routing, twins
 from mok.routing import (
     balanced_routing,
     fill_rounds,
@@ -337,6 +337,19 @@ def test_fill_rounds_gives_a_contested_route_to_the_receiver_with_least_slack():
     assert assign.tolist() == [0, -1, 0] and left.tolist() == [1, 0], "one route per token: entry 1 never comes up"
 
 
+@pytest.mark.parametrize("T, E, K, tile", [(2048, 48, 6, 128), (1000, 16, 2, 16), (1024, 14, 7, 64), (300, 2, 1, 16)])
+def test_round_to_tiles_with_the_gpus_padded_pool_gives_the_same_routing(monkeypatch, T, E, K, tile):
+    """On a GPU the pool is allocated at its bound, E·(tile − 1) entries, so that no host read counts it; the padding
+    scores -inf and is never a candidate. Forced here on the CPU, it must give the exact pool's routing (ties, and
+    at K/E = 1/2 the swaps at the end, included)."""
+    logits = (torch.randn(T, E, generator=gen(T + E)) * 2).round() / 2  # ties
+    scores = logits.softmax(-1)
+    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+    exact = round_to_tiles(idx, scores, tile)
+    monkeypatch.setattr(routing, "_pool_size", lambda chosen, experts, t: min(chosen.numel(), experts * (t - 1)))
+    assert torch.equal(round_to_tiles(idx, scores, tile), exact)
+
+
 def _fill_problem(seed: int, num_tokens: int = 400, num_receivers: int = 24) -> tuple:
     """A random fill: tokens of 1-3 pool entries, scores with ties and -inf (a receiver the token may not take),
     needs of 1-6 routes."""
@@ -391,6 +404,17 @@ def test_route_fill_rounds_kernel_gives_its_twins_bits():
         expected = twins.route_fill_rounds(*problem)
         got = ops.route_fill_rounds(*(t.cuda() for t in problem))
         assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), f"seed {seed}"
+    # padded as round_to_tiles pads on a GPU: 50 entries of one more token that may take nothing, last in `order`;
+    # the kernel stops its walks at num_real
+    order, may, inv, need = _fill_problem(3)
+    (num_pool, num_receivers), pad = order.shape, 50
+    padded = (torch.cat([order, torch.arange(num_pool, num_pool + pad).unsqueeze(1).expand(pad, num_receivers)]),
+              torch.cat([may, torch.zeros(1, num_receivers, dtype=torch.bool)]),
+              torch.cat([inv, torch.full((pad,), may.shape[0])]), need)
+    expected = twins.route_fill_rounds(order, may, inv, need)
+    got = ops.route_fill_rounds(*(t.cuda() for t in padded), torch.tensor(num_pool).cuda())
+    assert torch.equal(got[0][:num_pool].cpu(), expected[0]) and bool((got[0][num_pool:] == -1).all())
+    assert torch.equal(got[1].cpu(), expected[1])
     for T, E, K in [(2048, 48, 6), (8192, 128, 8), (1000, 16, 2)]:
         scores = torch.randn(T, E, generator=gen(T + E)).softmax(-1)
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]

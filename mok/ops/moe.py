@@ -239,11 +239,12 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
 FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
 
 
-def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
-                      need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
+                      num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rounds of routing.round_to_tiles in one launch (one block), with the contract and the bits of its twin
-    routing.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], all on one
-    GPU; returns (assign int64 [P], need int64 [R]). The inputs are not changed."""
+    routing.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], num_real
+    None or an int64 scalar (read on the device: the padding entries from it on are never walked), all on one GPU;
+    returns (assign int64 [P], need int64 [R]). The inputs are not changed."""
     _check_combine_operand("order", order, torch.int64, (None, None), "[num_pool, num_receivers]")
     num_pool, num_receivers = order.shape
     _check_combine_operand("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
@@ -254,8 +255,12 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
         fail("order", f"at most {FILL_MAX_RECEIVERS} receivers (dim 1)", num_receivers)
     if num_pool > 2**31 - 1 - 1024:
         fail("order", "fewer than 2^31 - 1024 entries (dim 0)", num_pool)
+    if num_real is not None:
+        _check_combine_operand("num_real", num_real, torch.int64, (), "a scalar")
     device = order.device
-    for name, t in (("order", order), ("may", may), ("inv", inv), ("need", need)):
+    for name, t in (("order", order), ("may", may), ("inv", inv), ("need", need), ("num_real", num_real)):
+        if t is None:
+            continue
         if t.device.type != "cuda" or t.device != device:
             fail(name, f"a CUDA tensor on order's device ({device})", t.device)
     need = need.to(torch.int64, copy=True)  # [R] in, then out
@@ -265,5 +270,6 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
         pick = torch.empty(num_pool, dtype=torch.int32, device=device)  # [P] scratch
         order_rows = order.t().contiguous()  # [R, P]: a warp walks a receiver's row
         may_bytes = may.to(torch.uint8).contiguous()  # [U, R], a copy: the kernel clears what tokens take
-        load_extension().route_fill_rounds(order_rows, may_bytes, inv.contiguous(), need, assign, first, pick)
+        load_extension().route_fill_rounds(order_rows, may_bytes, inv.contiguous(), need, assign, first, pick,
+                                           None if num_real is None else num_real.reshape(1))
     return assign, need

@@ -211,13 +211,15 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
 // (receiver r's entries by descending score, ties ascending); may uint8 [U, R] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
 // receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32
-// [U] and pick int32 [P]: scratch. num_receivers <= kFillMaxReceivers (20 bytes each in shared memory).
+// [U] and pick int32 [P]: scratch; num_real int64 [1] or null: the entries from it on are padding (never
+// candidates, after the others in every row of order). num_receivers <= kFillMaxReceivers (20 bytes each in
+// shared memory).
 
 constexpr int64_t kFillMaxReceivers = 1024;
 
 cudaError_t route_fill_rounds(const int64_t* order, uint8_t* may, const int64_t* inv, int64_t* need, int64_t* assign,
-                              int32_t* first, int32_t* pick, int64_t num_pool, int64_t num_tokens,
-                              int64_t num_receivers, cudaStream_t stream);
+                              int32_t* first, int32_t* pick, const int64_t* num_real, int64_t num_pool,
+                              int64_t num_tokens, int64_t num_receivers, cudaStream_t stream);
 
 // ---- routed-gradient prep (csrc/route_grads.cu) -----------------------------------------------------------
 // For each route (t, k) with row r = route_to_row[t, k]: dy_rows[r] = bf16(fp32(d_out[t]) · w[t, k]) and

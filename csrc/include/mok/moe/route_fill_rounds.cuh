@@ -11,7 +11,8 @@
 //      again, and the token's next entry becomes its first unassigned one.
 // Rounds end when none assigns an entry (then no receiver with need has a candidate, as in the twin). The host
 // reads nothing between rounds: the whole fill is one launch, where the twin costs ~25 ops and a sync a round.
-// One block keeps it simple: at the standard shapes P is 300-2,100 and R 24-64.
+// One block keeps it simple: at the standard shapes P is 300-2,100 real entries. The caller may pad the pool (it
+// allocates it at a bound, to read nothing from the device); the walks stop at the real count, read here.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +33,7 @@ struct FillArgs {
   int64_t* assign;       // [P]: out, the receiver an entry goes to, or -1
   int32_t* first;        // [U] scratch: each token's first unassigned entry
   int32_t* pick;         // [P] scratch: the best rank proposing the entry this round (R: none)
+  const int64_t* num_real;  // [1] or null: the entries from it on are padding, last in every row of `order`
   int num_pool, num_tokens, num_receivers;
 };
 
@@ -43,6 +45,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
   int* first_pick = count + R;    // [R]: the receiver's rank (0 wins a conflict)
   int* by_pick = first_pick + R;  // [R]: the receiver of each rank
   __shared__ int assigned_any;
+  const int walk = a.num_real != nullptr && *a.num_real < P ? static_cast<int>(*a.num_real) : P;  // what rows hold
   const int lane = static_cast<int>(lane_id()), warp = threadIdx.x / kWarpSize;
   const int warps = blockDim.x / kWarpSize;
   for (int r = threadIdx.x; r < R; r += blockDim.x) need[r] = a.need[r];
@@ -63,7 +66,9 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
     for (int r = warp; r < R; r += warps) {  // 1. candidates
       int c = 0;
       if (need[r] > 0) {
-        for (int i = lane; i < P; i += kWarpSize) c += is_candidate(static_cast<int>(a.order[int64_t{r} * P + i]), r);
+        for (int i = lane; i < walk; i += kWarpSize) {
+          c += is_candidate(static_cast<int>(a.order[int64_t{r} * P + i]), r);
+        }
       }
       c = __reduce_add_sync(0xffffffffu, c);
       if (lane == 0) count[r] = c;
@@ -84,10 +89,10 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
     for (int r = warp; r < R; r += warps) {  // 3. proposals: each receiver's first need[r] candidates
       if (need[r] <= 0 || count[r] == 0) continue;  // warp-uniform
       long long seen = 0;
-      for (int base = 0; base < P && seen < need[r]; base += kWarpSize) {
+      for (int base = 0; base < walk && seen < need[r]; base += kWarpSize) {
         const int i = base + lane;
-        const int p = i < P ? static_cast<int>(a.order[int64_t{r} * P + i]) : 0;
-        const bool c = i < P && is_candidate(p, r);
+        const int p = i < walk ? static_cast<int>(a.order[int64_t{r} * P + i]) : 0;
+        const bool c = i < walk && is_candidate(p, r);
         const unsigned ballot = __ballot_sync(0xffffffffu, c);
         if (c && seen + __popc(ballot & ((1u << lane) - 1u)) < need[r]) atomicMin(&a.pick[p], first_pick[r]);
         seen += __popc(ballot);
