@@ -413,6 +413,19 @@ void fill_rounds(const at::Tensor& order, at::Tensor& may, const at::Tensor& inv
              "route_fill_rounds");
 }
 
+void swap_leftovers(at::Tensor& idx, const at::Tensor& before, const at::Tensor& allowed, const at::Tensor& left,
+                    at::Tensor& need, at::Tensor& waiting, at::Tensor& moved) {
+  check_arg(allowed, "allowed"), check_arg(waiting, "waiting"), check_arg(moved, "moved");
+  TORCH_CHECK(allowed.scalar_type() == at::kByte, "allowed: expected uint8");
+  TORCH_CHECK(waiting.scalar_type() == at::kInt && moved.scalar_type() == at::kInt, "waiting, moved: expected int32");
+  const c10::cuda::CUDAGuard guard(idx.device());
+  check_cuda(mok::route_swap_leftovers(int64_ptr(idx, "idx"), int64_ptr(before, "before"), allowed.data_ptr<uint8_t>(),
+                                       int64_ptr(left, "left"), int64_ptr(need, "need"), waiting.data_ptr<int32_t>(),
+                                       moved.data_ptr<int32_t>(), idx.size(0), idx.size(1), allowed.size(1),
+                                       left.size(0), c10::cuda::getCurrentCUDAStream()),
+             "route_swap_leftovers");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -464,4 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_fill_rounds", &fill_rounds,
         "order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 [R], in/out), assign (int64 "
         "[P], out), first (int32 [U]), pick (int32 [P]), num_real (int64 [1] or None): round_to_tiles' rounds");
+  m.def("route_swap_leftovers", &swap_leftovers,
+        "idx (int64 [T, K], changed), before (int64 [T, K]), allowed (uint8 [T, E]), left (int64 [P]), need (int64 "
+        "[E], in/out), waiting (int32 [P]), moved (int32 [T·K + P]): round_to_tiles' end game");
 }

@@ -101,9 +101,9 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: ~50 small ops, one host read (whether any
-    receiver still lacks routes, for the swaps) and the rounds (fill_rounds), on a GPU one kernel
-    (mok.ops.route_fill_rounds; device_rounds=False: its PyTorch twin, ~20 ops and a host read per round).
+    descending score, then ascending id. Runs on topk_idx's device: ~50 small ops, the rounds (fill_rounds) and the
+    swaps (swap_leftovers); on a GPU a kernel each (mok.ops.route_fill_rounds, route_swap_leftovers) and no host
+    read (device_rounds=False: their PyTorch twins, ~20 ops and a host read per round, the swaps on the host).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
@@ -156,20 +156,20 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     pool_scores = scores[rows].masked_fill(~real.unsqueeze(1), float("-inf"))  # [P, E]
     may = (pool_scores > float("-inf")) & ~held[rows]  # [P, E]: row inv[p] is p's token's
     order = torch.sort(pool_scores, dim=0, descending=True, stable=True).indices  # [P, E]
-    fill = fill_rounds
+    fill, swap = fill_rounds, swap_leftovers  # on a GPU their kernels, which read nothing on the host
     if pool.is_cuda and device_rounds:
         from mok.ops import moe
 
-        if num_experts <= moe.FILL_MAX_RECEIVERS:  # the kernel's shared memory: else the twin
-            fill = moe.route_fill_rounds
+        if num_experts <= moe.FILL_MAX_RECEIVERS:  # the rounds' shared memory: else the twins
+            fill, swap = moe.route_fill_rounds, moe.route_swap_leftovers
     # [P] an expert or -1, [E] what each still lacks; entries from real.sum() on are padding (the kernel stops there)
     assign, need = fill(order, may, inv, delta_t.clamp(min=0), real.sum())
     moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes
     at = torch.where(real, pool, num_routes)  # [P]
     moves[at] = torch.where(assign >= 0, assign, moves[at])
     idx = moves[:num_routes].view(num_tokens, num_topk)
-    if bool((need > 0).any()):  # the one host read; rare at the standard shapes
-        _swap_to_fill(idx, scores, pool[real & (assign < 0)].tolist(), topk_idx.reshape(-1), need.tolist())
+    left = torch.where(real & (assign < 0), pool, -1)  # [P]: the routes no receiver took
+    idx, _ = swap(idx, topk_idx, scores > float("-inf"), left, need)
     # each token's experts by descending score, then ascending id (the routers' order)
     idx = torch.sort(idx, dim=1).values  # [T, K]
     order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
@@ -230,23 +230,36 @@ def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need:
     return assign, need
 
 
-def _swap_to_fill(idx: torch.Tensor, scores: torch.Tensor, pool: list[int], before: torch.Tensor,
-                  delta: list[int]) -> None:
-    """round_to_tiles' end game, in place: the last receivers may find only routes of tokens already routed to
-    them. Route p (token t) cannot go to receiver e, but a route q moved earlier (token t', now at e2) can take e's
-    place if t' lacks e and t lacks e2: q moves on to e and p takes q's place at e2."""
+def swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch.Tensor, left: torch.Tensor,
+                   need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """round_to_tiles' end game, in PyTorch (the twin of the kernel mok.ops.route_swap_leftovers, which must give the
+    same result): the last receivers may find only routes of tokens already routed to them. Route p (token t)
+    cannot go to receiver e, but a route q moved earlier (token t', now at e2) can take e's place if t' lacks e and t
+    lacks e2: q moves on to e and p takes q's place at e2. Receivers in ascending id, each taking leftovers in
+    ascending id while it lacks routes; q is the first such in `moved`: the routes that differ from `before`,
+    ascending, then the ones moved here, in turn. A token lacks an expert it is allowed and not routed to.
+
+    idx, before: int64 [T, K], the routing so far and the one before rounding; allowed: bool [T, E]; left: int64 [P],
+    the leftover route ids in ascending order where >= 0 (-1: none); need: int [E], what each expert lacks.
+    Returns (idx, need) after the swaps; the inputs are not changed.
+    """
+    idx, need = idx.clone(), need.to(torch.int64).clone()
+    if not bool((need > 0).any()):
+        return idx, need
     num_topk = idx.shape[1]
-    rows = idx.cpu()  # [T, K], changed as the routes move, then copied back
+    rows = idx.cpu()  # [T, K], changed as the routes move
     flat = rows.view(-1)
-    moved = torch.nonzero(flat != before.cpu()).view(-1).tolist()
-    allowed = (scores > float("-inf")).cpu()  # [T, E]: experts a route may go to at all
+    moved = torch.nonzero(flat != before.cpu().reshape(-1)).view(-1).tolist()
+    allowed = allowed.cpu()
+    pool = [p for p in left.tolist() if p >= 0]
+    lacking = need.tolist()
 
     def lacks(token: int, expert: int) -> bool:
         return bool(allowed[token, expert]) and expert not in rows[token].tolist()
 
-    for expert in range(len(delta)):
+    for expert in range(len(lacking)):
         for p in list(pool):
-            if delta[expert] <= 0:
+            if lacking[expert] <= 0:
                 break
             t = p // num_topk
             if lacks(t, expert):
@@ -259,8 +272,8 @@ def _swap_to_fill(idx: torch.Tensor, scores: torch.Tensor, pool: list[int], befo
                 flat[p], flat[q] = int(flat[q]), expert
             pool.remove(p)
             moved.append(p)
-            delta[expert] -= 1
-    idx.copy_(rows)
+            lacking[expert] -= 1
+    return rows.to(idx.device), torch.tensor(lacking, dtype=torch.int64, device=need.device)
 
 
 # ---- routers -----------------------------------------------------------------------------------

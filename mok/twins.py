@@ -26,7 +26,8 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_m
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
-           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_fill_rounds")
+           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_fill_rounds",
+           "route_swap_leftovers")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -195,3 +196,7 @@ def mxfp8_fake_quantize_gathered(x, sched):
 
 def route_fill_rounds(order, may, inv, need, num_real=None):
     return routing.fill_rounds(order, may, inv, need, num_real)  # the reference itself: the kernel gives its bits
+
+
+def route_swap_leftovers(idx, before, allowed, left, need):
+    return routing.swap_leftovers(idx, before, allowed, left, need)  # the reference itself

@@ -350,6 +350,35 @@ def test_round_to_tiles_with_the_gpus_padded_pool_gives_the_same_routing(monkeyp
     assert torch.equal(round_to_tiles(idx, scores, tile), exact)
 
 
+def _swap_problems(monkeypatch) -> list[tuple]:
+    """The end games of round_to_tiles where tokens hold many experts (K/E of 1/2 and 3/7, so receivers run short of
+    tokens they may take), as swap_leftovers receives them: a leftover each at least, swaps and unfillable lacks."""
+    problems, twin = [], routing.swap_leftovers
+    monkeypatch.setattr(routing, "swap_leftovers", lambda *args: problems.append(args) or twin(*args))
+    for T, E, K, tile in [(1024, 14, 7, 64), (700, 7, 3, 16), (2048, 8, 4, 128), (512, 6, 3, 32)]:
+        for seed in range(4):
+            scores = torch.randn(T, E, generator=gen(seed)).softmax(-1)
+            round_to_tiles(torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K], scores, tile)
+    monkeypatch.undo()
+    return problems
+
+
+def test_swap_leftovers_places_leftovers_where_tokens_hold_distinct_experts(monkeypatch):
+    problems = _swap_problems(monkeypatch)
+    assert sum(int(need.sum()) > 0 for *_, need in problems) >= 12, "the hard cases leave receivers short"
+    placed = 0
+    for idx, before, allowed, left, need in problems:
+        args = [t.clone() for t in (idx, before, allowed, left, need)]
+        after, lacking = routing.swap_leftovers(idx, before, allowed, left, need)
+        assert all(torch.equal(a, b) for a, b in zip(args, (idx, before, allowed, left, need))), "inputs unchanged"
+        assert all(len(set(row)) == len(row) for row in after.tolist()), "a token holds an expert twice"
+        assert bool(allowed.gather(1, after).all()), "a route went where its token may not go"
+        gained = torch.bincount(after.view(-1), minlength=len(need)) - torch.bincount(idx.view(-1), minlength=len(need))
+        assert torch.equal(gained.clamp(min=0), need - lacking) and bool((lacking >= 0).all())
+        placed += int((need - lacking).sum())
+    assert placed > 0, "no leftover placed by a swap"
+
+
 def _fill_problem(seed: int, num_tokens: int = 400, num_receivers: int = 24) -> tuple:
     """A random fill: tokens of 1-3 pool entries, scores with ties and -inf (a receiver the token may not take),
     needs of 1-6 routes."""
@@ -393,6 +422,17 @@ def test_route_fill_rounds_bad_inputs_name_the_argument():
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+    idx = torch.tensor([[0, 1], [2, 3]])
+    allowed, left, lacking = torch.ones(2, 4, dtype=torch.bool), torch.tensor([1, -1]), torch.tensor([0, 0, 1, 0])
+    for call, match in [
+        (lambda: ops.route_swap_leftovers(idx.int(), idx, allowed, left, lacking), "idx: expected dtype torch.int64"),
+        (lambda: ops.route_swap_leftovers(idx, idx[:1], allowed, left, lacking), "before: expected shape"),
+        (lambda: ops.route_swap_leftovers(idx, idx, allowed.int(), left, lacking), "allowed: expected dtype"),
+        (lambda: ops.route_swap_leftovers(idx, idx, allowed, left, lacking[:3]), r"need: expected shape .*\[4\]"),
+        (lambda: ops.route_swap_leftovers(idx, idx, allowed, left, lacking), "idx: expected a CUDA tensor"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 @pytest.mark.gpu
@@ -415,6 +455,27 @@ def test_route_fill_rounds_kernel_gives_its_twins_bits():
     got = ops.route_fill_rounds(*(t.cuda() for t in padded), torch.tensor(num_pool).cuda())
     assert torch.equal(got[0][:num_pool].cpu(), expected[0]) and bool((got[0][num_pool:] == -1).all())
     assert torch.equal(got[1].cpu(), expected[1])
+
+
+@pytest.mark.gpu
+def test_route_swap_leftovers_kernel_gives_its_twins_bits(monkeypatch):
+    """The end-game kernel against routing.swap_leftovers on the hard cases' end games (swaps, unfillable lacks) and
+    with nothing lacking; then round_to_tiles on the GPU, both ways, against the CPU there."""
+    problems = _swap_problems(monkeypatch)
+    idx, before, allowed, left, need = problems[0]
+    problems.append((idx, before, allowed, left, torch.zeros_like(need)))  # nothing lacks: the kernel returns at once
+    for i, problem in enumerate(problems):
+        expected = twins.route_swap_leftovers(*problem)
+        got = ops.route_swap_leftovers(*(t.cuda() for t in problem))
+        assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), f"problem {i}"
+    for T, E, K, tile in [(1024, 14, 7, 64), (2048, 8, 4, 128)]:
+        for seed in range(4):
+            scores = torch.randn(T, E, generator=gen(seed)).softmax(-1)
+            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+            cpu = round_to_tiles(idx, scores, tile)
+            for device_rounds in (True, False):
+                gpu = round_to_tiles(idx.cuda(), scores.cuda(), tile, device_rounds)
+                assert torch.equal(gpu.cpu(), cpu), f"T={T} E={E} K={K} seed {seed} device_rounds={device_rounds}"
     for T, E, K in [(2048, 48, 6), (8192, 128, 8), (1000, 16, 2)]:
         scores = torch.randn(T, E, generator=gen(T + E)).softmax(-1)
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]

@@ -234,7 +234,7 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     return dy_rows, d_topk_weights
 
 
-# ---- round_to_tiles' rounds (csrc/include/mok/moe/route_fill_rounds.cuh) ----------------------------------
+# ---- round_to_tiles' rounds and end game (csrc/include/mok/moe/round_to_tiles.cuh) -------------------------
 
 FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
 
@@ -273,3 +273,32 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
         load_extension().route_fill_rounds(order_rows, may_bytes, inv.contiguous(), need, assign, first, pick,
                                            None if num_real is None else num_real.reshape(1))
     return assign, need
+
+
+def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch.Tensor, left: torch.Tensor,
+                         need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end game of routing.round_to_tiles in one launch (one block), with the contract and the bits of its twin
+    routing.swap_leftovers: idx, before int64 [T, K], allowed bool [T, E], left int64 [P], need int [E], all on one
+    GPU; returns (idx, need) after the swaps, reading nothing on the host (the kernel returns at once when no expert
+    lacks routes). The inputs are not changed."""
+    _check_combine_operand("idx", idx, torch.int64, (None, None), "[num_tokens, num_topk]")
+    num_tokens, num_topk = idx.shape
+    _check_combine_operand("before", before, torch.int64, (num_tokens, num_topk), "[num_tokens, num_topk]")
+    _check_combine_operand("allowed", allowed, torch.bool, (num_tokens, None), "[num_tokens, num_experts]")
+    num_experts = allowed.shape[1]
+    _check_combine_operand("left", left, torch.int64, (None,), "[num_left]")
+    _check_combine_operand("need", need, (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8),
+                           (num_experts,), "[num_experts]")
+    if idx.numel() + left.numel() > 2**31 - 1 - 1024:
+        fail("idx", "fewer than 2^31 - 1024 routes and leftovers in all", idx.numel() + left.numel())
+    device = idx.device
+    for name, t in (("idx", idx), ("before", before), ("allowed", allowed), ("left", left), ("need", need)):
+        if t.device.type != "cuda" or t.device != device:
+            fail(name, f"a CUDA tensor on idx's device ({device})", t.device)
+    idx = idx.clone(memory_format=torch.contiguous_format)  # [T, K], changed by the kernel
+    need = need.to(torch.int64, copy=True)  # [E] in, then out
+    waiting = torch.empty(left.numel(), dtype=torch.int32, device=device)  # [P] scratch
+    moved = torch.empty(idx.numel() + left.numel(), dtype=torch.int32, device=device)  # [T·K + P] scratch
+    load_extension().route_swap_leftovers(idx, before.contiguous(), allowed.to(torch.uint8).contiguous(),
+                                          left.contiguous(), need, waiting, moved)
+    return idx, need

@@ -205,8 +205,8 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
                           int64_t block_m, int64_t max_num_rows, const ScheduleOutputs& out, int32_t* chunk_counts,
                           cudaStream_t stream);
 
-// ---- round_to_tiles' rounds (csrc/route_fill_rounds.cu) ---------------------------------------------------
-// mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/route_fill_rounds.cuh): a pool
+// ---- round_to_tiles' rounds and end game (csrc/round_to_tiles.cu) ---------------------------------------------
+// mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a pool
 // of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
 // (receiver r's entries by descending score, ties ascending); may uint8 [U, R] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
@@ -220,6 +220,14 @@ constexpr int64_t kFillMaxReceivers = 1024;
 cudaError_t route_fill_rounds(const int64_t* order, uint8_t* may, const int64_t* inv, int64_t* need, int64_t* assign,
                               int32_t* first, int32_t* pick, const int64_t* num_real, int64_t num_pool,
                               int64_t num_tokens, int64_t num_receivers, cudaStream_t stream);
+
+// mok/routing.py swap_leftovers in one launch, with its result bit for bit: idx int64 [T, K] (the routing so far,
+// changed in place), before int64 [T, K], allowed uint8 [T, E], left int64 [P] (the leftover route ids, ascending
+// where >= 0), need int64 [E] (in: what each expert lacks; out: what it still lacks); waiting int32 [P] and moved
+// int32 [T·K + P]: scratch. Returns at once when no expert lacks routes.
+cudaError_t route_swap_leftovers(int64_t* idx, const int64_t* before, const uint8_t* allowed, const int64_t* left,
+                                 int64_t* need, int32_t* waiting, int32_t* moved, int64_t num_tokens,
+                                 int64_t num_topk, int64_t num_experts, int64_t num_left, cudaStream_t stream);
 
 // ---- routed-gradient prep (csrc/route_grads.cu) -----------------------------------------------------------
 // For each route (t, k) with row r = route_to_row[t, k]: dy_rows[r] = bf16(fp32(d_out[t]) · w[t, k]) and
