@@ -102,24 +102,33 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
     descending score, then ascending id. Runs on topk_idx's device: ~50 small ops, the rounds (fill_rounds) and the
-    swaps (swap_leftovers); on a GPU a kernel each (mok.ops.route_fill_rounds, route_swap_leftovers) and no host
-    read (device_rounds=False: their PyTorch twins, ~20 ops and a host read per round, the swaps on the host).
+    swaps (swap_leftovers), on a GPU a kernel each (mok.ops.route_fill_rounds, route_swap_leftovers; device_rounds=
+    False: their PyTorch twins, ~20 ops and a host read per round, the swaps on the host). On a GPU it reads the host
+    once, to check topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
              tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__)
+    check_topk_idx(topk_idx, scores.shape[1])  # its ids' range: the one host read
+    if topk_idx.shape[0] != scores.shape[0] or topk_idx.device != scores.device:
+        fail("scores", f"{topk_idx.shape[0]} rows on {topk_idx.device} (those of topk_idx)",
+             f"{scores.shape[0]} on {scores.device}")
+    return _round_to_tiles(topk_idx, scores, tile, device_rounds)
+
+
+def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
+                    device_rounds: bool = True) -> torch.Tensor:
+    """round_to_tiles on inputs already checked but for `tile`: the routers' own topk_idx, whose range check would
+    read the host. On a GPU nothing here does (tests/test_routing.py runs it under sync debug mode "error")."""
     num_tokens, num_experts = scores.shape
-    check_topk_idx(topk_idx, num_experts)
     check_int("tile", tile, 1)
     if topk_idx.numel() < tile * num_experts:  # rounding to the nearest multiple would empty most experts
         fail("tile", f"at most the mean routes per expert, T·K/E = {topk_idx.numel() / num_experts:g}", tile)
-    if topk_idx.shape[0] != num_tokens or topk_idx.device != scores.device:
-        fail("scores", f"{topk_idx.shape[0]} rows on {topk_idx.device} (those of topk_idx)",
-             f"{num_tokens} on {scores.device}")
     idx = topk_idx.clone(memory_format=torch.contiguous_format)  # [T, K]
     num_topk = idx.shape[1]
     scores = scores.detach()
-    counts = torch.bincount(idx.reshape(-1), minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))  # [E] (bincount would read its size on the host)
     rem = counts % tile  # [E]
     by_rem = torch.sort(-rem, stable=True).indices  # [E]: largest remainder first, ties lower id
     rank_e = torch.empty_like(by_rem).scatter_(0, by_rem, torch.arange(num_experts, device=rem.device))  # [E]
@@ -294,7 +303,7 @@ def softmax_topk(
     probs = logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
     topk_weights, topk_idx = _topk_lowest_id(probs, num_topk)  # [num_tokens, num_topk] each
     if tile is not None:
-        topk_idx = round_to_tiles(topk_idx, probs, tile)
+        topk_idx = _round_to_tiles(topk_idx, probs, tile)
         topk_weights = probs.gather(1, topk_idx)  # [num_tokens, num_topk]
     if normalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)  # [num_tokens, num_topk]
@@ -370,7 +379,7 @@ def sigmoid_bias_topk(
 
     _, topk_idx = _topk_lowest_id(choice, num_topk)  # [num_tokens, num_topk]
     if tile is not None:
-        topk_idx = round_to_tiles(topk_idx, choice, tile)
+        topk_idx = _round_to_tiles(topk_idx, choice, tile)
     topk_weights = scores.gather(1, topk_idx)  # [num_tokens, num_topk], unbiased
     if normalize:
         # DeepSeek-V3's guard: sigmoid can underflow to 0 for every chosen expert.
@@ -422,7 +431,7 @@ def random_routing(
     keys = log_p + gumbel  # [T, E]
     _, topk_idx = _topk_lowest_id(keys, num_topk)  # [T, K], distinct per token
     if tile is not None:
-        topk_idx = round_to_tiles(topk_idx, keys, tile)
+        topk_idx = _round_to_tiles(topk_idx, keys, tile)
     return topk_idx.to(device), _random_weights(num_tokens, num_topk, generator, device)
 
 

@@ -458,6 +458,23 @@ def test_route_fill_rounds_kernel_gives_its_twins_bits():
 
 
 @pytest.mark.gpu
+def test_round_to_tiles_on_a_gpu_reads_nothing_on_the_host():
+    """The routers' path (_round_to_tiles: topk_idx their own) under sync debug mode "error": any host read raises.
+    Where nothing is left short, and where receivers are (the end game's kernel at work)."""
+    for T, E, K, tile in [(8192, 128, 8, 128), (1024, 14, 7, 64)]:
+        scores = torch.randn(T, E, generator=gen(E), device="cpu").softmax(-1).cuda()
+        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        expected = routing._round_to_tiles(idx, scores, tile)  # the first call: builds and loads the kernels
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = routing._round_to_tiles(idx, scores, tile)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
 def test_route_swap_leftovers_kernel_gives_its_twins_bits(monkeypatch):
     """The end-game kernel against routing.swap_leftovers on the hard cases' end games (swaps, unfillable lacks) and
     with nothing lacking; then round_to_tiles on the GPU, both ways, against the CPU there."""
