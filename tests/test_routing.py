@@ -457,6 +457,20 @@ def test_route_fill_rounds_kernel_gives_its_twins_bits():
     assert torch.equal(got[1].cpu(), expected[1])
 
 
+def _random_swap_problem(seed: int, T: int, E: int, K: int, changed: float, num_left: int) -> tuple:
+    """An end game beyond round_to_tiles' own: a random routing and a `before` that differs for a share of the tokens
+    (long moved lists), a random allowed mask, leftovers at random route ids, needs of 0-2: direct moves and swaps."""
+    g = gen(seed)
+    idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]  # [T, K], distinct experts per token
+    before = torch.where(torch.rand(T, 1, generator=g) < changed, torch.rand(T, E, generator=g).argsort(dim=1)[:, :K],
+                         idx)
+    allowed = torch.rand(T, E, generator=g) < 0.9
+    allowed.scatter_(1, idx, True)  # a token may go where it is
+    left = torch.sort(torch.randperm(T * K, generator=g)[:num_left]).values
+    left = torch.where(torch.rand(num_left, generator=g) < 0.1, -1, left)  # some entries none
+    return idx, before, allowed, left, torch.randint(0, 3, (E,), generator=g)
+
+
 @pytest.mark.gpu
 def test_round_to_tiles_on_a_gpu_reads_nothing_on_the_host():
     """The routers' path (_round_to_tiles: topk_idx their own) under sync debug mode "error": any host read raises.
@@ -481,6 +495,9 @@ def test_route_swap_leftovers_kernel_gives_its_twins_bits(monkeypatch):
     problems = _swap_problems(monkeypatch)
     idx, before, allowed, left, need = problems[0]
     problems.append((idx, before, allowed, left, torch.zeros_like(need)))  # nothing lacks: the kernel returns at once
+    problems += [_random_swap_problem(seed, 40 + 30 * seed, 6 + seed, 1 + seed % 4, 0.3, 5 + 7 * seed)
+                 for seed in range(12)]  # direct moves among the swaps
+    problems.append(_random_swap_problem(12, 3000, 16, 4, 0.3, 1500))  # > 1024 moved and leftovers: several chunks
     for i, problem in enumerate(problems):
         expected = twins.route_swap_leftovers(*problem)
         got = ops.route_swap_leftovers(*(t.cuda() for t in problem))

@@ -220,6 +220,7 @@ __global__ void __launch_bounds__(kFillThreads) route_swap_leftovers_kernel(Swap
         if (best == INT_MAX) continue;
         q = a.moved[best];
       }
+      __syncthreads();  // every thread has read need, waiting and idx for this leftover before thread 0 writes them
       if (threadIdx.x == 0) {
         if (direct) {
           a.idx[p] = e;
