@@ -191,6 +191,9 @@ step racecheck_bf16 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sani
   python tools/sanitize.py bf16
 step racecheck_mx 300 "RACECHECK SUMMARY|ERROR SUMMARY|tolerance|Error" "$sanitizer" --tool racecheck \
   python tools/sanitize.py mainloop
+# `rounding_sanitize`: round_to_tiles' kernels under memcheck, racecheck and synccheck (their barriers).
+step rounding_sanitize 240 "SUMMARY|rounding|Error" bash -c 'for tool in memcheck racecheck synccheck; do
+  "$0" --tool $tool python tools/sanitize.py rounding || exit; done' "$sanitizer"
 step quant 90 "passed|failed|FAILED" python -m pytest -q -x tests/test_ops_quant.py
 # `fp8_probe`: FP8 wgmma with MXFP8's per-k32 promotion against the BF16 mainloop's MMAs, operands in shared memory,
 # and one FP8 wgmma's bits against BF16's and the exact sum (tools/fp8_wgmma_probe.cu, built here).

@@ -8,6 +8,9 @@ expert a full tile and a short tail (what a MOK_GEMM_FOLD build folds: run it un
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)
+
+The word `rounding` also runs routing.round_to_tiles' two kernels (the rounds and the end game) on end games with
+swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers.
 """
 
 import os
@@ -15,7 +18,7 @@ import sys
 
 import torch
 
-from mok import fused, testing
+from mok import fused, routing, testing
 from mok import reference as L0
 from mok.config import TINY_SHAPES, MoEConfig
 
@@ -25,6 +28,13 @@ CASES = [("tiny", "bf16", "dequantize"), ("tiny-top8", "bf16", "dequantize"), ("
 TOLERANCE = {"bf16": testing.TOLERANCES["bf16_vs_l0"], "mxfp8": testing.TOLERANCES["mxfp8_vs_l0_mxfp8"]}
 
 words = sys.argv[1:]
+if not words or "rounding" in words:
+    for T, E, K, tile in [(1024, 14, 7, 64), (2048, 8, 4, 128), (8192, 128, 8, 128)]:
+        scores = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).softmax(-1)
+        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        got = routing.round_to_tiles(idx.cuda(), scores.cuda(), tile).cpu()
+        assert torch.equal(got, routing.round_to_tiles(idx, scores, tile)), f"rounding {T, E, K, tile}: not the CPU's"
+        print(f"rounding {T, E, K, tile}: the GPU's kernels give the CPU's routing", flush=True)
 for name, precision, mx_weights in CASES:
     if words and not any(w in (name, precision, mx_weights) for w in words):
         continue
