@@ -414,7 +414,7 @@ def test_route_fill_rounds_bad_inputs_name_the_argument():
         (lambda: ops.route_fill_rounds(order.int(), may, inv, need), "order: expected dtype torch.int64"),
         (lambda: ops.route_fill_rounds(order, may[:, :2], inv, need), r"may: expected shape .* = \[\*, 3\]"),
         (lambda: ops.route_fill_rounds(order, may, inv[:-1], need), "inv: expected shape"),
-        (lambda: ops.route_fill_rounds(order, may, inv, need.float()), "need: expected dtype torch.int8 or"),
+        (lambda: ops.route_fill_rounds(order, may, inv, need.float()), "need: expected dtype torch.uint8 or"),
         (lambda: ops.route_fill_rounds(torch.zeros(2, 1025, dtype=torch.int64), torch.zeros(2, 1025, dtype=torch.bool),
                                        torch.zeros(2, dtype=torch.int64), torch.ones(1025, dtype=torch.int64)),
          "order: expected at most 1024 receivers"),

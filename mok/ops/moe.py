@@ -237,6 +237,19 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
 # ---- round_to_tiles' rounds and end game (csrc/include/mok/moe/round_to_tiles.cuh) -------------------------
 
 FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # what a `need` may be, as in the twins
+
+
+def _check_on_one_gpu(tensors: dict, like: str) -> None:
+    """Every tensor of `tensors` (name -> tensor or None) a CUDA tensor on the device of tensors[like]."""
+    device = tensors[like].device
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            fail(name, "a CUDA tensor", f"device {t.device}")
+        if t.device != device:
+            fail(name, f"device {device} ({like}'s)", t.device)
 
 
 def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
@@ -249,20 +262,15 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     num_pool, num_receivers = order.shape
     _check_combine_operand("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
     _check_combine_operand("inv", inv, torch.int64, (num_pool,), "[num_pool]")
-    _check_combine_operand("need", need, (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8),
-                           (num_receivers,), "[num_receivers]")
+    _check_combine_operand("need", need, _INTEGERS, (num_receivers,), "[num_receivers]")
     if num_receivers > FILL_MAX_RECEIVERS:
         fail("order", f"at most {FILL_MAX_RECEIVERS} receivers (dim 1)", num_receivers)
     if num_pool > 2**31 - 1 - 1024:
         fail("order", "fewer than 2^31 - 1024 entries (dim 0)", num_pool)
     if num_real is not None:
         _check_combine_operand("num_real", num_real, torch.int64, (), "a scalar")
+    _check_on_one_gpu({"order": order, "may": may, "inv": inv, "need": need, "num_real": num_real}, "order")
     device = order.device
-    for name, t in (("order", order), ("may", may), ("inv", inv), ("need", need), ("num_real", num_real)):
-        if t is None:
-            continue
-        if t.device.type != "cuda" or t.device != device:
-            fail(name, f"a CUDA tensor on order's device ({device})", t.device)
     need = need.to(torch.int64, copy=True)  # [R] in, then out
     assign = torch.full((num_pool,), -1, dtype=torch.int64, device=device)  # [P]
     if num_pool and num_receivers:
@@ -287,14 +295,11 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     _check_combine_operand("allowed", allowed, torch.bool, (num_tokens, None), "[num_tokens, num_experts]")
     num_experts = allowed.shape[1]
     _check_combine_operand("left", left, torch.int64, (None,), "[num_left]")
-    _check_combine_operand("need", need, (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8),
-                           (num_experts,), "[num_experts]")
+    _check_combine_operand("need", need, _INTEGERS, (num_experts,), "[num_experts]")
     if idx.numel() + left.numel() > 2**31 - 1 - 1024:
         fail("idx", "fewer than 2^31 - 1024 routes and leftovers in all", idx.numel() + left.numel())
+    _check_on_one_gpu({"idx": idx, "before": before, "allowed": allowed, "left": left, "need": need}, "idx")
     device = idx.device
-    for name, t in (("idx", idx), ("before", before), ("allowed", allowed), ("left", left), ("need", need)):
-        if t.device.type != "cuda" or t.device != device:
-            fail(name, f"a CUDA tensor on idx's device ({device})", t.device)
     idx = idx.clone(memory_format=torch.contiguous_format)  # [T, K], changed by the kernel
     need = need.to(torch.int64, copy=True)  # [E] in, then out
     waiting = torch.empty(left.numel(), dtype=torch.int32, device=device)  # [P] scratch
