@@ -565,9 +565,10 @@ def test_gemm_fold_writes_or_skips_exactly_the_tails(case, block_m, switches, li
 @pytest.mark.gpu
 @pytest.mark.sm90
 def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(monkeypatch):
-    """MOK_GEMM_DYNAMIC: GEMM2 launched eight times over two streams, each launch on half the SMs so that they run
-    side by side, stores what one launch alone stores, every time: each launch takes its tasks from a counter of
-    its own (one counter per kind, as the switch had at first, would hand one launch's tasks to the other)."""
+    """MOK_GEMM_DYNAMIC: GEMM2 launched eight times over two streams, all queued behind one gate so that each stream's
+    launches start together with the other's, each on half the SMs, stores what one launch alone stores, every time:
+    each launch takes its tasks from a counter of its own (one counter per kind, as the switch had at first, would
+    hand one launch's tasks to the other)."""
     seed = fresh_seed()
     ext = core.load_extension({"MOK_GEMM_DYNAMIC": 1})
     monkeypatch.setattr(gemm_ops, "load_extension", lambda: ext)
@@ -578,14 +579,27 @@ def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(m
     a_rows = torch.randn(sched.num_rows, cfg.intermediate, generator=g).to(BF16).cuda()  # [R, I]
     w = inputs["w_down"].cuda()  # [E, H, I]
     half = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    sched.gemm_tensors = ops.gemm_schedule_tensors(sched, "cuda")  # made once: no allocation in the launches below
     expected = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=half)
     streams = [torch.cuda.Stream() for _ in range(2)]
+    nbytes = sched.num_rows * cfg.hidden * 2
+    for stream in streams:  # four poisoned blocks cached per stream: the outputs reuse them, no cudaMalloc below
+        with torch.cuda.stream(stream):
+            blocks = [torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda") for _ in range(4)]
+            del blocks
+    # both streams wait behind a spinning kernel, so all eight launches are queued before any runs: the first of
+    # each stream then start together, on half the SMs each
+    gate, ready = torch.cuda.Stream(), torch.cuda.Event()
     torch.cuda.synchronize()
+    with torch.cuda.stream(gate):
+        torch.cuda._sleep(100_000_000)  # ~60 ms of clocks
+        ready.record(gate)
+    for stream in streams:
+        stream.wait_event(ready)
     outs = []
     for _ in range(4):
         for stream in streams:
             with torch.cuda.stream(stream):
-                poison_allocator(sched.num_rows * cfg.hidden * 2)
                 outs.append(ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=half))
     torch.cuda.synchronize()
     for i, out in enumerate(outs):

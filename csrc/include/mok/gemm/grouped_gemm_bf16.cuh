@@ -155,7 +155,10 @@ struct MxScales {
 #if MOK_GEMM_DYNAMIC
 // kDynamic: every launch takes a counter of its own from this pool, zeroed before it and freed after it in stream
 // order, so launches that overlap (two streams, two branches of a graph) never share one. One pool per device,
-// mok's own: it keeps its memory across synchronizations (the default pool gives it back at each).
+// mok's own: it keeps its memory across synchronizations (the default pool gives it back at each). Under stream
+// capture the allocation and the free become graph memory nodes (such a graph cannot be cloned or nested as a
+// child, and has one executable instance at a time), and the pool should exist before the capture (a first launch
+// outside it). A workspace int from the caller (torch's allocator) would avoid both, for every BF16 entry point.
 inline cudaError_t counter_pool(cudaMemPool_t* pool) {
   static std::mutex mutex;
   static std::map<int, cudaMemPool_t> pools;
@@ -171,7 +174,10 @@ inline cudaError_t counter_pool(cudaMemPool_t* pool) {
     cudaMemPool_t created;
     if ((err = cudaMemPoolCreate(&created, &props))) return err;
     uint64_t keep = UINT64_MAX;
-    if ((err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep))) return err;
+    if ((err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep))) {
+      cudaMemPoolDestroy(created);
+      return err;
+    }
     pools[device] = created;
   }
   *pool = pools[device];
@@ -258,9 +264,12 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     cudaMemPool_t pool;
     if constexpr (T::kDynamic) {
       if ((err = counter_pool(&pool)) ||
-          (err = cudaMallocFromPoolAsync(reinterpret_cast<void**>(&p.unit_counter), sizeof(int), pool, stream)) ||
-          (err = cudaMemsetAsync(p.unit_counter, 0, sizeof(int), stream)))
+          (err = cudaMallocFromPoolAsync(reinterpret_cast<void**>(&p.unit_counter), sizeof(int), pool, stream)))
         return err;
+      if ((err = cudaMemsetAsync(p.unit_counter, 0, sizeof(int), stream))) {
+        cudaFreeAsync(p.unit_counter, stream);
+        return err;
+      }
     }
 #endif
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
