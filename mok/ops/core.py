@@ -45,11 +45,12 @@ BUILD_SWITCHES = {
     "MOK_GEMM_DYNAMIC": (0, 1),  # 1: tasks from a device counter in task order, not a static stride (default 0)
     "MOK_GEMM_SKIP_PADDING_HALF": (0, 1),  # 1: no MMAs for a row-wise tile's all-padding half (slower; default 0)
     "MOK_GEMM_N256": (0, 1),  # 1 (default): one m64n256k16 per k16 slice; 0: two m64n128k16
-    # short tails folded into the row-wise GEMMs' previous m-tile: 1, 2 probes (2 leaves tails unwritten); 3 the fold
-    "MOK_GEMM_FOLD": (0, 1, 2, 3),
+    # short tails folded into the row-wise GEMMs' previous m-tile: 1, 2, 4 probes (2 leaves tails unwritten, 4 their
+    # padding rows); 3 the fold
+    "MOK_GEMM_FOLD": (0, 1, 2, 3, 4),
 }
 # Switch values whose kernels leave outputs unwritten: timing probes, loaded with a warning.
-TIMING_ONLY = {("MOK_GEMM_FOLD", 2)}
+TIMING_ONLY = {("MOK_GEMM_FOLD", 2), ("MOK_GEMM_FOLD", 4)}
 
 
 def csrc_hash() -> str:

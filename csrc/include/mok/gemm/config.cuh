@@ -92,7 +92,10 @@ namespace mok::gemm {
 //   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
 //      times each build's kernels on the default build's intermediates; mok.ops warns when it loads it);
 //   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its
-//      padding rows as zeros), so the tails' tasks are skipped and every output is written.
+//      padding rows as zeros), so the tails' tasks are skipped and every output is written;
+//   4  a probe: 3 without the zeros in rows kFoldRows.. of the tail's tile (left unwritten: timing only).
+// NOTE: 3 measured 0.98-1.13x the default's time (H200, a755815), its tail stores slowing every task, while 2 with
+// the counter took GEMM1's span to 0.88 (docs/l2_fused.md, "Tails folded into the previous tile").
 // With the static task stride the longer folding tasks pile up on some CTAs; tasks from the counter
 // (MOK_GEMM_DYNAMIC=1) are what the fold was sized with (tools/fold_makespan.py).
 #ifndef MOK_GEMM_FOLD
@@ -123,7 +126,8 @@ constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 constexpr bool kN256 = MOK_GEMM_N256 != 0;
 constexpr bool kFoldBuild = MOK_GEMM_FOLD != 0;
 constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD >= 2;
-constexpr bool kFoldWritesTails = MOK_GEMM_FOLD == 3;
+constexpr bool kFoldWritesTails = MOK_GEMM_FOLD >= 3;
+constexpr bool kFoldZeroesTails = MOK_GEMM_FOLD == 3;  // 4: the tail tile's rows kFoldRows.. left unwritten
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;

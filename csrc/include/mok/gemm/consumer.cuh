@@ -87,6 +87,7 @@ MOK_DEVICE void store_folded_tail(const FoldAcc& f, const Params& p, const Stagi
     store_piece(p.out, col0 + BLOCK_N_B, masked(f.w1));
   }
   // rows kFoldRows.. of the tail's tile: zeros, the CTA's 256 consumer threads over every output's columns
+  if constexpr (!kFoldZeroesTails) return;
   constexpr int kChunks = T::kTaskN / 8, kTotal = (BLOCK_M - kFoldRows) * kChunks;
   const int thread = static_cast<int>((group * kWarpgroup / kWarpSize + warp) * kWarpSize + lane);
   for (int c = thread; c < kTotal; c += kNumConsumerGroups * kWarpgroup) {
