@@ -87,8 +87,9 @@ namespace mok::gemm {
 // warp) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
 // A operand (two m64n32k16: the tail's outputs transposed). In steps, so that each can be timed before the next is
 // trusted:
-//   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped; the tails' own tasks
-//      still run, so every output keeps its bits;
+//   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped (a never-taken store
+//      keeps their MMAs: consumer.cuh's keep_fold_mmas); the tails' own tasks still run, so every output keeps its
+//      bits;
 //   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
 //      times each build's kernels on the default build's intermediates; mok.ops warns when it loads it);
 //   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its

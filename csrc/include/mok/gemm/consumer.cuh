@@ -25,6 +25,17 @@ MOK_DEVICE void fence_accumulators(FoldAcc& f) {
   for (int i = 0; i < kFoldAccPerThread; ++i) ptx::fence_operand(f.w0[i]), ptx::fence_operand(f.w1[i]);
 }
 
+// The probes (MOK_GEMM_FOLD 1 and 2) drop the fold's accumulators, and ptxas then deletes their wgmmas as dead code
+// (there were no m64n32k16 in the probes' SASS until 2026-12-05: the probes timed the tail loads only). A store of
+// their sum under a condition ptxas cannot prove false, and that never holds, keeps the MMAs.
+__device__ float g_fold_sink;
+MOK_DEVICE void keep_fold_mmas(const FoldAcc& f) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kFoldAccPerThread; ++i) sum += f.w0[i] + f.w1[i];
+  if (__float_as_uint(sum) == 0xffc0ffeeu) g_fold_sink = sum;  // a NaN payload no sum of these MMAs produces
+}
+
 // MOK_GEMM_FOLD=3: a consumer warp's share of a folded tail's outputs, after its own tile's epilogue. The fold
 // accumulators hold the tail transposed: w0[4i + 2h + j] is column c0 + 16·warp + 8h + l/4 (c0: this warpgroup's
 // first B0 column; w1: B1's) of tail row 8i + 2(l%4) + j. Each 32 × 16 piece goes through the staging box transposed
@@ -265,6 +276,9 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
+    if constexpr (T::kFold && !kFoldWritesTails) {
+      if (fold) keep_fold_mmas(fold_acc);
+    }
     if constexpr (T::kFold && kFoldWritesTails) {
       if (fold) store_folded_tail<kGemm>(fold_acc, p, staging, (t.m_tile + 1) * BLOCK_M, t.n_tile * T::kTaskN, group,
                                          warp, lane);
