@@ -14,6 +14,7 @@ rule only makes the choice among *equal* scores deterministic.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -147,7 +148,7 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
-    # The pool: those routes in ascending id (_pool_size: on a GPU padded to a bound); padding entries (id T·K) come
+    # The pool: those routes in ascending id (_pool_size: on a GPU padded to pool_bound); padding entries (id T·K) come
     # last, score -inf and are never candidates.
     num_routes = flat.numel()
     chosen = rank < give[flat[by_expert]]  # [T·K], in by_expert's order
@@ -186,11 +187,27 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
 
 
 def _pool_size(chosen: torch.Tensor, num_experts: int, tile: int) -> int:
-    """round_to_tiles' pool as allocated: on a GPU its bound, so that nothing waits for the device to count it (a
-    giving expert gives its remainder, less than the tile); elsewhere its size. chosen: bool [T·K]."""
+    """round_to_tiles' pool as allocated: on a GPU its bound (pool_bound), so that nothing waits for the device to
+    count it; elsewhere its size. chosen: bool [T·K]."""
     if chosen.is_cuda:
-        return min(chosen.numel(), num_experts * (tile - 1))
+        return min(chosen.numel(), pool_bound(num_experts, tile))
     return int(chosen.sum())
+
+
+@functools.cache
+def pool_bound(num_experts: int, tile: int) -> int:
+    """The most routes round_to_tiles' rounding-down experts can give, over every count of routes: ~E·tile/4, where
+    the plain bound E·(tile − 1) (each gives its remainder) is 4× more. With n experts rounding up, m the least of
+    their remainders: the others' remainders are at most m each, and all remainders sum to less than (n + 1)·tile,
+    so the given routes are at most min((E − n)·m, (n + 1)·tile − 1 − n·m); with none rounding up, less than a
+    tile. For each n the maximum over m lies where the two meet (tests/test_routing.py checks it against every
+    remainder vector of small E and tile)."""
+    best = tile - 1
+    for n in range(1, num_experts + 1):
+        meet = ((n + 1) * tile - 1) // num_experts
+        for m in (min(meet, tile - 1), min(meet + 1, tile - 1)):
+            best = max(best, min((num_experts - n) * m, (n + 1) * tile - 1 - n * m))
+    return best
 
 
 def fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,

@@ -339,15 +339,32 @@ def test_fill_rounds_gives_a_contested_route_to_the_receiver_with_least_slack():
 
 @pytest.mark.parametrize("T, E, K, tile", [(2048, 48, 6, 128), (1000, 16, 2, 16), (1024, 14, 7, 64), (300, 2, 1, 16)])
 def test_round_to_tiles_with_the_gpus_padded_pool_gives_the_same_routing(monkeypatch, T, E, K, tile):
-    """On a GPU the pool is allocated at its bound, E·(tile − 1) entries, so that no host read counts it; the padding
-    scores -inf and is never a candidate. Forced here on the CPU, it must give the exact pool's routing (ties, and
-    at K/E = 1/2 the swaps at the end, included)."""
+    """On a GPU the pool is allocated at its bound, routing.pool_bound(E, tile) entries, so that no host read counts
+    it; the padding scores -inf and is never a candidate. Forced here on the CPU, it must give the exact pool's
+    routing (ties, and at K/E = 1/2 the swaps at the end, included)."""
     logits = (torch.randn(T, E, generator=gen(T + E)) * 2).round() / 2  # ties
     scores = logits.softmax(-1)
     idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
     exact = round_to_tiles(idx, scores, tile)
-    monkeypatch.setattr(routing, "_pool_size", lambda chosen, experts, t: min(chosen.numel(), experts * (t - 1)))
+    monkeypatch.setattr(routing, "_pool_size",
+                        lambda chosen, experts, t: min(chosen.numel(), routing.pool_bound(experts, t)))
     assert torch.equal(round_to_tiles(idx, scores, tile), exact)
+
+
+def test_pool_bound_holds_every_route_the_rounding_moves_at_about_a_quarter_of_the_plain_bound():
+    """pool_bound(E, tile) against every remainder vector of small E and tile: with K = 1 a token may go to any
+    expert, so every route a rounding-down expert gives moves, and their count is the pool's size."""
+    for E, tile in [(1, 4), (2, 5), (3, 4), (4, 3), (3, 6)]:
+        most = 0
+        for rems in itertools.product(range(tile), repeat=E):
+            counts = torch.tensor(rems) + tile  # every expert holds a full tile, so tile ≤ T·K/E
+            idx = torch.repeat_interleave(torch.arange(E), counts).view(-1, 1)
+            scores = torch.rand(idx.shape[0], E, generator=gen(sum(rems)))
+            moved = int(routing.moved_routes(idx, round_to_tiles(idx, scores, tile)).sum())
+            assert moved <= routing.pool_bound(E, tile), (E, tile, rems)
+            most = max(most, moved)
+        assert routing.pool_bound(E, tile) - most <= 3, "the bound is near the worst case"
+    assert routing.pool_bound(128, 128) == 4159  # qwen3-30b's pool: 0.26 of E·(tile − 1) = 16,256 entries
 
 
 def _swap_problems(monkeypatch) -> list[tuple]:
