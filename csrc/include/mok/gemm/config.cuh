@@ -95,8 +95,10 @@ namespace mok::gemm {
 //   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its
 //      padding rows as zeros), so the tails' tasks are skipped and every output is written;
 //   4  a probe: 3 without the zeros in rows kFoldRows.. of the tail's tile (left unwritten: timing only).
-// NOTE: 3 measured 0.98-1.13x the default's time (H200, a755815), its tail stores slowing every task, while 2 with
-// the counter took GEMM1's span to 0.88 (docs/l2_fused.md, "Tails folded into the previous tile").
+// NOTE: 3 measured 0.98-1.13x the default's time (H200, a755815). The fold's MMAs lengthen a folding task's mainloop
+// by 23%, and tasks that uneven pull the CTAs out of step: every task then loses its shared weight tiles (+41% at
+// dsv4pro's GEMM1; 2 with its MMAs kept is as slow, cb12ff7). Kept opt-in for that record (docs/l2_fused.md, "Tails
+// folded into the previous tile").
 // With the static task stride the longer folding tasks pile up on some CTAs; tasks from the counter
 // (MOK_GEMM_DYNAMIC=1) are what the fold was sized with (tools/fold_makespan.py).
 #ifndef MOK_GEMM_FOLD
