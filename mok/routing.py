@@ -143,8 +143,7 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
     stuck = ~((scores > float("-inf")) & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
     by_score = torch.sort(route_scores, stable=True).indices  # [T·K]
-    by_score = by_score[torch.sort(stuck[by_score // num_topk].int(), stable=True).indices]
-    by_expert = by_score[torch.sort(flat[by_score], stable=True).indices]  # [T·K]
+    by_expert = by_score[torch.sort(2 * flat[by_score] + stuck[by_score // num_topk], stable=True).indices]  # [T·K]
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
