@@ -112,6 +112,30 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during
     return statistics.median(times)
 
 
+def graph_time_ms(calls: list, calls_per_graph: int = 20, replays: int = 15) -> float:
+    """Median time of one call: `calls_per_graph` calls (cycling through `calls`) captured in one CUDA
+    graph, the graph replayed `replays` times with CUDA events around each replay."""
+    for fn in calls:  # warm-up (and the JIT build) outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(calls_per_graph):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_graph)
+    return statistics.median(times)
+
+
 def timing_name(queued: bool) -> str:
     """The rows' `timing` column: how time_ms ran the timed calls."""
     return "queued" if queued else "from_idle"

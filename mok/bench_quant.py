@@ -7,7 +7,7 @@ Two ceilings, both measured in the same run:
 - `copy_gbps`: a device-to-device copy (`dst.copy_(src)`, 4 GiB, read + write), eager (its launch is
   nothing next to 2 ms); `frac_of_copy` = gbps / copy_gbps.
 - `copy_same_size_gbps`: a copy kernel (mok's `copy_bytes`) moving the SAME bytes as the row's kernel
-  (half read, half written), timed exactly like the kernel: `graph_time_ms`, same calls per graph,
+  (half read, half written), timed exactly like the kernel: `bench.graph_time_ms`, same calls per graph,
   replays and median, inputs rotated the same way; `frac_of_same_size_copy` = gbps / it. At 14 us a
   call, launch, ramp-up and drain are a large part of any kernel; this column says how much of the gap
   to the 4 GiB copy a copy of that size shares.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -106,30 +105,6 @@ def bandwidth_columns(nbytes: int, ms: float, copy_gbps: float, same_size_gbps: 
 # ---- timing -------------------------------------------------------------------------------------
 
 
-def graph_time_ms(calls: list, calls_per_graph: int = 20, replays: int = 15) -> float:
-    """Median time of one call: `calls_per_graph` calls (cycling through `calls`) captured in one CUDA
-    graph, the graph replayed `replays` times with CUDA events around each replay."""
-    for fn in calls:  # warm-up (and the JIT build) outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls_per_graph):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_graph)
-    return statistics.median(times)
-
-
 def copy_bandwidth_gbps(nbytes: int = 2**32) -> float:
     """Device-to-device copy (`dst.copy_(src)`, eager: inside a CUDA graph the copy becomes a memcpy
     node that ran at ~2.7 TB/s on the H200, against ~4.3 eager), bytes read + written per second, GB/s."""
@@ -147,7 +122,7 @@ def same_size_copy_gbps(nbytes: int, variant: int = 0) -> float:
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255),  # [half] source
               torch.empty(half, dtype=torch.uint8, device="cuda"))  # [half] destination
              for _ in range(rotation_copies(half))]
-    ms = graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
+    ms = bench.graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
     return 2 * half / ms / 1e6
 
 
@@ -230,7 +205,7 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
             l0_ms = bench.time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
         for variant in variants_of(op, variants):
             calls, first_out = _kernel_calls(op, inputs, variant)
-            ms = graph_time_ms(calls)
+            ms = bench.graph_time_ms(calls)
             if l0:
                 calls[0]()
                 exact = _same_bits(first_out, want)

@@ -3,9 +3,10 @@
 Per shape, on the GPU when there is one: the time of `routing.softmax_topk` on random logits [T, E], plain and with
 `tile=` (mok.routing.round_to_tiles; docs/routing.md), the rounding alone with its rounds in the kernel
 (`round_kernel_ms`, mok.ops.route_fill_rounds) and in PyTorch ops (`round_twin_ms`, routing.fill_rounds: a sync
-a round; on a CPU both columns time the twin), and the share of routes the rounding moves. Times are medians of
-`--iters` calls after 3 warm-up calls (bench.time_ms, no sustained warm-up: the router is host-bound, not under
-the power cap). One row per (shape, tile) → data/bench/route.csv, with provenance; compare `round_ms` with the
+a round; on a CPU both columns time the twin), the kernels' rounding replayed from a CUDA graph (`round_graph_ms`,
+its GPU time without the host's ~100 small ops; a GPU only, as a training step captured in a graph runs it), and
+the share of routes the rounding moves. Times are medians of `--iters` calls after 3 warm-up calls (bench.time_ms,
+no sustained warm-up: the router is host-bound, not under the power cap). One row per (shape, tile) → data/bench/route.csv, with provenance; compare `round_ms` with the
 layer's forward in data/bench/moe_rounded*.csv.
 
     python -m mok.bench route [--shapes ...] [--tile 128] [--iters 10] [--out data/bench/route.csv]
@@ -39,10 +40,12 @@ def route_rows(cfg: MoEConfig, tile: int, iters: int, device, seed: int = 0) -> 
     round_kernel_ms, round_twin_ms = (bench.time_ms(lambda rounds=rounds: routing._round_to_tiles(plain, probs, tile,
                                                                                                rounds), iters)
                                       for rounds in (True, False))
+    round_graph_ms = (bench.graph_time_ms([lambda: routing._round_to_tiles(plain, probs, tile)], 5, iters)
+                      if plain.is_cuda else float("nan"))
     moved = routing.moved_routes(plain, rounded)  # [T, K]
     return [{"shape": cfg.name, "tile": tile, "num_tokens": cfg.num_tokens, "num_experts": cfg.num_experts,
              "num_topk": k, "plain_ms": plain_ms, "rounded_ms": rounded_ms, "round_ms": rounded_ms - plain_ms,
-             "round_kernel_ms": round_kernel_ms, "round_twin_ms": round_twin_ms,
+             "round_kernel_ms": round_kernel_ms, "round_twin_ms": round_twin_ms, "round_graph_ms": round_graph_ms,
              "routes_moved_pct": 100 * float(moved.float().mean()), "iters": iters, **bench.provenance()}]
 
 
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench.sweep(args.shapes, lambda cfg: route_rows(cfg, args.tile, args.iters, device), args.out, KEY)
     cols = ["shape", "tile", "plain_ms", "rounded_ms", "round_ms", "round_kernel_ms", "round_twin_ms",
-            "routes_moved_pct"]
+            "round_graph_ms", "routes_moved_pct"]
     print(pd.DataFrame(rows)[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
 

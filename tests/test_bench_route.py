@@ -18,6 +18,7 @@ def test_route_rows_on_a_tiny_shape(tmp_path):
     assert row["plain_ms"] > 0 and row["rounded_ms"] > 0 and row["round_ms"] == pytest.approx(
         row["rounded_ms"] - row["plain_ms"])
     assert row["round_kernel_ms"] > 0 and row["round_twin_ms"] > 0  # on the CPU both time the twin
+    assert pd.isna(row["round_graph_ms"])  # a CUDA graph's replay: GPUs only
     # the moved share is the one of the same draw, rounded here
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(int(row["num_tokens"]), int(row["num_experts"]), generator=g)

@@ -506,6 +506,29 @@ def test_round_to_tiles_on_a_gpu_reads_nothing_on_the_host():
 
 
 @pytest.mark.gpu
+def test_the_routers_tile_replays_from_a_cuda_graph():
+    """With no host read, the routers' rounding can live in a CUDA graph (a training step captured whole, or
+    `bench route`'s round_graph_ms): captured once, replayed on new logits copied into the captured input, it gives
+    the eager call's routing on those logits, ties and a hot expert included."""
+    T, E, K, tile = 4096, 64, 6, 128
+    static = torch.randn(T, E, generator=gen(0)).cuda()  # [T, E]
+    routing.softmax_topk(static, K, tile=tile)  # builds and loads the kernels outside the capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        idx, weights = routing.softmax_topk(static, K, tile=tile)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(1, 4):
+        logits = (torch.randn(T, E, generator=gen(seed)) * 2).round() / 2  # ties
+        logits[:, 3] += seed - 1  # expert 3 ever hotter
+        static.copy_(logits.cuda())
+        graph.replay()
+        expected = routing.softmax_topk(logits.cuda(), K, tile=tile)
+        assert torch.equal(idx, expected[0]) and torch.equal(weights, expected[1]), f"seed {seed}"
+        assert int((torch.bincount(idx.view(-1), minlength=E) % tile != 0).sum()) <= 1, "every count but one rounded"
+
+
+@pytest.mark.gpu
 def test_route_swap_leftovers_kernel_gives_its_twins_bits(monkeypatch):
     """The end-game kernel against routing.swap_leftovers on the hard cases' end games (swaps, unfillable lacks) and
     with nothing lacking; then round_to_tiles on the GPU, both ways, against the CPU there."""
