@@ -45,7 +45,10 @@ def _check_logits(logits) -> torch.Tensor:
         raise TypeError(f"logits: expected a floating dtype, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits: expected num_experts >= 1, got shape with 0 columns")
-    if not bool(torch.isfinite(logits).all()):
+    finite = torch.isfinite(logits).all()
+    if logits.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no host read, a device assert
+        torch._assert_async(finite, "logits: expected finite values, found NaN or Inf")
+    elif not bool(finite):
         raise ValueError("logits: expected finite values, found NaN or Inf")
     return logits
 

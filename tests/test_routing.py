@@ -508,8 +508,9 @@ def test_round_to_tiles_on_a_gpu_reads_nothing_on_the_host():
 @pytest.mark.gpu
 def test_the_routers_tile_replays_from_a_cuda_graph():
     """With no host read, the routers' rounding can live in a CUDA graph (a training step captured whole, or
-    `bench route`'s round_graph_ms): captured once, replayed on new logits copied into the captured input, it gives
-    the eager call's routing on those logits, ties and a hot expert included."""
+    `bench route`'s round_graph_ms; the logits' finiteness check becomes a device assert under capture): captured
+    once, replayed on new logits copied into the captured input, it gives the eager call's routing on those logits,
+    ties and a hot expert included."""
     T, E, K, tile = 4096, 64, 6, 128
     static = torch.randn(T, E, generator=gen(0)).cuda()  # [T, E]
     routing.softmax_topk(static, K, tile=tile)  # builds and loads the kernels outside the capture
