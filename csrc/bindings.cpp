@@ -282,7 +282,6 @@ pybind11::dict gemm_build_switches() {
   switches["MOK_GEMM_SKIP_PADDING_HALF"] = built.skip_padding_half;
   switches["MOK_GEMM_TRACE"] = built.trace;
   switches["MOK_GEMM_N256"] = built.n256;
-  switches["MOK_GEMM_FOLD"] = built.fold;
   switches["MOK_GEMM_DYNAMIC"] = built.dynamic;
   return switches;
 }

@@ -6,8 +6,8 @@ Per shape, on the GPU when there is one: the time of `routing.softmax_topk` on r
 a round; on a CPU both columns time the twin), the kernels' rounding replayed from a CUDA graph (`round_graph_ms`,
 its GPU time without the host's ~100 small ops; a GPU only, as a training step captured in a graph runs it), and
 the share of routes the rounding moves. Times are medians of `--iters` calls after 3 warm-up calls (bench.time_ms,
-no sustained warm-up: the router is host-bound, not under the power cap). One row per (shape, tile) → data/bench/route.csv, with provenance; compare `round_ms` with the
-layer's forward in data/bench/moe_rounded*.csv.
+no sustained warm-up: the router is host-bound, not under the power cap). One row per (shape, tile) →
+data/bench/route.csv, with provenance; compare `round_ms` with the layer's forward in data/bench/moe_rounded*.csv.
 
     python -m mok.bench route [--shapes ...] [--tile 128] [--iters 10] [--out data/bench/route.csv]
 """

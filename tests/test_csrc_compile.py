@@ -125,10 +125,8 @@ GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
                  ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
                  ["-DMOK_GEMM_DEFER_EPILOGUE=0"], ["-DMOK_GEMM_GROUP_M=1"],
                  ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"],
-                 ["-DMOK_GEMM_FOLD=1"], ["-DMOK_GEMM_FOLD=2", "-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_FOLD=3"],
-                 ["-DMOK_GEMM_FOLD=3", "-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_SKIP_PADDING_HALF=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_FOLD=2"]]
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"],
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_SKIP_PADDING_HALF=1"]]
 
 
 @pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
@@ -167,27 +165,6 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
     assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
         f"multicast per kind: {loads}"
-
-
-@pytest.mark.parametrize("fold", [1, 3, 0])
-def test_gemm_fold_multiplies_tails_only_in_the_row_wise_kinds(fold, tmp_path):
-    """MOK_GEMM_FOLD=1..3: the row-wise kinds (GEMM1, GEMM2 and both dgrads) carry the transposed tail MMAs (2 per
-    k16 slice: 8 in the folding copy of the mainloop) beside the non-folding copy; the weight gradients and the MXFP8
-    forward's GEMM1 never fold. Only 3 stores the tails (the transposed stmatrix). 0: no kind folds."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_FOLD={fold}")
-    tails = [k.count("wgmma.mma_async.sync.aligned.m64n32k16") for k in gemms]
-    assert tails == ([8, 8, 8, 8, 0, 0] if fold else [0] * 6), f"m64n32k16 per kind: {tails}"
-    stores = [k.count("stmatrix.sync.aligned.m8n8.x4.trans") > 0 for k in gemms]
-    assert stores == [fold == 3] * 4 + [False, False], f"transposed stores per kind: {stores}"
-
-
-def test_gemm_fold_leaves_the_other_kinds_as_they_are(tmp_path):
-    """MOK_GEMM_FOLD=3 changes only the folding kinds: the weight gradients and the MXFP8 forward's GEMM1 keep the
-    default build's PTX (up to register numbers), their staging boxes included."""
-    registers = re.compile(r"%(r|rd|f|fd|p|rs)\d+")
-    default = [registers.sub("%", k) for k in _gemm_kernels_ptx(tmp_path, "-DMOK_GEMM_FOLD=0")]
-    folded = [registers.sub("%", k) for k in _gemm_kernels_ptx(tmp_path, "-DMOK_GEMM_FOLD=3")]
-    assert [a == b for a, b in zip(default, folded)] == [False] * 4 + [True, True]
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):

@@ -32,9 +32,9 @@ CASES = {
     # ~300 routes (3 m-tiles) per expert: m-tile pairs within an expert, across two, and a last one alone (the
     # three cases of the multicast build's pairing)
     "pairs": (MoEConfig("pairs", 450, 128, 96, 3, 2), "random"),
-    # ~150 routes per expert: a full m-tile, then a tail of mostly <= 32 routes (what MOK_GEMM_FOLD folds)
+    # ~150 routes per expert: a full m-tile, then a short tail of mostly <= 32 routes
     "short-tails": (MoEConfig("short-tails", 300, 128, 96, 4, 2), "random"),
-    # tails of exactly 1, 32, 8 and 33 routes (the last not folded), with n- and k-tails: 3 n-tiles of GEMM2 and
+    # tails of exactly 1, 32, 8 and 33 routes after a full tile, with n- and k-tails: 3 n-tiles of GEMM2 and
     # the gate/up dgrad (the last 8 columns wide), 2 of GEMM1, the down dgrad's B1 half 72 columns wide
     "wide-tails": (MoEConfig("wide-tails", 293, 520, 200, 4, 2), "tails"),
 }
@@ -157,21 +157,17 @@ def test_build_switches_from_env_and_arguments(monkeypatch):
         core.build_switches()
     with pytest.raises(ValueError, match="switches: expected names from"):
         core.build_switches({"MOK_TMA_STORE": 0})
-    with pytest.raises(ValueError, match="MOK_GEMM_FOLD: expected 0 with MOK_GEMM_TMA_STORE=0"):
-        core.build_switches({"MOK_GEMM_FOLD": 3, "MOK_GEMM_TMA_STORE": 0})  # else a static_assert at build time
 
 
-@pytest.mark.parametrize("block_m", [128, 384])
-def test_wide_tails_fold_three_of_four_tails(block_m):
+def test_wide_tails_give_each_expert_a_full_tile_and_a_short_tail():
     """routing_of("tails"): each expert a full tile and a tail of 1, 32, 8 or 33 routes, each token's experts
-    distinct. The fold takes the first three tails, never the 33 nor, at block_m = 384, the empty tile after a
-    tail (which runs its own task: the kernel's is_short_tail asks for a full tile before the tail)."""
+    distinct, so the GEMM tests meet tails of exactly those sizes."""
     seed = fresh_seed()
-    inputs, sched = _problem("wide-tails", seed, block_m)
+    inputs, sched = _problem("wide-tails", seed)
     assert torch.bincount(inputs["topk_idx"].view(-1), minlength=4).tolist() == [129, 160, 136, 161]
     assert all(len(set(experts)) == 2 for experts in inputs["topk_idx"].tolist()), f"seed {seed}"
-    folded = _folded_tail_rows(sched).view(-1, 128)[:, 0]  # [m-tiles]
-    assert folded.nonzero().view(-1).tolist() == ([1, 3, 5] if block_m == 128 else [1, 4, 7])
+    rows = (sched.row_to_token.view(-1, 128) >= 0).sum(dim=1)  # [m-tiles]: routes in each
+    assert rows.tolist() == [128, 1, 128, 32, 128, 8, 128, 33]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -461,14 +457,12 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
 # its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5 staging
 # boxes per warp instead of 2), B multicast over 2-CTA clusters, every tile stored at once, the row-wise tasks
 # m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple), no
-# MMAs for an all-padding half tile, tasks taken from a device counter (alone and with the skip), the fold probe (its
-# tail loads and MMAs, one staging box per warp) and the fold itself with the counter must store the same bits in the
-# same places.
+# MMAs for an all-padding half tile, and tasks taken from a device counter (alone and with the skip) must store the
+# same bits in the same places.
 SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
                    {"MOK_GEMM_DEFER_EPILOGUE": 0}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4},
                    {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 0}, {"MOK_GEMM_DYNAMIC": 1},
-                   {"MOK_GEMM_DYNAMIC": 1, "MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_FOLD": 1},
-                   {"MOK_GEMM_FOLD": 3, "MOK_GEMM_DYNAMIC": 1}]
+                   {"MOK_GEMM_DYNAMIC": 1, "MOK_GEMM_SKIP_PADDING_HALF": 1}]
 
 
 @pytest.mark.gpu
@@ -486,8 +480,7 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
     defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
                 "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1, "MOK_GEMM_FOLD": 0,
-                "MOK_GEMM_DYNAMIC": 0}
+                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1, "MOK_GEMM_DYNAMIC": 0}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit
@@ -497,67 +490,6 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
         got = _every_kind(inputs, sched, num_sms, f"{case} {switches} (seed {seed})")
         for name, a in expected.items():
             assert torch.equal(a, got[name]), f"{case} {name}: {switches}, num_sms={num_sms} changes bits (seed {seed})"
-
-
-def _folded_tail_rows(sched) -> torch.Tensor:
-    """[num_rows] bool: the rows of every m-tile that follows a full tile of its own expert and holds at most 32
-    routes (the tails MOK_GEMM_FOLD folds into the previous m-tile), counted on the CPU from the schedule."""
-    tiles = sched.row_to_token.cpu().view(-1, 128)  # [m-tiles, 128]
-    expert = sched.row_to_expert.cpu()[::128]  # [m-tiles]
-    tail = torch.zeros(len(expert), dtype=torch.bool)
-    tail[1:] = (expert[1:] == expert[:-1]) & (tiles[:-1, 127] >= 0) & (tiles[1:, 32] < 0)
-    return tail.repeat_interleave(128)
-
-
-# MOK_GEMM_FOLD's probe that skips the tails and the fold itself, each with the static stride and the task counter
-FOLD_VARIANTS = [{"MOK_GEMM_FOLD": fold, **counter} for fold in (2, 3) for counter in ({}, {"MOK_GEMM_DYNAMIC": 1})]
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.filterwarnings("ignore:MOK_GEMM_FOLD=2")
-@pytest.mark.parametrize("switches", FOLD_VARIANTS, ids=[str(v) for v in FOLD_VARIANTS])
-@pytest.mark.parametrize("limit", [None, 0.75])
-@pytest.mark.parametrize("case, block_m", [("short-tails", 128), ("wide-tails", 128), ("wide-tails", 384)])
-def test_gemm_fold_writes_or_skips_exactly_the_tails(case, block_m, switches, limit, monkeypatch):
-    """The row-wise GEMMs with short tails folded into the previous m-tile's task, against the default build, each
-    kernel on the default build's inputs. MOK_GEMM_FOLD=2 (timing only) skips the tails' tasks: only the other rows
-    are checked there. MOK_GEMM_FOLD=3 writes them from the folding task (transposed MMAs, a transposed
-    store, zeros past the routes): every row must have the default's bits. Every other row has them in both. With
-    the static stride and with tasks from the counter; wide-tails adds later n-tiles, B1's half of the fold and
-    tails of exactly 1 and 32 routes, and at block_m = 384 an empty tile after each tail, which runs its own task."""
-    seed = fresh_seed()
-    inputs, sched = _problem(case, seed, block_m)
-    sched = sched.to("cuda")
-    tail = _folded_tail_rows(sched)  # [num_rows]
-    assert tail.any(), f"{case} has no tail to fold (seed {seed})"
-    x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
-    outs = {}
-    fold = switches["MOK_GEMM_FOLD"]
-    for name, build in (("default", {}), ("folded", switches)):
-        ext = core.load_extension(build)
-        monkeypatch.setattr(gemm_ops, "load_extension", lambda ext=ext: ext)
-        poison_allocator(2 * 8 * sched.num_rows * max(wg.shape[1], wd.shape[1]) * 2)
-        base = {k: v.cuda() for k, v in outs.get("default", {}).items()}  # the default's outputs as inputs
-        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=limit, num_sms=3)
-        y_rows = ops.grouped_gemm_bf16_nt_contiguous(base.get("h", h), wd, sched, num_sms=3)
-        d_gate, d_up, _ = ops.grouped_gemm_bf16_dgrad_swiglu(base.get("y_rows", y_rows), wd, base.get("gate", gate),
-                                                             base.get("up", up), sched, limit, num_sms=3)
-        dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(base.get("d_gate", d_gate), base.get("d_up", d_up), wg, wu,
-                                                      sched, num_sms=3)
-        outs[name] = {"h": h.cpu(), "gate": gate.cpu(), "up": up.cpu(), "y_rows": y_rows.cpu(),
-                      "d_gate": d_gate.cpu(), "d_up": d_up.cpu(), "dx_rows": dx_rows.cpu()}
-    for key, got in outs["folded"].items():
-        expected = outs["default"][key]
-        assert bitwise_equal(got[~tail], expected[~tail]), f"{key}: rows outside the folded tails differ (seed {seed})"
-        # =2's tail rows hold whatever the allocator left (no poison reaches all its blocks reliably): that their
-        # tasks are skipped shows in a trace build's record count (docs/l2_fused.md, the fold's section)
-        if fold == 3:
-            err = rel_err(got[tail], expected[tail])
-            assert err <= TOLERANCES["bf16_vs_l0"], f"{key}: folded tails' rel err {err:.2e} (seed {seed})"
-            assert bitwise_equal(got[tail], expected[tail]), (
-                f"{key}: folded tails within tolerance (rel err {err:.2e}) but not bitwise the default's: the "
-                f"transposed wgmma sums in another order (seed {seed})")
 
 
 @pytest.mark.gpu

@@ -26,58 +26,59 @@ def fake_builds(monkeypatch):
 
 
 def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
-    variants = [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_FOLD": 1}, {"MOK_GEMM_FOLD": 1,
+    variants = [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_MULTICAST": 1}, {"MOK_GEMM_MULTICAST": 1,
                 "MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_N256": 0}]
     start = time.monotonic()
     built = core.prebuild(variants, workers=3)
     elapsed = time.monotonic() - start
     # the same switches in another order are one build; an already built one is skipped
-    assert built == [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_FOLD": 1, "MOK_GEMM_GROUP_M": 8},
+    assert built == [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_MULTICAST": 1},
                      {"MOK_GEMM_DYNAMIC": 1, "MOK_GEMM_GROUP_M": 8}]
     assert elapsed < 2.4, f"three builds of 0.8 s each took {elapsed:.1f} s: not side by side"
 
 
 def test_prebuild_runs_at_most_workers_builds_at_once(fake_builds):
     start = time.monotonic()
-    core.prebuild([{"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 1},
-                   {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 2}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_FOLD": 3}], workers=2)
+    core.prebuild([{"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_MULTICAST": 1},
+                   {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_N256": 0}],
+                  workers=2)
     assert time.monotonic() - start >= 0.8, "four builds of 0.4 s, two at a time, take two rounds"
 
 
 def test_prebuild_names_every_failed_build(fake_builds):
     with pytest.raises(RuntimeError) as err:
-        core.prebuild([{"MOK_GEMM_TRACE": 1}, {"MOK_GEMM_FOLD": 2}, {"MOK_GEMM_TRACE": 1, "MOK_GEMM_FOLD": 3}])
+        core.prebuild([{"MOK_GEMM_TRACE": 1}, {"MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_TRACE": 1, "MOK_GEMM_DYNAMIC": 1}])
     message = str(err.value)
     assert "{'MOK_GEMM_TRACE': 1}: exit 1" in message
     assert "building {'MOK_GEMM_TRACE': 1} MAX_JOBS 2" in message, "each build's compiles are bounded"
-    assert "{'MOK_GEMM_FOLD': 3, 'MOK_GEMM_TRACE': 1}: exit 1" in message
-    assert "{'MOK_GEMM_FOLD': 2}" not in message
+    assert "{'MOK_GEMM_DYNAMIC': 1, 'MOK_GEMM_TRACE': 1}: exit 1" in message
+    assert "{'MOK_GEMM_DYNAMIC': 1}:" not in message
 
 
 def test_prebuild_kills_a_build_past_the_timeout(fake_builds):
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
-        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_FOLD": 1}], timeout_s=3,
+        core.prebuild([{"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_DYNAMIC": 1}], timeout_s=3,
                       workers=2)  # the third waits for the second, then runs while the first is stuck
     assert time.monotonic() - start < 10
     assert str(err.value).endswith("{'MOK_GEMM_NUM_STAGES': 3}: still building after 3 s, killed")
-    assert "MOK_GEMM_FOLD" not in str(err.value)
+    assert "MOK_GEMM_DYNAMIC" not in str(err.value)
 
 
 def test_prebuild_rejects_an_unknown_switch():
-    with pytest.raises(ValueError, match="MOK_GEMM_FOLD"):
-        core.prebuild([{"MOK_GEMM_FOLD": 5}])
+    with pytest.raises(ValueError, match="MOK_GEMM_DYNAMIC"):
+        core.prebuild([{"MOK_GEMM_DYNAMIC": 5}])
 
 
 def test_prebuild_tool_reads_the_device_runs_specs(fake_builds, capsys):
     spec = importlib.util.spec_from_file_location("prebuild_tool", Path(__file__).parents[1] / "tools" / "prebuild.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["default", "MOK_GEMM_FOLD=3,MOK_GEMM_DYNAMIC=1", "MOK_GEMM_DYNAMIC=1,MOK_GEMM_FOLD=3",
+    assert tool.main(["default", "MOK_GEMM_MULTICAST=1,MOK_GEMM_DYNAMIC=1", "MOK_GEMM_DYNAMIC=1,MOK_GEMM_MULTICAST=1",
                       "MOK_GEMM_N256=0"]) == 0
     assert capsys.readouterr().out.startswith("prebuild: 2 built, 2 already there or repeated")
-    with pytest.raises(ValueError, match="MOK_GEMM_FOLD"):
-        tool.main(["MOK_GEMM_FOLD=9"])
+    with pytest.raises(ValueError, match="MOK_GEMM_DYNAMIC"):
+        tool.main(["MOK_GEMM_DYNAMIC=9"])
 
 
 def test_prebuild_reports_builds_never_started_before_the_timeout(fake_builds):

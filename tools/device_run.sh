@@ -41,9 +41,8 @@ ab_args=${MOK_AB_ARGS:-}  # more options of `ab`, `ab_parts`, `mx_steps_ab`, e.g
 find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is anyone's
 builds=default
 [[ $steps =~ \ (ab|ab_parts|parts_sw|switches_sw)\  ]] && builds+=" $switch"
-# the fold step's tests' switch sets (tests/test_ops_gemm.py), built beside the default rather than after it
-[[ $steps == *" fold "* ]] && builds+=" MOK_GEMM_DYNAMIC=1 MOK_GEMM_DYNAMIC=1,MOK_GEMM_SKIP_PADDING_HALF=1
-  MOK_GEMM_FOLD=1 MOK_GEMM_FOLD=2 MOK_GEMM_FOLD=2,MOK_GEMM_DYNAMIC=1 MOK_GEMM_FOLD=3 MOK_GEMM_FOLD=3,MOK_GEMM_DYNAMIC=1"
+# the dynamic step's tests' switch sets (tests/test_ops_gemm.py), built beside the default rather than after it
+[[ $steps == *" dynamic "* ]] && builds+=" MOK_GEMM_DYNAMIC=1 MOK_GEMM_DYNAMIC=1,MOK_GEMM_SKIP_PADDING_HALF=1"
 if [[ $steps == *" timeline "* ]]; then
   builds+=" MOK_GEMM_TRACE=1"
   for sw in ${MOK_TIMELINE:-MOK_GEMM_SKIP_PADDING_HALF=1}; do [[ $sw == *=* ]] && builds+=" MOK_GEMM_TRACE=1,$sw"; done
@@ -156,10 +155,8 @@ step order_ab 150 "shared_first|idle" python tools/forward_order_ab.py
 step launch 120 " us$" python tools/launch_cost.py
 # `wgrad_ab`: the weight gradients' K over the real rows against the whole padded segment (tools/wgrad_k_ab.py).
 step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
-# `fold`: the short tails' fold (MOK_GEMM_FOLD, docs/l2_fused.md "Tails folded into the previous tile"): its GEMM
-# tests and the counter's, then the level's suite on the fold's build with tasks from the counter.
-step fold 580 "passed|failed|FAILED|Error" bash -c 'python -m pytest -q tests/test_ops_gemm.py -k "fold or DYNAMIC" \
-  && MOK_GEMM_FOLD=3 MOK_GEMM_DYNAMIC=1 python -m pytest -q tests/test_fused.py tests/test_nosync.py'
+# `dynamic`: the task counter's GEMM tests (MOK_GEMM_DYNAMIC: its bits, overlapping launches, a CUDA graph).
+step dynamic 300 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k DYNAMIC
 # `timeline`: per-task SM clocks of GEMM1 from MOK_GEMM_TRACE builds, plain and with each switch of MOK_TIMELINE
 # ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
 step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \

@@ -1,7 +1,7 @@
 """Build mok's extension for several sets of build switches side by side, before the steps that load them
 (mok.ops.core.prebuild; tools/device_run.sh runs it first). Builds already in .cache/ are skipped.
 
-    python tools/prebuild.py [--timeout-s S] default MOK_GEMM_FOLD=3,MOK_GEMM_DYNAMIC=1 MOK_GEMM_TRACE=1 ...
+    python tools/prebuild.py [--timeout-s S] default MOK_GEMM_DYNAMIC=1,MOK_GEMM_TRACE=1 MOK_GEMM_TRACE=1 ...
 
 A build still running after S seconds (default 600) is killed, with its children, and reported.
 """

@@ -4,7 +4,7 @@ One pass runs every L2 kernel (the four GEMM kinds and the weight-gradient kind,
 route-gradient glue and the combine, and in mxfp8 the quantizers and GEMM1 with MXFP8 outputs; the last case
 with MOK_MX_WEIGHTS=mainloop, the MXFP8-weight GEMMs) with and without the shared expert, then checks the
 result against L0 so that a sanitizer run that silently skipped a kernel cannot pass. The case "tails" gives each
-expert a full tile and a short tail (what a MOK_GEMM_FOLD build folds: run it under that build's switches).
+expert a full tile and a short tail.
 
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)

@@ -2,9 +2,8 @@
 every consumer warpgroup records, per task, its SM clock at the task's start, after its mainloop and after its
 epilogue. For the trace build and for the trace build with each NAME=VALUE switch, this runs the shape's forward
 steps (mok.bench_parts) once to warm, then GEMM1 once, and prints per build and per kind of tile (`half_padding`:
-1 if rows 64..127 are padding, +2 if the task folds a tail in a MOK_GEMM_FOLD build) the median cycles of a
-task, its mainloop and its epilogue, the wait before the CTA's next task,
-the CTAs' spans, and how far apart the CTAs' n-th tasks start (their drift). A device-side probe, not a
+1 if rows 64..127 are padding) the median cycles of a task, its mainloop and its epilogue, the wait before the
+CTA's next task, the CTAs' spans, and how far apart the CTAs' n-th tasks start (their drift). A device-side probe, not a
 benchmark: the records' stores cost a little.
 
     python tools/task_timeline.py [SHAPE] [NAME=VALUE ...]     (device step `timeline`; $OUT/timeline.csv)
@@ -85,7 +84,7 @@ def main(argv: list[str]) -> int:
             pd.concat(frames).to_csv(os.path.join(os.environ["OUT"], "timeline.csv"), index=False)
         span = df.groupby("cta")["end"].max() - df.groupby("cta")["start"].min()
         print(f"== {shape} gemm1, {name}: {len(df)} records; CTA span max {span.max()}, median {span.median():.0f}")
-        print("   cycles (medians) by consumer warpgroup, rows 64.. padding (+2: folds a tail), the CTA's previous "
+        print("   cycles (medians) by consumer warpgroup, rows 64.. padding, the CTA's previous "
               "tile so:")
         print(summarize(df).to_string())
         spread = start_spread(df)

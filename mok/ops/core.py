@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -45,12 +44,7 @@ BUILD_SWITCHES = {
     "MOK_GEMM_DYNAMIC": (0, 1),  # 1: tasks from a device counter in task order, not a static stride (default 0)
     "MOK_GEMM_SKIP_PADDING_HALF": (0, 1),  # 1: no MMAs for a row-wise tile's all-padding half (slower; default 0)
     "MOK_GEMM_N256": (0, 1),  # 1 (default): one m64n256k16 per k16 slice; 0: two m64n128k16
-    # short tails folded into the row-wise GEMMs' previous m-tile: 1, 2, 4 probes (2 leaves tails unwritten, 4 their
-    # padding rows); 3 the fold
-    "MOK_GEMM_FOLD": (0, 1, 2, 3, 4),
 }
-# Switch values whose kernels leave outputs unwritten: timing probes, loaded with a warning.
-TIMING_ONLY = {("MOK_GEMM_FOLD", 2), ("MOK_GEMM_FOLD", 4)}
 
 
 def csrc_hash() -> str:
@@ -75,10 +69,6 @@ def build_switches(switches: dict | None = None) -> tuple[tuple[str, int], ...]:
         if str(value).strip() not in {str(v) for v in allowed}:
             fail(name, f"one of {allowed} (a build switch; environment variable or unset)", repr(value))
         checked.append((name, int(str(value).strip())))
-    values = dict(checked)
-    if values.get("MOK_GEMM_FOLD", 0) and values.get("MOK_GEMM_TMA_STORE") == 0:  # else a static_assert, at build
-        fail("MOK_GEMM_FOLD", "0 with MOK_GEMM_TMA_STORE=0 (the fold's tail ring takes the room the st.global "
-             "epilogue stages in)", values["MOK_GEMM_FOLD"])
     return tuple(sorted(checked))
 
 
@@ -139,9 +129,6 @@ def _env_switches() -> tuple[tuple[str, int], ...]:
 def _load(switches: tuple[tuple[str, int], ...]):
     require_hopper()
     from torch.utils.cpp_extension import load
-
-    for switch in TIMING_ONLY.intersection(switches):
-        warnings.warn(f"{switch[0]}={switch[1]} is a timing probe: some GEMM outputs are left unwritten", stacklevel=3)
 
     name = extension_name(switches)
     build_dir = CACHE / name

@@ -133,13 +133,12 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
 // The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
 // (csrc/include/mok/gemm/config.cuh says what each does).
 struct GemmBuildSwitches {
-  int tma_store, num_stages, multicast, defer_epilogue, group_m, skip_padding_half, trace, n256, fold, dynamic;
+  int tma_store, num_stages, multicast, defer_epilogue, group_m, skip_padding_half, trace, n256, dynamic;
 };
 GemmBuildSwitches grouped_gemm_bf16_build_switches();
 // MOK_GEMM_TRACE builds: copies the per-task records since the last call (8 int64 each: GEMM kind, CTA, consumer
-// warpgroup, unit, whether the tile's rows 64.. are padding (+2 where a MOK_GEMM_FOLD task folds a tail), SM clock at
-// the task's start, after its mainloop, after its epilogue; at most max_records) to host memory and clears them;
-// returns the count (0 in other builds).
+// warpgroup, unit, whether the tile's rows 64.. are padding, SM clock at the task's start, after its mainloop,
+// after its epilogue; at most max_records) to host memory and clears them; returns the count (0 in other builds).
 int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records);
 
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------

@@ -66,9 +66,9 @@ namespace mok::gemm {
 // order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
 // lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
 // the bits. Each launch has a counter of its own (launch_grouped_gemm_bf16), so launches may overlap.
-// NOTE: measured neutral alone and reverted at 19c02bf ("Tasks from a counter"); back, default off, because the
-// fold (MOK_GEMM_FOLD) makes tasks uneven by design: with the static stride a CTA's share of the
-// longer tasks decides the kernel's end (counted on the CPU, docs/l2_fused.md "Tails folded into the previous tile").
+// NOTE: measured neutral alone (19c02bf, "Tasks from a counter"); default off. It was back for the tail fold, whose
+// uneven tasks it was to keep in step (docs/l2_fused.md, "Tails folded into the previous tile": the fold was
+// slower, and its code is gone since 2026-12-05).
 #ifndef MOK_GEMM_DYNAMIC
 #define MOK_GEMM_DYNAMIC 0
 #endif
@@ -80,33 +80,9 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_N256
 #define MOK_GEMM_N256 1
 #endif
-// MOK_GEMM_FOLD (docs/l2_fused.md, "Tails folded into the previous tile"): an expert's short tail (its last m-tile,
-// at most kFoldRows routes) is multiplied by the task of the expert's previous m-tile in the BF16 row-wise kinds
-// (kGateUp, kDown, kDownDgrad, kGateUpDgrad). That task also loads the tail's first kFoldRows A rows with each
-// k-block (a 4 KiB box per stage, in a ring after the stages: these kinds' epilogue staging falls to one box per
-// warp) and multiplies them per k16 slice, in each consumer warpgroup, by its 64 columns of B0 and of B1 as the
-// A operand (two m64n32k16: the tail's outputs transposed). In steps, so that each can be timed before the next is
-// trusted:
-//   1  a probe: the fold's loads, MMAs, registers and shared memory, its accumulators dropped (a never-taken store
-//      keeps their MMAs: consumer.cuh's keep_fold_mmas); the tails' own tasks still run, so every output keeps its
-//      bits;
-//   2  a probe: also skips the tails' tasks, whose rows then stay unwritten: for timing only (`bench ab --parts`
-//      times each build's kernels on the default build's intermediates; mok.ops warns when it loads it);
-//   3  the fold: the folding task also writes the tail's rows (transposed in shared memory by stmatrix.trans, its
-//      padding rows as zeros), so the tails' tasks are skipped and every output is written;
-//   4  a probe: 3 without the zeros in rows kFoldRows.. of the tail's tile (left unwritten: timing only).
-// NOTE: 3 measured 0.98-1.13x the default's time (H200, a755815). The fold's MMAs lengthen a folding task's mainloop
-// by 23%, and tasks that uneven pull the CTAs out of step: every task then loses its shared weight tiles (+41% at
-// dsv4pro's GEMM1; 2 with its MMAs kept is as slow, cb12ff7). Kept opt-in for that record (docs/l2_fused.md, "Tails
-// folded into the previous tile").
-// With the static task stride the longer folding tasks pile up on some CTAs; tasks from the counter
-// (MOK_GEMM_DYNAMIC=1) are what the fold was sized with (tools/fold_makespan.py).
-#ifndef MOK_GEMM_FOLD
-#define MOK_GEMM_FOLD 0
-#endif
 
 #if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding (+2: folds), 3 clocks
+constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
 constexpr int kTraceRecords = 1 << 18;
 __device__ long long g_trace[kTraceRecords * kTraceWords];
 __device__ int g_trace_count;
@@ -127,10 +103,6 @@ constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
 constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
 constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
 constexpr bool kN256 = MOK_GEMM_N256 != 0;
-constexpr bool kFoldBuild = MOK_GEMM_FOLD != 0;
-constexpr bool kFoldSkipsTails = MOK_GEMM_FOLD >= 2;
-constexpr bool kFoldWritesTails = MOK_GEMM_FOLD >= 3;
-constexpr bool kFoldZeroesTails = MOK_GEMM_FOLD == 3;  // 4: the tail tile's rows kFoldRows.. left unwritten
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;
@@ -159,28 +131,19 @@ constexpr uint32_t kLandTxBytes = 2 * (kLandTileBytes + kLandScaleBytes);
 constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
-// MOK_GEMM_FOLD's kinds: a tail's first kFoldRows A rows per stage (the N of a transposed m64n32k16) right after the
-// ring, in what is the others' staging; their staging follows, with fewer boxes (Tile::kStagingOffset).
-constexpr int kFoldRows = 32;
-constexpr uint32_t kFoldTileBytes = kFoldRows * kRowBytes;  // 4 KiB
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
 constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
 constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
 // 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
-// many boxes as the stages leave room for (2 with 4 stages, 5 with 3; 1 in MOK_GEMM_FOLD's kinds, beside their
-// tail ring), at most a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after
-// kBoxes - 1 later stores were issued (1 box: after its last store has read it).
+// many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp writes
+// them in turn, so a box is rewritten only after kBoxes - 1 later stores were issued.
 constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
-// The store boxes per consumer warp when the staging starts `staging_offset` bytes into shared memory.
-constexpr int store_boxes_from(uint32_t staging_offset) {
-  const uint32_t room = (kSmemLimit - staging_offset - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
-                        (kNumConsumerWarps * kStoreBoxBytes);
-  return !kTmaStore ? 2 : room < 6 ? static_cast<int>(room) : 6;
-}
-constexpr int kStoreBoxesPerWarp = store_boxes_from(kMainBytes);
+constexpr uint32_t kStagingRoom = (kSmemLimit - kMainBytes - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
+                                  (kNumConsumerWarps * kStoreBoxBytes);  // boxes per warp that fit
+constexpr int kStoreBoxesPerWarp = !kTmaStore ? 2 : kStagingRoom < 6 ? static_cast<int>(kStagingRoom) : 6;
 constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
 constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
@@ -190,14 +153,12 @@ constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + 
 constexpr int kChunksPerRow = kRowBytes / 16;
 constexpr int kRowStride = kNumProducerThreads / kChunksPerRow;
 constexpr int kRowsPerThread = BLOCK_M / kRowStride;
-constexpr int kFoldRowsPerThread = kFoldRows / kRowStride;  // MOK_GEMM_FOLD's gathered tail rows
 
 static_assert(kRowBytes == 128, "one tile row is one 128-byte swizzle row: BLOCK_K = 64 bf16");
 static_assert(BLOCK_M % 8 == 0 && BLOCK_N_B % 8 == 0 && kATileBytes % ptx::kSw128AtomBytes == 0 &&
                   kBTileBytes % ptx::kSw128AtomBytes == 0 && (WG_M * kRowBytes) % ptx::kSw128AtomBytes == 0,
               "tiles and each warpgroup's half of A are whole 8-row atoms (1024-byte aligned)");
-static_assert(kRowsPerThread * kRowStride == BLOCK_M && kFoldRowsPerThread * kRowStride == kFoldRows &&
-                  kRowStride * kChunksPerRow == kNumProducerThreads,
+static_assert(kRowsPerThread * kRowStride == BLOCK_M && kRowStride * kChunksPerRow == kNumProducerThreads,
               "the producer warpgroup covers every (row, chunk) of an A tile exactly once");
 static_assert(kNumProducerThreads == BLOCK_N_B, "MXFP8 weights: producer thread r dequantizes row r of B0 and B1");
 static_assert(kSmemBytes <= kSmemLimit, "fits the 227 KiB of shared memory an sm_90 block may use");
@@ -208,8 +169,6 @@ static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomByt
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
 static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
               "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
-static_assert(!kFoldBuild || (kTmaStore && kFoldTileBytes % ptx::kSw128AtomBytes == 0),
-              "MOK_GEMM_FOLD's ring leaves room for the TMA path's staging only; its tiles are whole atoms");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
                   BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
                   kMainBytes % ptx::kSw128AtomBytes == 0,

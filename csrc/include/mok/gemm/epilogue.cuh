@@ -10,7 +10,7 @@ namespace mok::gemm {
 
 constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per accumulator
 
-// A consumer warp's staging area (Tile::kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
+// A consumer warp's staging area (kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
 struct Staging {
   uint8_t* smem;
   int box;
@@ -224,7 +224,7 @@ struct Epilogue {
           }
         });
       }
-      store_tile<T::kStoreBoxes>(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+      store_tile<kStoreBoxesPerWarp>(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
                  [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
     } else {
 #pragma unroll
@@ -267,7 +267,7 @@ struct Epilogue {
                                  const float* acc) const {
     const auto word = acc_values(acc);
     const int64_t scale_cols = p.n / mxfp8::kBlockSize;
-    store_tile_e4m3<T::kStoreBoxes>(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
+    store_tile_e4m3<kStoreBoxesPerWarp>(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
       rowwise_blocks(word, [&](int b, const mxfp8::Scale& s0, const mxfp8::Scale& s1) {
 #pragma unroll
         for (int i = 4 * b; i < 4 * b + 4; ++i)
@@ -288,12 +288,12 @@ struct Epilogue {
                                    Values values) const {
     if constexpr (T::kSwiGLU) {
       const Output out{piece == 0 ? p.gate : p.up, piece == 0 ? o.gate : o.up, 0, p.n, kAllRows};
-      store_tile<T::kStoreBoxes>(st, out, row0, n0, lane, values);
+      store_tile<kStoreBoxesPerWarp>(st, out, row0, n0, lane, values);
     } else if (piece == 0 || n0 + BLOCK_N_B < p.n) {
       const Output out = kGemm == Gemm::kWeightGrad
                              ? Output{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m}
                              : Output{p.out, o.out, 0, p.n, kAllRows};
-      store_tile<T::kStoreBoxes>(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
+      store_tile<kStoreBoxesPerWarp>(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
     }
   }
 };

@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                              const __grid_constant__ CUtensorMap tmap_s0,  // MXFP8 kinds: B0's scales
                              const __grid_constant__ CUtensorMap tmap_s1,  // MXFP8 kinds: B1's scales
                              const __grid_constant__ CUtensorMap tmap_out,
-                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp's TMA stores; FoldMaps
-                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp's TMA stores; FoldMaps
+                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
@@ -108,8 +108,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::fence_mbarrier_init();
     if constexpr (!T::kGather) ptx::prefetch_tensor_map(&tmap_a);
     if constexpr (kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_a2);
-    if constexpr (T::kFold && !T::kGather) ptx::prefetch_tensor_map(&tmap_gate);
-    if constexpr (T::kFold && kGemm == Gemm::kGateUpDgrad) ptx::prefetch_tensor_map(&tmap_up);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
     if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
@@ -129,8 +127,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, {&tmap_gate, &tmap_up}, land, p, smem, full, empty, ring,
-                   num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, ring, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
     consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, ring, num_tasks, num_k_blocks);
@@ -207,11 +204,6 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
   CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
-  if constexpr (T::kFold && !T::kGather) {  // FoldMaps: A's rows (and a2's) in boxes of a tail's kFoldRows
-    if ((err = encode_rows_map(&tmap_gate, p.a, 1, p.num_rows, p.k, BLOCK_K, kFoldRows))) return err;
-    if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_up, p.a2, 1, p.num_rows, p.k, BLOCK_K, kFoldRows)))
-      return err;
-  }
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {

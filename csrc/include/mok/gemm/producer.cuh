@@ -8,12 +8,6 @@ namespace mok::gemm {
 
 // ---- producer: warpgroup 0 -----------------------------------------------------------------------------
 
-// MOK_GEMM_FOLD, A by TMA: A's rows (a2's: kGateUpDgrad's second half of K) in boxes of a tail's kFoldRows, which the
-// kernel's tmap_gate and tmap_up carry in these kinds (the SwiGLU kinds' stores use them otherwise).
-struct FoldMaps {
-  const CUtensorMap *a, *a2;
-};
-
 // Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
 // kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
 // MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
@@ -21,8 +15,8 @@ struct FoldMaps {
 // same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                          const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, uint8_t* smem, uint64_t* bar,
-                          uint32_t stage, const Work& w, int kb, int k, bool fold) {
+                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
+                          int kb, int k) {
   using T = Tile<kGemm>;
   if (!w.active) {
     ptx::mbarrier_arrive_expect_tx(bar, 0);
@@ -36,11 +30,7 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   const int n0 = t.n_tile * T::kTaskN, m0 = t.m_tile * BLOCK_M;
   const CUtensorMap* b_first = second ? tmap_b1 : tmap_b0;
   const CUtensorMap* b_second = T::kSwiGLU ? tmap_b1 : b_first;
-  // MOK_GEMM_FOLD, A by TMA: the tail's first kFoldRows rows of this half's A (boxes of 64 × kFoldRows)
-  const bool fold_by_tma = T::kFold && !T::kGather && fold;
-  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes + (fold_by_tma ? kFoldTileBytes : 0));
-  if (fold_by_tma)
-    ptx::tma_load_3d(stage_fold(smem, stage), second ? fold_maps.a2 : fold_maps.a, k0, m0 + BLOCK_M, 0, bar);
+  ptx::mbarrier_arrive_expect_tx(bar, T::kTmaBytes);
   if constexpr (T::kMajorMNA) {  // map dims (m, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), tmap_a, m0, k0, 0, bar);
     ptx::tma_load_3d(stage_a(smem, stage) + kATileBytes / 2, tmap_a, m0 + 64, k0, 0, bar);
@@ -124,7 +114,7 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                        const CUtensorMap* tmap_b1, const FoldMaps& fold_maps, const Landing& land, const Params& p,
+                        const CUtensorMap* tmap_b1, const Landing& land, const Params& p,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks,
                         int num_k_blocks) {
   using T = Tile<kGemm>;
@@ -144,17 +134,11 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   for_each_unit<kGemm>(p, num_tasks, ring, thread == 0, [&](int unit) {
     const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
     const Task& t = w.t;
-    if (skips_tail<kGemm>(p, t)) return;
-    const bool fold = folds_tail<kGemm>(p, t, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
-    int32_t fold_token[kFoldRowsPerThread];  // the same for the tail rows MOK_GEMM_FOLD gathers
     if constexpr (T::kGather) {
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j)
         token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
-#pragma unroll
-      for (int j = 0; j < kFoldRowsPerThread; ++j)
-        fold_token[j] = fold ? p.row_to_token[(t.m_tile + 1) * BLOCK_M + row_in_tile + kRowStride * j] : -1;
     }
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
@@ -165,7 +149,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
       if constexpr (T::kTmaIntoStage) {
         if (thread == 0)
-          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, fold_maps, smem, &full[stage], stage, w, kb, p.k, fold);
+          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
       }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);
@@ -175,15 +159,6 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
           const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
           const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
           ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
-        }
-        if (T::kFold && fold) {
-#pragma unroll
-          for (int j = 0; j < kFoldRowsPerThread; ++j) {
-            const bool real = fold_token[j] >= 0 && col < p.k;
-            const uint16_t* src = real ? p.a + static_cast<int64_t>(fold_token[j]) * p.k + col : p.a;
-            ptx::cp_async_16_zfill(stage_fold(smem, stage) + sw128_offset(row_in_tile + kRowStride * j, chunk), src,
-                                   real ? 16 : 0);
-          }
         }
         ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
       }

@@ -232,34 +232,12 @@ MOK_DEVICE void wgmma_m64n256k16_bf16(float (&d0)[64], float (&d1)[64], uint64_t
       : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
-// D[64x32] (+)= A[64x16] · B[32x16]ᵀ: the transposed tail MMA of MOK_GEMM_FOLD (the weights' 64 rows as A, K- or
-// MN-major as the kind reads them; a tail's 32 rows as B, K-major). Fragment as above, i in [0, 4).
-template <int kTransA = 0>
-MOK_DEVICE void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, p, 1, 1, %18, 0;\n\t}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "n"(kTransA));
-}
-
 // ---- stmatrix: four 8x8 bf16 matrices from the mma accumulator layout into shared memory -------------
 // Register m of every lane holds its pair of matrix m (lane l: row l/4, columns 2(l%4), 2(l%4) + 1, the
 // layout of a wgmma/mma accumulator fragment packed to bf16x2); lane l gives the address of row l % 8 of
 // matrix l / 8 (16-byte aligned).
 MOK_DEVICE void stmatrix_x4(void* smem_row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(smem_row)),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
-// The same four matrices transposed: lane l gives the address of row l % 8 of matrix l / 8 as stored, which holds
-// column l % 8 of the matrix as the registers hold it.
-MOK_DEVICE void stmatrix_x4_trans(void* smem_row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(smem_row)),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
 }

@@ -1,5 +1,5 @@
 // The grouped GEMMs' kinds and parameters, and the tasks a CTA runs: their decoding, the static stride or the
-// device counter (MOK_GEMM_DYNAMIC), the short tails MOK_GEMM_FOLD folds, and the stages' addresses.
+// device counter (MOK_GEMM_DYNAMIC), and the stages' addresses.
 #pragma once
 
 #include "mok/gemm/config.cuh"
@@ -81,18 +81,7 @@ struct Tile {
   // NOTE: nor the gathered GEMM1: it measured 7-15% slower on clusters, where GEMM2 and the dgrads measured up
   // to 17% faster (H200, parts vs parts_multicast at c25bf99).
   static constexpr bool kMulticast = kMulticastBuild && !kMx && !kGather && kGemm != Gemm::kWeightGrad;
-  // MOK_GEMM_FOLD's kinds: the BF16 row-wise GEMMs (the weights' tile as the tail MMA's A operand, K-major in the
-  // forward, MN-major in the dgrads), not on clusters.
-  static constexpr bool kFold = kFoldBuild && !kMulticast && (kGemm == Gemm::kGateUp || kGemm == Gemm::kDown ||
-                                                              kGemm == Gemm::kDownDgrad || kGemm == Gemm::kGateUpDgrad);
   static constexpr bool kDynamic = kDynamicBuild && !kMulticast && !kMx;  // MOK_GEMM_DYNAMIC
-  // The epilogue staging: after the ring, or in a folding kind after its tail ring, with the boxes left there.
-  static constexpr uint32_t kStagingOffset = kMainBytes + (kFold ? kNumStages * kFoldTileBytes : 0);
-  static constexpr int kStoreBoxes = kFold ? store_boxes_from(kStagingOffset) : kStoreBoxesPerWarp;
-  static constexpr uint32_t kStagingBytesPerWarp = kStoreBoxes * kStoreBoxBytes;
-  static_assert(kStoreBoxes >= 1 && kStagingOffset + kNumConsumerWarps * kStagingBytesPerWarp <= kMainBytes +
-                                                                                                      kStagingBytes,
-                "a folding kind's tail ring and staging fit in the others' staging");
   // full[s]: the cp.async arrivals of a gathered A, the dequantizing threads' arrivals, and one
   // arrive.expect_tx when TMA writes into the stage (A unless gathered, B unless dequantized).
   static constexpr bool kTmaIntoStage = !kGather || !kMx;
@@ -102,11 +91,9 @@ struct Tile {
   // setmaxnreg budgets (128 · producer + 256 · consumer <= 384 · kLaunchRegs; ptxas allocates each role's
   // code within its budget): the dequantizing producer needs more than 88 in kGateUpMx, whose producer also
   // gathers A (4 bytes spilled); 120 / 192 is the split that spills nowhere. A producer that only issues TMA
-  // (one thread) needs few: 40 leaves the consumers 232 for the held tile. GEMM1 folding tails (MOK_GEMM_FOLD) spilled
-  // 4-8 bytes at 56 / 224 (with MOK_GEMM_DYNAMIC or the tail's epilogue); 64 / 216 spills nowhere.
-  static constexpr bool kWideGather = kGather && kFold;
-  static constexpr int kProducerRegs = kMx ? 120 : kWideGather ? 64 : kGather ? 56 : 40;
-  static constexpr int kConsumerRegs = kMx ? 192 : kWideGather ? 216 : kGather ? 224 : 232;
+  // (one thread) needs few: 40 leaves the consumers 232 for the held tile.
+  static constexpr int kProducerRegs = kMx ? 120 : kGather ? 56 : 40;
+  static constexpr int kConsumerRegs = kMx ? 192 : kGather ? 224 : 232;
   static_assert(kNumProducerThreads * kProducerRegs + kNumConsumerGroups * kWarpgroup * kConsumerRegs <=
                     kNumThreads * kLaunchRegs &&
                     kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0,
@@ -155,35 +142,6 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
   if (kGemm == Gemm::kWeightGrad || p.real_num_rows == nullptr) return p.num_tasks;
   const int real_tasks = (*p.real_num_rows / BLOCK_M) * p.num_n_tiles;
   return real_tasks < p.num_tasks ? real_tasks : p.num_tasks;  // never past the buffers, whatever it holds
-}
-
-// MOK_GEMM_FOLD: whether real m-tile m is a short tail: it holds at most kFoldRows real rows (real rows come first:
-// row kFoldRows is padding) and follows a full tile of its expert (whose task folds it). Full, not merely the same
-// expert's: a schedule of block_m = 256 or more can give an expert two short tiles in a row (128 / 128 / 14 / 0
-// routes), and the second must run its own task, since the first's is skipped.
-MOK_DEVICE bool is_short_tail(const Params& p, int m) {
-  return m > 0 && p.tile_to_expert[m - 1] == p.tile_to_expert[m] && p.row_to_token[m * BLOCK_M - 1] >= 0 &&
-         p.row_to_token[m * BLOCK_M + kFoldRows] < 0;
-}
-
-// Whether task t folds the next m-tile, a short tail; producer and consumers ask alike.
-template <Gemm kGemm>
-MOK_DEVICE bool folds_tail(const Params& p, const Task& t, int num_tasks) {
-  if constexpr (!Tile<kGemm>::kFold) {
-    return false;
-  } else {
-    return t.m_tile + 1 < num_tasks / p.num_n_tiles && is_short_tail(p, t.m_tile + 1);
-  }
-}
-
-// MOK_GEMM_FOLD >= 2: whether task t is a short tail, whose work the previous m-tile's task takes (not run).
-template <Gemm kGemm>
-MOK_DEVICE bool skips_tail(const Params& p, const Task& t) {
-  if constexpr (!Tile<kGemm>::kFold || !kFoldSkipsTails) {
-    return false;
-  } else {
-    return is_short_tail(p, t.m_tile);
-  }
 }
 
 // ---- the CTA's work units --------------------------------------------------------------------------------
@@ -297,9 +255,6 @@ MOK_DEVICE void for_each_unit(const Params& p, int num_tasks, const UnitRing& ri
 MOK_DEVICE uint8_t* stage_a(uint8_t* smem, uint32_t stage) { return smem + stage * kStageBytes; }
 MOK_DEVICE uint8_t* stage_b(uint8_t* smem, uint32_t stage, int which) {  // which: 0 = B0, 1 = B1
   return smem + stage * kStageBytes + kATileBytes + which * kBTileBytes;
-}
-MOK_DEVICE uint8_t* stage_fold(uint8_t* smem, uint32_t stage) {  // MOK_GEMM_FOLD's tail rows
-  return smem + kMainBytes + stage * kFoldTileBytes;
 }
 // MXFP8 landing slot `slot`: the E4M3 tile of B0 or B1, and its scales (row r's two bytes at 2r).
 MOK_DEVICE uint8_t* land_tile(uint8_t* smem, uint32_t slot, int which) {
