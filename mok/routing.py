@@ -199,8 +199,8 @@ def _pool_size(chosen: torch.Tensor, num_experts: int, tile: int) -> int:
 @functools.cache
 def pool_bound(num_experts: int, tile: int) -> int:
     """The most routes round_to_tiles' rounding-down experts can give, over every count of routes: ~E·tile/4, where
-    the plain bound E·(tile − 1) (each gives its remainder) is 4× more. With n experts rounding up, m the least of
-    their remainders: the others' remainders are at most m each, and all remainders sum to less than (n + 1)·tile,
+    the plain bound E·(tile − 1) (each gives its remainder) is about 4× more. With n experts rounding up, m the least
+    of their remainders: the others' remainders are at most m each, and all remainders sum to less than (n + 1)·tile,
     so the given routes are at most min((E − n)·m, (n + 1)·tile − 1 − n·m); with none rounding up, less than a
     tile. For each n the maximum over m lies where the two meet (tests/test_routing.py checks it against every
     remainder vector of small E and tile)."""
