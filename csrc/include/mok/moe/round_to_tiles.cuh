@@ -71,11 +71,11 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
   };
   for (;;) {
     for (int r = warp; r < R; r += warps) {  // 1. candidates
+      // A count needs no order: the walk's first `walk` entries of every row of `order` are the real ones, so the
+      // lanes take them in pool order (coalesced, and one dependent load fewer than through `order`).
       int c = 0;
       if (need[r] > 0) {
-        for (int i = lane; i < walk; i += kWarpSize) {
-          c += is_candidate(static_cast<int>(a.order[int64_t{r} * P + i]), r);
-        }
+        for (int p = lane; p < walk; p += kWarpSize) c += is_candidate(p, r);
       }
       c = __reduce_add_sync(0xffffffffu, c);
       if (lane == 0) count[r] = c;
