@@ -84,8 +84,7 @@ def main(argv: list[str]) -> int:
             pd.concat(frames).to_csv(os.path.join(os.environ["OUT"], "timeline.csv"), index=False)
         span = df.groupby("cta")["end"].max() - df.groupby("cta")["start"].min()
         print(f"== {shape} gemm1, {name}: {len(df)} records; CTA span max {span.max()}, median {span.median():.0f}")
-        print("   cycles (medians) by consumer warpgroup, rows 64.. padding, the CTA's previous "
-              "tile so:")
+        print("   cycles (medians) by consumer warpgroup, rows 64.. padding, the CTA's previous tile so:")
         print(summarize(df).to_string())
         spread = start_spread(df)
         print("   start spread over CTAs (cycles) at their n-th task:",
