@@ -145,17 +145,20 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     route_scores = scores.gather(1, idx).reshape(-1)  # [T·K]
     held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
     stuck = ~((scores > float("-inf")) & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
-    by_score = torch.sort(route_scores, stable=True).indices  # [T·K]
-    by_expert = by_score[torch.sort(2 * flat[by_score] + stuck[by_score // num_topk], stable=True).indices]  # [T·K]
+    group = 2 * flat + stuck.unsqueeze(1).expand(-1, num_topk).reshape(-1)  # [T·K], < 2^31: one sort takes all four
+    by_expert = torch.sort((group << 32) | _ascending_key(route_scores), stable=True).indices  # [T·K]
     starts = torch.cumsum(counts, 0) - counts  # [E]
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
     # The pool: those routes in ascending id (_pool_size: on a GPU padded to pool_bound); padding entries (id T·K) come
-    # last, score -inf and are never candidates.
+    # last, score -inf and are never candidates. Gathered by a running count (a sort of T·K int64 keys is ~10
+    # kernels); the slot past the pool takes the rest (none: pool_bound holds them all).
     num_routes = flat.numel()
-    chosen = rank < give[flat[by_expert]]  # [T·K], in by_expert's order
-    pool = torch.sort(torch.where(chosen, by_expert, num_routes)).values  # [T·K] route ids, then padding
-    pool = pool[:_pool_size(chosen, num_experts, tile)]  # [P]
+    chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(0, by_expert, rank < give[flat[by_expert]])  # [T·K]
+    num_pool = _pool_size(chosen, num_experts, tile)
+    slot = torch.where(chosen, (torch.cumsum(chosen, 0) - 1).clamp(max=num_pool), num_pool)  # [T·K]
+    pool = flat.new_full((num_pool + 1,), num_routes).scatter_(
+        0, slot, torch.arange(num_routes, device=flat.device))[:num_pool]  # [P] route ids, then padding
     real = pool < num_routes  # [P]
     # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere). Every expert is a
     # receiver there, lacking max(delta, 0), and a token is keyed by its first pool entry (the padding: one more).
@@ -182,10 +185,25 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     idx = moves[:num_routes].view(num_tokens, num_topk)
     left = torch.where(real & (assign < 0), pool, -1)  # [P]: the routes no receiver took
     idx, _ = swap(idx, topk_idx, scores > float("-inf"), left, need)
-    # each token's experts by descending score, then ascending id (the routers' order)
-    idx = torch.sort(idx, dim=1).values  # [T, K]
-    order_k = torch.sort(scores.gather(1, idx), dim=1, descending=True, stable=True).indices  # [T, K]
-    return idx.gather(1, order_k)
+    # each token's experts by descending score, then ascending id (the routers' order): one sort of both as a key
+    key = ((2**31 - 1 - _ascending_key(scores.gather(1, idx))) << 32) | idx  # [T, K]: the high half signed
+    return torch.sort(key, dim=1).values & 0xFFFFFFFF
+
+
+def _ascending_key(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2^32) in the order torch.sort gives the float tensor `values`, equal values equal keys
+    (-0.0 = +0.0; every NaN last, as torch.sort has them), so that a sort can carry more keys in the higher bits.
+    Floats of up to 32 bits map by their bits; float64 by its rank among `values` (a sort)."""
+    if values.dtype == torch.float64:
+        sorted_values, by = torch.sort(values.reshape(-1))  # [n] each
+        nan = sorted_values.isnan()
+        differs = (sorted_values[1:] != sorted_values[:-1]) & ~(nan[1:] & nan[:-1])  # [n - 1]
+        rank = torch.cat([differs.new_zeros(1), differs]).cumsum(0)  # [n]
+        return torch.empty_like(by).scatter_(0, by, rank).view(values.shape)
+    v = values.float()
+    bits = torch.where(v == 0, 0.0, v).view(torch.int32).to(torch.int64)  # -0.0 as +0.0
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31  # a float's order is its bits', negatives' flipped
+    return key.masked_fill(v.isnan(), 2**32 - 1)
 
 
 def _pool_size(chosen: torch.Tensor, num_experts: int, tile: int) -> int:

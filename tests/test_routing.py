@@ -253,6 +253,21 @@ def test_round_to_tiles_moves_the_fewest_weakest_routes(T, E, K, tile):
             assert max(gone) <= min(kept), e
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_ascending_key_sorts_as_torch_sort_does_and_ties_equal_values(dtype):
+    """round_to_tiles sorts its scores inside int64 keys: the key must order them as torch.sort does, with -0.0 and
+    +0.0 equal and every NaN equal and last."""
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-30, -1e-30, 3.0, -3.0]
+    values = torch.cat([torch.tensor(special), (torch.randn(300, generator=gen(dtype.itemsize)) * 4).round() / 4])
+    values = values.to(dtype)[torch.randperm(310, generator=gen(1))]  # [310], ties everywhere
+    key = routing._ascending_key(values)  # [310]
+    assert key.dtype == torch.int64 and int(key.min()) >= 0 and int(key.max()) < 2**32
+    assert torch.equal(torch.sort(key, stable=True).indices, torch.sort(values, stable=True).indices)
+    nan = values.isnan()
+    equal = (values[:, None] == values[None, :]) | (nan[:, None] & nan[None, :])  # [310, 310]
+    assert torch.equal(key[:, None] == key[None, :], equal)
+
+
 @pytest.mark.parametrize("T, E, K", [(300, 4, 2), (1000, 7, 3), (300, 16, 8)])
 def test_round_to_tiles_where_tokens_hold_many_experts_never_pads_more(T, E, K):
     """K/E of 1/2 or 3/7: a receiver may find too few tokens it can take, and some padding stays (best effort)."""
