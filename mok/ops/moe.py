@@ -277,8 +277,9 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
         first = torch.empty(may.shape[0], dtype=torch.int32, device=device)  # [U] scratch
         pick = torch.empty(num_pool, dtype=torch.int32, device=device)  # [P] scratch
         order_rows = order.t().contiguous()  # [R, P]: a warp walks a receiver's row
-        may_bytes = may.to(torch.uint8).contiguous()  # [U, R], a copy: the kernel clears what tokens take
-        load_extension().route_fill_rounds(order_rows, may_bytes, inv.contiguous(), need, assign, first, pick,
+        # [R, U], a copy: receiver-major like order_rows; the kernel clears what the tokens take
+        may_rows = torch.empty(num_receivers, may.shape[0], dtype=torch.uint8, device=device).copy_(may.t())
+        load_extension().route_fill_rounds(order_rows, may_rows, inv.contiguous(), need, assign, first, pick,
                                            None if num_real is None else num_real.reshape(1))
     return assign, need
 

@@ -207,7 +207,7 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
 // ---- round_to_tiles' rounds and end game (csrc/round_to_tiles.cu) ---------------------------------------------
 // mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a pool
 // of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
-// (receiver r's entries by descending score, ties ascending); may uint8 [U, R] (whether the token may take the
+// (receiver r's entries by descending score, ties ascending); may uint8 [R, U] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
 // receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32
 // [U] and pick int32 [P]: scratch; num_real int64 [1] or null: the entries from it on are padding (never

@@ -12,7 +12,8 @@
 //   4. every proposed entry goes to its best-ranked proposer; that receiver's need falls, the token may not take it
 //      again, and the token's next entry becomes its first unassigned one.
 // Rounds end when none assigns an entry (then no receiver with need has a candidate, as in the twin); the twin
-// costs ~20 ops and a host read a round. One block keeps it simple: at the standard shapes P is 300-2,100 real
+// costs ~20 ops and a host read a round. `may` is receiver-major, [R, U]: step 1's lanes read one receiver's bytes
+// of consecutive tokens, a cache line or two per warp load, where token-major rows cost a line per lane. One block keeps it simple: at the standard shapes P is 300-2,100 real
 // entries. The caller may pad the pool (it allocates it at a bound, to read nothing from the device); the walks
 // stop at the real count, read here.
 //
@@ -34,7 +35,7 @@ constexpr int kFillThreads = 1024;
 
 struct FillArgs {
   const int64_t* order;  // [R, P]: receiver r's entries by descending score, ties ascending
-  uint8_t* may;          // [U, R]: whether the token may take the receiver (cleared as it takes it)
+  uint8_t* may;          // [R, U]: whether the token may take the receiver (cleared as it takes it)
   const int64_t* inv;    // [P]: each entry's token, nondecreasing
   int64_t* need;         // [R]: in, what each receiver lacks; out, what it still lacks
   int64_t* assign;       // [P]: out, the receiver an entry goes to, or -1
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
   __syncthreads();
   const auto is_candidate = [&](int p, int r) {
     const int64_t u = a.inv[p];
-    return a.assign[p] < 0 && a.first[u] == p && a.may[u * R + r] != 0;
+    return a.assign[p] < 0 && a.first[u] == p && a.may[int64_t{r} * a.num_tokens + u] != 0;
   };
   const auto slack = [&](int r) {  // int64 like the twin's, whose receivers needing nothing sort last
     return need[r] > 0 ? count[r] - need[r] : INT64_MAX;
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
         const int64_t u = a.inv[p];
         a.assign[p] = r;
         atomicAdd(reinterpret_cast<unsigned long long*>(&need[r]), ~0ull);  // need[r] -= 1
-        a.may[u * R + r] = 0;
+        a.may[int64_t{r} * a.num_tokens + u] = 0;
         a.first[u] = p + 1;  // the token's next entry, if it has one (entries are assigned in order)
         a.pick[p] = R;
         assigned_any = 1;
