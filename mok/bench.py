@@ -57,7 +57,7 @@ KEY = ["shape", "level", "precision", "pass"]
 # The method of record times every call as a training step runs it. WARMUP_MS: the warm-up beyond 3 calls. Sustained
 # calls put the GPU under its power cap, where a dense GEMM runs 6-18% slower than in the first milliseconds; the
 # cap averages power over about a second, and after 100 ms the shortest ceilings still ran partly above it (dsv4pro's
-# forward: 743 TFLOP/s at 100 ms, 618 at 1 s; docs/l2_fused.md, "The ceiling under a sustained load" and "What the
+# forward: 743 TFLOP/s at 100 ms, 618 at 1 s; docs/l2_fused_log.md, "The ceiling under a sustained load" and "What the
 # forward goal needs"). QUEUED: the timed calls go back to back, one sync at the end, so the host's launch time hides
 # behind the previous call as it does in a training loop (a call from an idle GPU also paid it: qwen3-30b's forward
 # 5% more, "Host time on the path to GEMM1"); a host slower than the GPU still shows, as the GPU's idle time.
@@ -435,7 +435,7 @@ def summary_markdown(df: pd.DataFrame, precision: str = "bf16") -> str:
 
 def samples_markdown(runs: dict[str, pd.DataFrame], level: str = "fused", precision: str = "bf16") -> str:
     """One level's fraction of the same-run ceiling per shape × pass in several runs (name -> rows), then the
-    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused.md, "Samples
+    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused_log.md, "Samples
     of the fractions"), so a goal reads off the median of several runs, not off one."""
     fracs = pd.DataFrame({name: df[(df.level == level) & (df.precision == precision)]
                           .set_index(["shape", "pass"]).frac_of_ceiling for name, df in runs.items()})

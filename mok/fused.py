@@ -92,7 +92,7 @@ BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_B
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
 # How the mxfp8 forward feeds its weights to GEMM1/GEMM2 (the same bits either way):
 #   "dequantize": quantize, dequantize to bf16 in HBM, the BF16 kernels (the default: faster on 3 of the 4
-#                 standard shapes on the H200, docs/l2_fused.md "MXFP8 weights in the mainloop")
+#                 standard shapes on the H200, docs/l2_fused_log.md "MXFP8 weights in the mainloop")
 #   "mainloop":   quantize only; the kernels read E4M3 and dequantize in shared memory (no bf16 weight copy:
 #                 about half the forward's peak memory on dsv4pro-rank)
 MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"

@@ -1,7 +1,7 @@
 """How much the dense ceiling of `python -m mok.bench moe` moves within one process, with the benchmark's warm-up (3
 calls) and with a time-based one (mok.bench.time_ms's warmup_ms), each after an idle spell like the one before a
 shape's first timing (its inputs being made). Measured at 19c02bf: after 100 ms the ceiling is lower and tighter
-(the GPU's power cap), which is why mok.bench now warms up that long (docs/l2_fused.md, "The ceiling under a
+(the GPU's power cap), which is why mok.bench now warms up that long (docs/l2_fused_log.md, "The ceiling under a
 sustained load").
 
     python tools/ceiling_spread.py [--rounds 4] [--idle-s 0.5] [--warmup-ms 0 100] [--shapes ...] [--passes ...]

@@ -6,7 +6,7 @@ shape's expert count and at fewer experts. The summary's `pad` column says how m
 The ceiling and the `bound` multiply one weight matrix; an MoE reads E of them and shares each across only its
 expert's m-tiles. Balanced at the shape's E, a GEMM's frac_of_executed is the kernel against cuBLAS with the
 padding gone; at E = K (the fewest experts a token's K distinct routes allow) the experts' weights nearly fit in L2,
-and what is left is the kernel against cuBLAS on a near-dense problem (docs/l2_fused.md, "What the experts cost,
+and what is left is the kernel against cuBLAS on a near-dense problem (docs/l2_fused_log.md, "What the experts cost,
 apart from their padding").
 
     python tools/experts_sweep.py [--shapes qwen3-30b-a3b dsv4pro-rank] [--experts [8 32]]

@@ -1,4 +1,4 @@
-"""Two measurements of the fused forward's host overhead, in one process (device-side; docs/l2_fused.md, "Host
+"""Two measurements of the fused forward's host overhead, in one process (device-side; docs/l2_fused_log.md, "Host
 time on the path to GEMM1"):
 
 1. The shared expert's GEMMs first (mok.fused.forward) against last (`routed_first` below: the order before

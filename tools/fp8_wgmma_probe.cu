@@ -1,6 +1,6 @@
 // Can FP8 wgmma with MXFP8's per-32 block scales beat the BF16 wgmma that mok's MXFP8 path runs on dequantized
 // operands? Issue 5 asks to try "FP8 wgmma with promotion after every k32 step"; this probe measures the two things
-// that decide it before any kernel is built (docs/l2_fused.md, "FP8 wgmma, probed"):
+// that decide it before any kernel is built (docs/l2_fused_log.md, "FP8 wgmma, probed"):
 //
 //   rate  TFLOP/s of the consumer loop alone: one CTA per SM, two consumer warpgroups of 64 rows each, operands
 //         resident in shared memory (a mainloop whose loads are fully hidden: an upper bound for any kernel), ways

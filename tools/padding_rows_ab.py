@@ -9,7 +9,7 @@ mok.bench.WARMUP_MS of sustained calls:
 
 Asked before building the 64-row schedule: zero operands toggle fewer bits and draw less power, so the padding may cost
 less than its share of the rows; pad64_zero / pad128_zero is what that schedule could save at cuBLAS's speed. Answer
-and what followed: docs/l2_fused.md, "Padding rows at the cap, and the 64-row schedule".
+and what followed: docs/l2_fused_log.md, "Padding rows at the cap, and the 64-row schedule".
 
     python tools/padding_rows_ab.py [--rounds 3] [--shapes ...]
     (device step `padding_ab`; rows to $OUT/padding_rows_ab.csv when OUT is set, with mok.clocks' columns)

@@ -1,10 +1,10 @@
 """The weight-gradient kernel with K over each expert's real rows (rounded up to 64: mok.ops.gemm, since
 f63f262) against K over its whole padded segment (the kernel before), in one process (device-side;
-docs/l2_fused.md, "Weight gradients over the real rows"). Both calls are the same kernel: the old behaviour is
-the new kernel given each segment's padded length as its row count. 7 alternating rounds of mok.bench.time_ms
-per shape on the operands of d_w_gate (d_gate rows [R, I], x rows [R, H], zeros in padding rows); prints the
-median of the rounds' ratios, the k-blocks each runs and checks that both give the same bits (they differ
-only where a real sum is exactly -0, which random operands never give).
+docs/l2_fused_log.md, "The backward's x rows and the weight gradients' K"). Both calls are the same kernel: the old
+behaviour is the new kernel given each segment's padded length as its row count. 7 alternating rounds of
+mok.bench.time_ms per shape on the operands of d_w_gate (d_gate rows [R, I], x rows [R, H], zeros in padding
+rows); prints the median of the rounds' ratios, the k-blocks each runs and checks that both give the same bits
+(they differ only where a real sum is exactly -0, which random operands never give).
 
     python tools/wgrad_k_ab.py [SHAPE ...]
 """

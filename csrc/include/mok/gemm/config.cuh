@@ -28,7 +28,7 @@ namespace mok::gemm {
 // MOK_GEMM_MULTICAST=1: the BF16 row-wise kinds whose A comes by TMA (GEMM2 and both dgrads) run on clusters of
 // 2 CTAs that take an expert's m-tiles two at a time and load each k-block's weight tile once for both, by TMA
 // multicast. 0 (default): one CTA per task. Alone, those kernels ran up to 20% faster on clusters; inside the
-// layer, no pass moved beyond the noise (docs/l2_fused.md, "B multicast"), so the simpler launch stays default.
+// layer, no pass moved beyond the noise (docs/l2_fused_log.md, "B multicast"), so the simpler launch stays default.
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
@@ -41,7 +41,7 @@ namespace mok::gemm {
 // MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
 // by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
 // same time; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a wave apart), with which
-// dsv4pro's GEMM1, GEMM2 and gate/up dgrad ran 1.11-1.19x slower, its layer 1.03-1.04x (docs/l2_fused.md, "Task
+// dsv4pro's GEMM1, GEMM2 and gate/up dgrad ran 1.11-1.19x slower, its layer 1.03-1.04x (docs/l2_fused_log.md, "Task
 // order").
 #ifndef MOK_GEMM_GROUP_M
 #define MOK_GEMM_GROUP_M 8
@@ -50,7 +50,7 @@ namespace mok::gemm {
 // at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
 // the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
 // NOTE: 1 measured 1.03-1.35x slower on the H200: those tasks end early, the CTAs fall out of step, and the grouped
-// order's weight tiles stop being shared in L2 (docs/l2_fused.md, "The padding-half skip, measured").
+// order's weight tiles stop being shared in L2 (docs/l2_fused_log.md, "The padding-half skip, measured").
 #ifndef MOK_GEMM_SKIP_PADDING_HALF
 #define MOK_GEMM_SKIP_PADDING_HALF 0
 #endif
@@ -64,10 +64,10 @@ namespace mok::gemm {
 // MOK_GEMM_DYNAMIC=1: the single-CTA BF16 kinds take their tasks from a counter in device memory (producer thread 0,
 // atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
 // order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
-// lets CTAs drift apart: docs/l2_fused.md, "The padding-half skip, measured"). Which CTA runs a task never changes
+// lets CTAs drift apart: docs/l2_fused_log.md, "The padding-half skip, measured"). Which CTA runs a task never changes
 // the bits. Each launch has a counter of its own (launch_grouped_gemm_bf16), so launches may overlap.
 // NOTE: measured neutral alone (19c02bf, "Tasks from a counter"); default off. It was back for the tail fold, whose
-// uneven tasks it was to keep in step (docs/l2_fused.md, "Tails folded into the previous tile": the fold was
+// uneven tasks it was to keep in step (docs/l2_fused_log.md, "Tails folded into the previous tile": the fold was
 // slower, and its code is gone since 2026-12-05).
 #ifndef MOK_GEMM_DYNAMIC
 #define MOK_GEMM_DYNAMIC 0
@@ -75,7 +75,7 @@ namespace mok::gemm {
 
 // MOK_GEMM_N256=1 (default): each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1, so its A slice is
 // read from shared memory once; 0: two m64n128k16 (A read twice). The same fragments and bits. At the power cap,
-// where a kernel's time is its energy, 1 ran every pass but one 0.6-1.7% faster (docs/l2_fused.md, "One wgmma over
+// where a kernel's time is its energy, 1 ran every pass but one 0.6-1.7% faster (docs/l2_fused_log.md, "One wgmma over
 // B0|B1, at the cap").
 #ifndef MOK_GEMM_N256
 #define MOK_GEMM_N256 1

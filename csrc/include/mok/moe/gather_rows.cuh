@@ -11,7 +11,7 @@
 //     row_to_k[r] == k (the schedule's two views of the route agree);
 //   * row warps: every other row, zeros where row_to_token[r] < 0, NaN otherwise (a token id past num_tokens,
 //     or views that disagree): the schedule is trusted, but never read past x, and never silently wrong.
-// Measured (docs/l2_fused.md, "The x rows token-major"): 0.66-0.76x the row-major gather's time on the four
+// Measured (docs/l2_fused_log.md, "The x rows token-major"): 0.66-0.76x the row-major gather's time on the four
 // standard shapes.
 //
 // Bytes: 2·hidden read per token, 2·hidden written per real row.

@@ -7,7 +7,7 @@
 // NOTE: this ran inside the GEMM's epilogue until 2ed96d2, where it made the GEMM 2-4x slower than the same
 // GEMM without it (0.26-0.47 of a dense GEMM, `python -m mok.bench parts`), and again at a58e282 with
 // swiglu_backward_n: 1.4-2.0x slower. The epilogue runs with the tensor cores idle, and its gate/up loads and
-// arithmetic come on top of every task (docs/l2_fused.md, "The SwiGLU backward in the dgrad epilogue, again").
+// arithmetic come on top of every task (docs/l2_fused_log.md, "The SwiGLU backward in the dgrad epilogue, again").
 // As its own pass it moves 12 bytes per element (d_h, gate, up in; d_gate, d_up, h out) at memory speed.
 //
 // The MXFP8 backward (kMx) reads the forward's saved gate/up as they are, row-wise MXFP8 (E4M3 data and one
