@@ -128,7 +128,7 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     check_int("tile", tile, 1)
     if topk_idx.numel() < tile * num_experts:  # rounding to the nearest multiple would empty most experts
         fail("tile", f"at most the mean routes per expert, T·K/E = {topk_idx.numel() / num_experts:g}", tile)
-    idx = topk_idx.clone(memory_format=torch.contiguous_format)  # [T, K]
+    idx = topk_idx.contiguous()  # [T, K], never written
     num_topk = idx.shape[1]
     scores = scores.detach()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
@@ -136,25 +136,27 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     rem = counts % tile  # [E]
     by_rem = torch.sort(-rem, stable=True).indices  # [E]: largest remainder first, ties lower id
     rank_e = torch.empty_like(by_rem).scatter_(0, by_rem, torch.arange(num_experts, device=rem.device))  # [E]
-    num_up, extra = rem.sum() // tile, rem.sum() % tile  # on the device: no host read
-    target = counts - rem + tile * (rank_e < num_up) + extra * (rank_e == num_up)  # [E]
-    delta_t = target - counts  # [E]: > 0 needs routes, < 0 gives routes
+    total = rem.sum()  # on the device: no host read
+    num_up, extra = total // tile, total % tile
+    delta_t = tile * (rank_e < num_up) + extra * (rank_e == num_up) - rem  # [E]: > 0 needs routes, < 0 gives routes
     # Every rounding-down expert's weakest routes that could move: routes sorted by (expert, whether the token may
     # go to no receiver, score ascending, route id).
     flat = idx.reshape(-1)  # [T·K]
     route_scores = scores.gather(1, idx).reshape(-1)  # [T·K]
     held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
-    stuck = ~((scores > float("-inf")) & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
+    allowed = scores > float("-inf")  # [T, E]
+    stuck = ~(allowed & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
     group = 2 * flat + stuck.unsqueeze(1).expand(-1, num_topk).reshape(-1)  # [T·K], < 2^31: one sort takes all four
     by_expert = torch.sort((group << 32) | _ascending_key(route_scores), stable=True).indices  # [T·K]
     starts = torch.cumsum(counts, 0) - counts  # [E]
-    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]  # [T·K], rank in its expert
+    giver = flat[by_expert]  # [T·K]
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[giver]  # [T·K], rank in its expert
     give = (-delta_t).clamp(min=0)  # [E]
     # The pool: those routes in ascending id (_pool_size: on a GPU padded to pool_bound); padding entries (id T·K) come
     # last, score -inf and are never candidates. Gathered by a running count (a sort of T·K int64 keys is ~10
     # kernels); the slot past the pool takes the rest (none: pool_bound holds them all).
     num_routes = flat.numel()
-    chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(0, by_expert, rank < give[flat[by_expert]])  # [T·K]
+    chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(0, by_expert, rank < give[giver])  # [T·K]
     num_pool = _pool_size(chosen, num_experts, tile)
     slot = torch.where(chosen, (torch.cumsum(chosen, 0) - 1).clamp(max=num_pool), num_pool)  # [T·K]
     pool = flat.new_full((num_pool + 1,), num_routes).scatter_(
@@ -180,11 +182,10 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     # [P] an expert or -1, [E] what each still lacks; entries from real.sum() on are padding (the kernel stops there)
     assign, need = fill(order, may, inv, delta_t.clamp(min=0), real.sum())
     moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes
-    at = torch.where(real, pool, num_routes)  # [P]
-    moves[at] = torch.where(assign >= 0, assign, moves[at])
+    moves[pool] = torch.where(assign >= 0, assign, moves[pool])
     idx = moves[:num_routes].view(num_tokens, num_topk)
     left = torch.where(real & (assign < 0), pool, -1)  # [P]: the routes no receiver took
-    idx, _ = swap(idx, topk_idx, scores > float("-inf"), left, need)
+    idx, _ = swap(idx, topk_idx, allowed, left, need)
     # each token's experts by descending score, then ascending id (the routers' order): one sort of both as a key
     key = ((2**31 - 1 - _ascending_key(scores.gather(1, idx))) << 32) | idx  # [T, K]: the high half signed
     return torch.sort(key, dim=1).values & 0xFFFFFFFF
