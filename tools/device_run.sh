@@ -110,14 +110,16 @@ step mx_ab 120 "gemm|shape" python tools/mx_gemm_ab.py
 step ab 560 "shape|bf16|wrote" python -m mok.bench ab "$switch" $ab_args --out "$out/ab.csv"
 step ab_parts 580 "gemm|dgrad|wgrad|wrote" python -m mok.bench ab "$switch" --parts $ab_args --out "$out/ab_parts.csv"
 step parts 320 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$out/parts.csv"
-# `parts_base`: `parts` at MOK_BASE, a commit (checked out from the device's .git into a worktree; that copy may
-# lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C DIR` in the repo, DIR
-# untracked so that it travels), its own build: the A/B partner of `parts` in the same run when a change has no
-# build switch. MOK_BASE_COMMIT labels its rows (default: MOK_BASE).
-step parts_base 320 "whole|steps|gemm|wgrad|dgrad" bash -c 'if [[ -d $1 ]]; then cd "$1"; else
-  git worktree add -f /tmp/mok_base "$1" >/dev/null && cd /tmp/mok_base; fi &&
-  MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
-  python -m mok.bench parts --out "$0/parts_base.csv"' "$out" "${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}"
+# `parts_base`, `route_base`: `parts` / `route` at MOK_BASE, a commit (checked out from the device's .git into a
+# worktree; that copy may lack recent commits) or a directory holding that commit's tree (`git archive C | tar -x -C
+# DIR` in the repo, DIR untracked so that it travels), its own build: the A/B partner of `parts` / `route` in the
+# same run when a change has no build switch. MOK_BASE_COMMIT labels its rows (default: MOK_BASE).
+at_base='if [[ -d $1 ]]; then cd "$1"; else [[ -d /tmp/mok_base ]] || git worktree add -f /tmp/mok_base "$1" >/dev/null
+  cd /tmp/mok_base || exit 1; fi
+  MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions python -m mok.bench "${@:3}"'
+base=("${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}")
+step parts_base 320 "whole|steps|gemm|wgrad|dgrad" bash -c "$at_base" _ "${base[@]}" parts --out "$out/parts_base.csv"
+step route_base 240 "tile|shape|rank|a3b|235b" bash -c "$at_base" _ "${base[@]}" route --out "$out/route_base.csv"
 step parts_sw 320 "whole|steps|gemm|wgrad|dgrad" env "$switch" python -m mok.bench parts --out "$out/parts_switch.csv"
 step ncu 300 "profiling|PROF|rror" "$ncu" --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
