@@ -116,7 +116,8 @@ step parts 320 "whole|steps|gemm|wgrad|dgrad" python -m mok.bench parts --out "$
 # same run when a change has no build switch. MOK_BASE_COMMIT labels its rows (default: MOK_BASE).
 at_base='if [[ -d $1 ]]; then cd "$1"; else [[ -d /tmp/mok_base ]] || git worktree add -f /tmp/mok_base "$1" >/dev/null
   cd /tmp/mok_base || exit 1; fi
-  MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions python -m mok.bench "${@:3}"'
+  MOK_COMMIT=$2 PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
+    python -m mok.bench "${@:3}"'
 base=("${MOK_BASE:-HEAD}" "${MOK_BASE_COMMIT:-${MOK_BASE:-HEAD}}")
 step parts_base 320 "whole|steps|gemm|wgrad|dgrad" bash -c "$at_base" _ "${base[@]}" parts --out "$out/parts_base.csv"
 step route_base 240 "tile|shape|rank|a3b|235b" bash -c "$at_base" _ "${base[@]}" route --out "$out/route_base.csv"

@@ -12,10 +12,10 @@
 //   4. every proposed entry goes to its best-ranked proposer; that receiver's need falls, the token may not take it
 //      again, and the token's next entry becomes its first unassigned one.
 // Rounds end when none assigns an entry (then no receiver with need has a candidate, as in the twin); the twin
-// costs ~20 ops and a host read a round. `may` is receiver-major, [R, U]: step 1's lanes read one receiver's bytes
-// of consecutive tokens, a cache line or two per warp load, where token-major rows cost a line per lane. One block keeps it simple: at the standard shapes P is 300-2,100 real
+// costs ~20 ops and a host read a round. One block keeps it simple: at the standard shapes P is 300-2,100 real
 // entries. The caller may pad the pool (it allocates it at a bound, to read nothing from the device); the walks
-// stop at the real count, read here.
+// stop at the real count, read here. `may` is receiver-major, [R, U]: step 1's lanes read one receiver's bytes of
+// consecutive tokens, a cache line or two per warp load, where token-major rows cost a line per lane.
 //
 // route_swap_leftovers_kernel: the end game (twin swap_leftovers), for the receivers the rounds left short: returns
 // at once when none is (the common case); else, receivers in ascending id and leftovers in ascending id, one at a
