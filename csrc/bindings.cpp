@@ -277,11 +277,8 @@ pybind11::dict gemm_build_switches() {
   switches["MOK_GEMM_TMA_STORE"] = built.tma_store;
   switches["MOK_GEMM_NUM_STAGES"] = built.num_stages;
   switches["MOK_GEMM_MULTICAST"] = built.multicast;
-  switches["MOK_GEMM_DEFER_EPILOGUE"] = built.defer_epilogue;
   switches["MOK_GEMM_GROUP_M"] = built.group_m;
-  switches["MOK_GEMM_SKIP_PADDING_HALF"] = built.skip_padding_half;
   switches["MOK_GEMM_TRACE"] = built.trace;
-  switches["MOK_GEMM_N256"] = built.n256;
   switches["MOK_GEMM_DYNAMIC"] = built.dynamic;
   return switches;
 }

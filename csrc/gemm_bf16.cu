@@ -126,8 +126,8 @@ int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records) {
 }
 
 GemmBuildSwitches grouped_gemm_bf16_build_switches() {
-  return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_DEFER_EPILOGUE, MOK_GEMM_GROUP_M,
-          MOK_GEMM_SKIP_PADDING_HALF, MOK_GEMM_TRACE, MOK_GEMM_N256, MOK_GEMM_DYNAMIC};
+  return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_GROUP_M, MOK_GEMM_TRACE,
+          MOK_GEMM_DYNAMIC};
 }
 
 }  // namespace mok

@@ -52,8 +52,8 @@ def test_parse_switch_names_the_argument(text):
 
 def test_parse_switch_checks_the_value():
     assert bench_ab.parse_switch("MOK_GEMM_NUM_STAGES= 3") == {"MOK_GEMM_NUM_STAGES": 3}
-    assert bench_ab.parse_switch("MOK_GEMM_GROUP_M=4,MOK_GEMM_SKIP_PADDING_HALF=1") == {
-        "MOK_GEMM_GROUP_M": 4, "MOK_GEMM_SKIP_PADDING_HALF": 1}
+    assert bench_ab.parse_switch("MOK_GEMM_GROUP_M=4,MOK_GEMM_DYNAMIC=1") == {
+        "MOK_GEMM_GROUP_M": 4, "MOK_GEMM_DYNAMIC": 1}
     with pytest.raises(ValueError, match=r"^switch: expected NAME=VALUE"):
         bench_ab.parse_switch("MOK_GEMM_GROUP_M=4,SKIP=1")
     with pytest.raises(ValueError, match=r"^MOK_GEMM_MULTICAST: expected one of \(0, 1\)"):

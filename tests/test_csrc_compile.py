@@ -123,10 +123,8 @@ def test_tool_probe_compiles_without_spills(probe, tmp_path):
 GEMM_UNIT = CSRC / "gemm_bf16.cu"
 GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
                  ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
-                 ["-DMOK_GEMM_DEFER_EPILOGUE=0"], ["-DMOK_GEMM_GROUP_M=1"],
-                 ["-DMOK_GEMM_SKIP_PADDING_HALF=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_N256=0"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_SKIP_PADDING_HALF=1"]]
+                 ["-DMOK_GEMM_GROUP_M=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_DYNAMIC=1"],
+                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"]]
 
 
 @pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])

@@ -452,17 +452,14 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     return {name: t.cpu().view(torch.uint8) for name, t in outs.items()}
 
 
-# The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, the weight
-# gradients' tile held into the next task, tasks in groups of 8 m-tiles, every warpgroup multiplying), each variant
-# its own extension (built here on first use, about a minute each): the st.global epilogue, 3 stages (5 staging
-# boxes per warp instead of 2), B multicast over 2-CTA clusters, every tile stored at once, the row-wise tasks
-# m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple), no
-# MMAs for an all-padding half tile, and tasks taken from a device counter (alone and with the skip) must store the
-# same bits in the same places.
+# The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, tasks in
+# groups of 8 m-tiles from a static stride), each variant its own extension (built here on first use, about a
+# minute each): the st.global epilogue (every tile stored at once: no weight-gradient tile held into the next
+# task), 3 stages (5 staging boxes per warp instead of 2), B multicast over 2-CTA clusters, the row-wise tasks
+# m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple), and
+# tasks taken from a device counter must store the same bits in the same places.
 SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
-                   {"MOK_GEMM_DEFER_EPILOGUE": 0}, {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4},
-                   {"MOK_GEMM_SKIP_PADDING_HALF": 1}, {"MOK_GEMM_N256": 0}, {"MOK_GEMM_DYNAMIC": 1},
-                   {"MOK_GEMM_DYNAMIC": 1, "MOK_GEMM_SKIP_PADDING_HALF": 1}]
+                   {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_DYNAMIC": 1}]
 
 
 @pytest.mark.gpu
@@ -478,9 +475,8 @@ def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
     sched = sched.to("cuda")
     default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
     # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0,
-                "MOK_GEMM_DEFER_EPILOGUE": 1, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_SKIP_PADDING_HALF": 0, "MOK_GEMM_TRACE": 0, "MOK_GEMM_N256": 1, "MOK_GEMM_DYNAMIC": 0}
+    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0, "MOK_GEMM_GROUP_M": 8,
+                "MOK_GEMM_TRACE": 0, "MOK_GEMM_DYNAMIC": 0}
     assert default.grouped_gemm_bf16_build_switches() == defaults
     assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
     for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit

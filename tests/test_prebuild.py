@@ -22,12 +22,12 @@ FAKE_BUILD = ("import json, os, sys, time; s = json.loads(sys.argv[1]); "
 @pytest.fixture
 def fake_builds(monkeypatch):
     monkeypatch.setattr(core, "_BUILD_ONE", FAKE_BUILD)
-    monkeypatch.setattr(core, "is_built", lambda switches=None: switches == {"MOK_GEMM_N256": 0})
+    monkeypatch.setattr(core, "is_built", lambda switches=None: switches == {"MOK_GEMM_TMA_STORE": 0})
 
 
 def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
     variants = [{"MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_MULTICAST": 1}, {"MOK_GEMM_MULTICAST": 1,
-                "MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_N256": 0}]
+                "MOK_GEMM_GROUP_M": 8}, {"MOK_GEMM_GROUP_M": 8, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_TMA_STORE": 0}]
     start = time.monotonic()
     built = core.prebuild(variants, workers=3)
     elapsed = time.monotonic() - start
@@ -40,7 +40,7 @@ def test_prebuild_runs_builds_side_by_side_once_each(fake_builds):
 def test_prebuild_runs_at_most_workers_builds_at_once(fake_builds):
     start = time.monotonic()
     core.prebuild([{"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_MULTICAST": 1},
-                   {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_N256": 0}],
+                   {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_DYNAMIC": 1}, {"MOK_GEMM_GROUP_M": 4, "MOK_GEMM_TMA_STORE": 0}],
                   workers=2)
     assert time.monotonic() - start >= 0.8, "four builds of 0.4 s, two at a time, take two rounds"
 
@@ -75,7 +75,7 @@ def test_prebuild_tool_reads_the_device_runs_specs(fake_builds, capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.main(["default", "MOK_GEMM_MULTICAST=1,MOK_GEMM_DYNAMIC=1", "MOK_GEMM_DYNAMIC=1,MOK_GEMM_MULTICAST=1",
-                      "MOK_GEMM_N256=0"]) == 0
+                      "MOK_GEMM_TMA_STORE=0"]) == 0
     assert capsys.readouterr().out.startswith("prebuild: 2 built, 2 already there or repeated")
     with pytest.raises(ValueError, match="MOK_GEMM_DYNAMIC"):
         tool.main(["MOK_GEMM_DYNAMIC=9"])

@@ -42,10 +42,10 @@ find .cache -name lock -delete 2>/dev/null  # one run at a time: no lock here is
 builds=default
 [[ $steps =~ \ (ab|ab_parts|parts_sw|switches_sw)\  ]] && builds+=" $switch"
 # the dynamic step's tests' switch sets (tests/test_ops_gemm.py), built beside the default rather than after it
-[[ $steps == *" dynamic "* ]] && builds+=" MOK_GEMM_DYNAMIC=1 MOK_GEMM_DYNAMIC=1,MOK_GEMM_SKIP_PADDING_HALF=1"
+[[ $steps == *" dynamic "* ]] && builds+=" MOK_GEMM_DYNAMIC=1"
 if [[ $steps == *" timeline "* ]]; then
   builds+=" MOK_GEMM_TRACE=1"
-  for sw in ${MOK_TIMELINE:-MOK_GEMM_SKIP_PADDING_HALF=1}; do [[ $sw == *=* ]] && builds+=" MOK_GEMM_TRACE=1,$sw"; done
+  for sw in ${MOK_TIMELINE:-}; do [[ $sw == *=* ]] && builds+=" MOK_GEMM_TRACE=1,$sw"; done
 fi
 timeout 420 python tools/prebuild.py --timeout-s 360 $builds || echo "build failed"
 # Opt-in steps (name them in MOK_STEPS), the GEMMs' build switches (mok/ops/core.py): `switches` builds every
@@ -161,9 +161,8 @@ step wgrad_ab 120 "ratio" python tools/wgrad_k_ab.py
 # `dynamic`: the task counter's GEMM tests (MOK_GEMM_DYNAMIC: its bits, overlapping launches, a CUDA graph).
 step dynamic 300 "passed|failed|FAILED|Error" python -m pytest -q tests/test_ops_gemm.py -k DYNAMIC
 # `timeline`: per-task SM clocks of GEMM1 from MOK_GEMM_TRACE builds, plain and with each switch of MOK_TIMELINE
-# ("SHAPE NAME=VALUE ...", default: dsv4pro's with the padding-half skip; tools/task_timeline.py).
-step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank \
-  MOK_GEMM_SKIP_PADDING_HALF=1}
+# ("SHAPE NAME=VALUE ...", default: dsv4pro's, plain only; tools/task_timeline.py).
+step timeline 240 "==|group|^ *[01] " env OUT="$out" python tools/task_timeline.py ${MOK_TIMELINE:-dsv4pro-rank}
 # `mx_steps_ab`: MXFP8 steps two ways, the level's way last (tools/mx_steps_ab.py; MOK_AB_ARGS="--steps dgrad").
 step mx_steps_ab 180 "shape|step|gather|gemm1|  " env OUT="$out" python tools/mx_steps_ab.py $ab_args
 # `values_ab`: the same BF16 GEMMs on random bf16 operands and on their MXFP8 round trips (tools/operand_values_ab.py).

@@ -38,12 +38,9 @@ BUILD_SWITCHES = {
     "MOK_GEMM_TMA_STORE": (0, 1),  # 1 (default): GEMM epilogues store by TMA; 0: by 16-byte st.global
     "MOK_GEMM_NUM_STAGES": (3, 4),  # GEMM shared-memory stages (default 4; 3 gives the TMA staging 5 boxes a warp)
     "MOK_GEMM_MULTICAST": (0, 1),  # 1: GEMM2 and the dgrads on 2-CTA clusters sharing B by TMA multicast (default 0)
-    "MOK_GEMM_DEFER_EPILOGUE": (0, 1),  # 1 (default): weight gradients store a tile under the next task's MMAs
     "MOK_GEMM_GROUP_M": (1, 4, 8),  # row-wise GEMM tasks in groups of this many m-tiles (default 8; 1: m-major)
     "MOK_GEMM_TRACE": (0, 1),  # 1, a probe: per-task SM clocks recorded by the GEMMs (tools/task_timeline.py)
     "MOK_GEMM_DYNAMIC": (0, 1),  # 1: tasks from a device counter in task order, not a static stride (default 0)
-    "MOK_GEMM_SKIP_PADDING_HALF": (0, 1),  # 1: no MMAs for a row-wise tile's all-padding half (slower; default 0)
-    "MOK_GEMM_N256": (0, 1),  # 1 (default): one m64n256k16 per k16 slice; 0: two m64n128k16
 }
 
 

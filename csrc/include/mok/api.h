@@ -133,7 +133,7 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
 // The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
 // (csrc/include/mok/gemm/config.cuh says what each does).
 struct GemmBuildSwitches {
-  int tma_store, num_stages, multicast, defer_epilogue, group_m, skip_padding_half, trace, n256, dynamic;
+  int tma_store, num_stages, multicast, group_m, trace, dynamic;
 };
 GemmBuildSwitches grouped_gemm_bf16_build_switches();
 // MOK_GEMM_TRACE builds: copies the per-task records since the last call (8 int64 each: GEMM kind, CTA, consumer

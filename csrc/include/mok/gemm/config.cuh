@@ -32,12 +32,6 @@ namespace mok::gemm {
 #ifndef MOK_GEMM_MULTICAST
 #define MOK_GEMM_MULTICAST 0
 #endif
-// MOK_GEMM_DEFER_EPILOGUE=1: the weight gradients' consumers hold a finished tile in registers as bf16 and store it
-// during the next task's first k-blocks, under their MMAs (`Epilogue`, gemm/epilogue.cuh); 0: they store it before
-// the next task starts, as the other kinds always do.
-#ifndef MOK_GEMM_DEFER_EPILOGUE
-#define MOK_GEMM_DEFER_EPILOGUE 1
-#endif
 // MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
 // by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
 // same time; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a wave apart), with which
@@ -45,14 +39,6 @@ namespace mok::gemm {
 // order").
 #ifndef MOK_GEMM_GROUP_M
 #define MOK_GEMM_GROUP_M 8
-#endif
-// MOK_GEMM_SKIP_PADDING_HALF=1: in a row-wise tile whose last 64 rows are all padding (an expert's last tile with
-// at most 64 routes), the second consumer warpgroup releases each stage as it lands instead of multiplying, so
-// the first has the tensor cores to itself; the epilogue zeroes padding rows either way. 0 (default): both multiply.
-// NOTE: 1 measured 1.03-1.35x slower on the H200: those tasks end early, the CTAs fall out of step, and the grouped
-// order's weight tiles stop being shared in L2 (docs/l2_fused_log.md, "The padding-half skip, measured").
-#ifndef MOK_GEMM_SKIP_PADDING_HALF
-#define MOK_GEMM_SKIP_PADDING_HALF 0
 #endif
 // MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
 // task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
@@ -66,19 +52,11 @@ namespace mok::gemm {
 // order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
 // lets CTAs drift apart: docs/l2_fused_log.md, "The padding-half skip, measured"). Which CTA runs a task never changes
 // the bits. Each launch has a counter of its own (launch_grouped_gemm_bf16), so launches may overlap.
-// NOTE: measured neutral alone (19c02bf, "Tasks from a counter"); default off. It was back for the tail fold, whose
-// uneven tasks it was to keep in step (docs/l2_fused_log.md, "Tails folded into the previous tile": the fold was
-// slower, and its code is gone since 2026-12-05).
+// NOTE: measured neutral alone (19c02bf, "Tasks from a counter"); default off. Kept as the task counter a persistent
+// kernel of dependent tasks (L3) will need; the tail fold and the padding-half skip, whose uneven tasks it was to
+// keep in step, were slower with it too and are gone (docs/l2_fused_log.md).
 #ifndef MOK_GEMM_DYNAMIC
 #define MOK_GEMM_DYNAMIC 0
-#endif
-
-// MOK_GEMM_N256=1 (default): each k16 slice of a consumer warpgroup is one m64n256k16 over B0|B1, so its A slice is
-// read from shared memory once; 0: two m64n128k16 (A read twice). The same fragments and bits. At the power cap,
-// where a kernel's time is its energy, 1 ran every pass but one 0.6-1.7% faster (docs/l2_fused_log.md, "One wgmma over
-// B0|B1, at the cap").
-#ifndef MOK_GEMM_N256
-#define MOK_GEMM_N256 1
 #endif
 
 #if MOK_GEMM_TRACE
@@ -97,12 +75,9 @@ constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
 constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
 constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
-constexpr bool kDeferEpilogue = MOK_GEMM_DEFER_EPILOGUE != 0;
 constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
 constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
 constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
-constexpr bool kSkipPaddingHalf = MOK_GEMM_SKIP_PADDING_HALF != 0;
-constexpr bool kN256 = MOK_GEMM_N256 != 0;
 static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
 constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
 constexpr int kWarpgroup = 128;

@@ -46,26 +46,19 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
                                       : ptx::smem_desc_sw128(stage_a(smem, stage) + a_offset);
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
-    // NOTE: one m64n256k16 over B0|B1 (MOK_GEMM_N256) measured no faster than two m64n128k16 in two processes at
-    // 86c2bfb, before the sustained method; at the power cap, in one process, 0.98-0.99 of their time (91c1861).
+    // NOTE: one m64n256k16 over B0|B1 reads each A slice from shared memory once, where two m64n128k16 (one per B
+    // tile) read it twice: same fragments and bits, 0.98-0.99 of their time at the power cap (91c1861; the two
+    // were the build switch MOK_GEMM_N256=0, removed after b8e1473).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
-    const auto desc_b = [&](int which) {
-      return kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, which), kBTileBytes / 2)
-                      : ptx::smem_desc_sw128(stage_b(smem, stage, which));
-    };
-    const uint64_t desc_b0 = desc_b(0), desc_b1 = desc_b(1);
+    // B1 follows B0 in the stage: one descriptor spans both (MN-major: 64-column boxes 8 KiB apart throughout).
+    const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0), kBTileBytes / 2)
+                                     : ptx::smem_desc_sw128(stage_b(smem, stage, 0));
     fence_accumulators(acc0, acc1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
       const uint64_t a = ptx::desc_advance(desc_a, kAStep * kk);
-      if constexpr (kN256) {  // B1 follows B0 in the stage: one descriptor spans both (MN-major: 64-column boxes
-                              // 8 KiB apart throughout)
-        ptx::wgmma_m64n256k16_bf16<kMajorMNA, kMajorMN>(acc0, acc1, a, ptx::desc_advance(desc_b0, kBStep * kk));
-      } else {
-        ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc0, a, ptx::desc_advance(desc_b0, kBStep * kk));
-        ptx::wgmma_m64n128k16_bf16<kMajorMNA, kMajorMN>(acc1, a, ptx::desc_advance(desc_b1, kBStep * kk));
-      }
+      ptx::wgmma_m64n256k16_bf16<kMajorMNA, kMajorMN>(acc0, acc1, a, ptx::desc_advance(desc_b, kBStep * kk));
     }
     ptx::wgmma_commit_group();
     under();
@@ -99,8 +92,9 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
   // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
   // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
-  // slower (H200, parts against MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5; docs/l2_fused.md).
-  constexpr bool kDefer = kDeferEpilogue && kTmaStore && kGemm == Gemm::kWeightGrad;
+  // slower (H200, parts against the build switch MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5;
+  // docs/l2_fused_log.md; the switch was removed after b8e1473).
+  constexpr bool kDefer = kTmaStore && kGemm == Gemm::kWeightGrad;
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
@@ -111,35 +105,26 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
     // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
     if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
     const Task& t = w.t;
-    const auto release_as_landed = [&] {  // keeps the ring's pace without reading it
+    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
+      epilogue.store_rest(p, outputs, staging, lane);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
         ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
         if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
       }
-    };
-    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      epilogue.store_rest(p, outputs, staging, lane);
-      release_as_landed();
       return;
     }
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
-
-    // A row-wise tile lies in one expert's segment, real rows first: if this warpgroup's first row is padding,
-    // all 64 are, and the epilogue stores zeros there whatever the accumulators hold.
-    const bool padding_half = kSkipPaddingHalf && kGemm != Gemm::kWeightGrad &&
-                              warp_uniform(p.row_to_token[t.m_tile * BLOCK_M + group * WG_M] < 0);
 #if MOK_GEMM_TRACE
     const long long clock_start = clock64();
 #endif
-    if (padding_half) {
-      release_as_landed();
-    } else {
-      it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
-          acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
-          [&] { epilogue.store_next(p, outputs, staging, lane); });
-    }
+    // Padding rows are multiplied too (the epilogue stores zeros there): skipping a tile's all-padding half made
+    // the GEMMs 1.03-1.35x slower, its tasks ending early and the CTAs falling out of step (docs/l2_fused_log.md,
+    // "The padding-half skip, measured"; the build switch MOK_GEMM_SKIP_PADDING_HALF was removed after b8e1473).
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
+        acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
+        [&] { epilogue.store_next(p, outputs, staging, lane); });
     if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
 #if MOK_GEMM_TRACE
     const long long clock_mma = clock64();

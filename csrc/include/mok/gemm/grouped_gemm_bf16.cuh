@@ -29,7 +29,7 @@
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
 // consumers, each owning 64 of the tile's 128 rows (one wgmma m64n256k16 per k16 slice into two accumulators of
-// 64 floats, B0's columns and B1's; two m64n128k16 with MOK_GEMM_N256=0).
+// 64 floats, B0's columns and B1's).
 // Both roles walk the same (task, k-block) sequence through a ring of kNumStages shared-memory stages;
 // stage s is handed over with two mbarriers:
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
