@@ -105,10 +105,11 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: ~50 small ops, the rounds (fill_rounds) and the
-    swaps (swap_leftovers), on a GPU a kernel each (mok.ops.route_fill_rounds, route_swap_leftovers; device_rounds=
-    False: their PyTorch twins, ~20 ops and a host read per round, the swaps on the host). On a GPU it reads the host
-    once, to check topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
+    descending score, then ascending id. Runs on topk_idx's device: the prep (_prep), the rounds (fill_rounds) and
+    the swaps (swap_leftovers), on a GPU in kernels (mok.ops.route_round_prep, route_fill_rounds,
+    route_swap_leftovers) and ~20 ops around them; device_rounds=False: their PyTorch twins, the prep ~60 ops, the
+    rounds ~20 ops and a host read each, the swaps on the host; float64 scores: the prep's twin. On a GPU it reads the
+    host once, to check topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
@@ -124,13 +125,53 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
                     device_rounds: bool = True) -> torch.Tensor:
     """round_to_tiles on inputs already checked but for `tile`: the routers' own topk_idx, whose range check would
     read the host. On a GPU nothing here does (tests/test_routing.py runs it under sync debug mode "error")."""
-    num_tokens, num_experts = scores.shape
+    num_experts = scores.shape[1]
     check_int("tile", tile, 1)
     if topk_idx.numel() < tile * num_experts:  # rounding to the nearest multiple would empty most experts
         fail("tile", f"at most the mean routes per expert, T·K/E = {topk_idx.numel() / num_experts:g}", tile)
     idx = topk_idx.contiguous()  # [T, K], never written
-    num_topk = idx.shape[1]
+    num_tokens, num_topk = idx.shape
+    num_routes = idx.numel()
     scores = scores.detach()
+    allowed = scores > float("-inf")  # [T, E]
+    # On a GPU the prep, the rounds and the swaps are kernels (mok.ops.route_round_prep, route_fill_rounds,
+    # route_swap_leftovers) that read nothing on the host; elsewhere, with device_rounds=False, or where the rounds'
+    # shared memory cannot hold the receivers, their PyTorch twins (_prep, fill_rounds, swap_leftovers).
+    kernels = idx.is_cuda and device_rounds
+    if kernels:
+        from mok.ops import moe
+
+        kernels = num_experts <= moe.FILL_MAX_RECEIVERS
+    # assign [P]: an expert or -1; need [E]: what each still lacks; the pool's entries from num_real on are padding
+    if kernels and scores.dtype != torch.float64:  # float64 keys are ranks: the twin's prep
+        num_pool = min(num_routes, pool_bound(num_experts, tile))
+        pool, order, may, inv, need, num_real = moe.route_round_prep(idx, scores, tile, num_pool)  # receiver-major
+        assign, need = moe.fill_rounds_receiver_major(order, may, inv, need, num_real)
+    else:
+        pool, order, may, inv, need, num_real = _prep(idx, scores, tile, allowed)
+        assign, need = (moe.route_fill_rounds if kernels else fill_rounds)(order, may, inv, need, num_real)
+    real = pool < num_routes  # [P]
+    flat = idx.view(-1)
+    moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes
+    moves[pool] = torch.where(assign >= 0, assign, moves[pool])
+    idx = moves[:num_routes].view(num_tokens, num_topk)
+    left = torch.where(real & (assign < 0), pool, -1)  # [P]: the routes no receiver took
+    idx, _ = (moe.route_swap_leftovers if kernels else swap_leftovers)(idx, topk_idx, allowed, left, need)
+    # each token's experts by descending score, then ascending id (the routers' order): one sort of both as a key
+    key = ((2**31 - 1 - _ascending_key(scores.gather(1, idx))) << 32) | idx  # [T, K]: the high half signed
+    return torch.sort(key, dim=1).values & 0xFFFFFFFF
+
+
+def _prep(idx: torch.Tensor, scores: torch.Tensor, tile: int, allowed: torch.Tensor,
+          num_pool: int | None = None) -> tuple:
+    """round_to_tiles' prep in PyTorch (the twin of mok.ops.route_round_prep, which must give the same bits,
+    receiver-major): which experts give and which lack routes, the pool of the routes that move, and what the rounds
+    read. idx int64 [T, K] contiguous; scores float [T, E]; allowed: scores > -inf; num_pool: the pool's size (None:
+    _pool_size). Returns (pool int64 [P]: route ids ascending, then padding T·K; order int64 [P, E]; may bool [P, E]
+    (row inv[p] is p's token's); inv int64 [P]; need int64 [E]: what each expert lacks; num_real int64 scalar: the
+    pool's real entries), the operands of fill_rounds with every expert a receiver and U = P."""
+    num_tokens, num_experts = scores.shape
+    num_topk = idx.shape[1]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
         0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))  # [E] (bincount would read its size on the host)
     rem = counts % tile  # [E]
@@ -144,7 +185,6 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     flat = idx.reshape(-1)  # [T·K]
     route_scores = scores.gather(1, idx).reshape(-1)  # [T·K]
     held = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)  # [T, E]
-    allowed = scores > float("-inf")  # [T, E]
     stuck = ~(allowed & (delta_t > 0) & ~held).any(dim=1)  # [T]: no receiver may take this token
     group = 2 * flat + stuck.unsqueeze(1).expand(-1, num_topk).reshape(-1)  # [T·K], < 2^31: one sort takes all four
     by_expert = torch.sort((group << 32) | _ascending_key(route_scores), stable=True).indices  # [T·K]
@@ -157,13 +197,13 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     # kernels); the slot past the pool takes the rest (none: pool_bound holds them all).
     num_routes = flat.numel()
     chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(0, by_expert, rank < give[giver])  # [T·K]
-    num_pool = _pool_size(chosen, num_experts, tile)
+    num_pool = _pool_size(chosen, num_experts, tile) if num_pool is None else num_pool
     slot = torch.where(chosen, (torch.cumsum(chosen, 0) - 1).clamp(max=num_pool), num_pool)  # [T·K]
     pool = flat.new_full((num_pool + 1,), num_routes).scatter_(
         0, slot, torch.arange(num_routes, device=flat.device))[:num_pool]  # [P] route ids, then padding
     real = pool < num_routes  # [P]
-    # The receivers fill in rounds (fill_rounds: a kernel on the GPU, its PyTorch twin elsewhere). Every expert is a
-    # receiver there, lacking max(delta, 0), and a token is keyed by its first pool entry (the padding: one more).
+    # The receivers fill in rounds. Every expert is a receiver there, lacking max(delta, 0), and a token is keyed by
+    # its first pool entry (the padding: one more).
     tokens = torch.where(real, pool // num_topk, num_tokens)  # [P], nondecreasing
     ids = torch.arange(pool.numel(), device=pool.device)  # [P]
     starts_token = torch.ones_like(tokens, dtype=torch.bool)
@@ -173,22 +213,7 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     pool_scores = scores[rows].masked_fill(~real.unsqueeze(1), float("-inf"))  # [P, E]
     may = (pool_scores > float("-inf")) & ~held[rows]  # [P, E]: row inv[p] is p's token's
     order = torch.sort(pool_scores, dim=0, descending=True, stable=True).indices  # [P, E]
-    fill, swap = fill_rounds, swap_leftovers  # on a GPU their kernels, which read nothing on the host
-    if pool.is_cuda and device_rounds:
-        from mok.ops import moe
-
-        if num_experts <= moe.FILL_MAX_RECEIVERS:  # the rounds' shared memory: else the twins
-            fill, swap = moe.route_fill_rounds, moe.route_swap_leftovers
-    # [P] an expert or -1, [E] what each still lacks; entries from real.sum() on are padding (the kernel stops there)
-    assign, need = fill(order, may, inv, delta_t.clamp(min=0), real.sum())
-    moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes
-    moves[pool] = torch.where(assign >= 0, assign, moves[pool])
-    idx = moves[:num_routes].view(num_tokens, num_topk)
-    left = torch.where(real & (assign < 0), pool, -1)  # [P]: the routes no receiver took
-    idx, _ = swap(idx, topk_idx, allowed, left, need)
-    # each token's experts by descending score, then ascending id (the routers' order): one sort of both as a key
-    key = ((2**31 - 1 - _ascending_key(scores.gather(1, idx))) << 32) | idx  # [T, K]: the high half signed
-    return torch.sort(key, dim=1).values & 0xFFFFFFFF
+    return pool, order, may, inv, delta_t.clamp(min=0), real.sum()
 
 
 def _ascending_key(values: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_m
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
-           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_fill_rounds",
-           "route_swap_leftovers")
+           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_round_prep",
+           "route_fill_rounds", "route_swap_leftovers")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -192,6 +192,13 @@ def mxfp8_fake_quantize_dual(x, counts=None):
 def mxfp8_fake_quantize_gathered(x, sched):
     """The column-wise round trip of L0's dispatch of x into the schedule's rows (NaN in its spare rows)."""
     return _poison_spare(mxfp8.fake_quantize(gather_rows(x, sched), dim=-2), sched)
+
+
+def route_round_prep(topk_idx, scores, tile, num_pool, run_step=None):
+    """The reference itself (routing._prep), laid out receiver-major as the kernels give it."""
+    pool, order, may, inv, need, num_real = routing._prep(topk_idx.contiguous(), scores, tile,
+                                                          scores > float("-inf"), num_pool)
+    return pool, order.t().contiguous(), may.t().to(torch.uint8).contiguous(), inv, need, num_real.reshape(1)
 
 
 def route_fill_rounds(order, may, inv, need, num_real=None):

@@ -95,7 +95,8 @@ step bench_l2 240 "fused|cublas" python -m mok.bench moe --levels fused --precis
 # `route`: the router's time with and without that rounding (mok.bench_route).
 step bench_rounded 400 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --precisions bf16 \
   --routing rounded --out "$out/moe_rounded.csv"
-step routing 60 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_layer.py
+step routing 90 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_round_prep.py \
+  tests/test_layer.py
 step route 120 "tile|shape|rank|a3b|235b" python -m mok.bench route --out "$out/route.csv"
 step bench_100ms 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --warmup-ms 100 --from-idle \
   --out "$out/moe_100ms.csv"

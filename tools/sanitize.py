@@ -9,8 +9,8 @@ expert a full tile and a short tail.
     compute-sanitizer --tool memcheck  python tools/sanitize.py
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)
 
-The word `rounding` also runs routing.round_to_tiles' two kernels (the rounds and the end game) on end games with
-swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers.
+The word `rounding` also runs routing.round_to_tiles' kernels (the prep, the rounds and the end game) on end games
+with swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers.
 """
 
 import os

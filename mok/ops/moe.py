@@ -234,7 +234,7 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     return dy_rows, d_topk_weights
 
 
-# ---- round_to_tiles' rounds and end game (csrc/include/mok/moe/round_to_tiles.cuh) -------------------------
+# ---- round_to_tiles' prep, rounds and end game (csrc/include/mok/moe/round_prep.cuh, round_to_tiles.cuh) ----
 
 FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # what a `need` may be, as in the twins
@@ -270,16 +270,23 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     if num_real is not None:
         _check_combine_operand("num_real", num_real, torch.int64, (), "a scalar")
     _check_on_one_gpu({"order": order, "may": may, "inv": inv, "need": need, "num_real": num_real}, "order")
-    device = order.device
+    # receiver-major copies: a warp walks a receiver's row of order; the kernel clears what the tokens take in may
+    may_rows = torch.empty(num_receivers, may.shape[0], dtype=torch.uint8, device=order.device).copy_(may.t())
+    return fill_rounds_receiver_major(order.t().contiguous(), may_rows, inv.contiguous(), need, num_real)
+
+
+def fill_rounds_receiver_major(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
+                               num_real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_fill_rounds on operands already checked and laid out as the kernel reads them: order int64 [R, P]
+    and may uint8 [R, U] contiguous (may is changed: the kernel clears what the tokens take), inv int64 [P]
+    contiguous, need int [R], num_real None or int64 with one element (route_round_prep's outputs are so)."""
+    num_receivers, num_pool = order.shape
     need = need.to(torch.int64, copy=True)  # [R] in, then out
-    assign = torch.full((num_pool,), -1, dtype=torch.int64, device=device)  # [P]
+    assign = torch.full((num_pool,), -1, dtype=torch.int64, device=order.device)  # [P]
     if num_pool and num_receivers:
-        first = torch.empty(may.shape[0], dtype=torch.int32, device=device)  # [U] scratch
-        pick = torch.empty(num_pool, dtype=torch.int32, device=device)  # [P] scratch
-        order_rows = order.t().contiguous()  # [R, P]: a warp walks a receiver's row
-        # [R, U], a copy: receiver-major like order_rows; the kernel clears what the tokens take
-        may_rows = torch.empty(num_receivers, may.shape[0], dtype=torch.uint8, device=device).copy_(may.t())
-        load_extension().route_fill_rounds(order_rows, may_rows, inv.contiguous(), need, assign, first, pick,
+        first = torch.empty(may.shape[1], dtype=torch.int32, device=order.device)  # [U] scratch
+        pick = torch.empty(num_pool, dtype=torch.int32, device=order.device)  # [P] scratch
+        load_extension().route_fill_rounds(order, may, inv, need, assign, first, pick,
                                            None if num_real is None else num_real.reshape(1))
     return assign, need
 
@@ -308,3 +315,59 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     load_extension().route_swap_leftovers(idx, before.contiguous(), allowed.to(torch.uint8).contiguous(),
                                           left.contiguous(), need, waiting, moved)
     return idx, need
+
+
+_PREP_STEPS = ("plan", "keys", "choose", "pool", "cells")  # RoutePrepStep (mok/api.h), in the order they run
+# the buffers in the order of the binding's arguments (struct RoutePrep, mok/api.h)
+_PREP_BUFFERS = ("idx", "scores", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real", "inv", "may",
+                 "pool_scores")
+
+
+def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int,
+                     run_step=None) -> tuple:
+    """The prep of routing.round_to_tiles in five launches, two sorts and a running count, with the bits of its twin
+    routing._prep, laid out receiver-major as the rounds' kernel reads them (fill_rounds_receiver_major).
+
+    topk_idx int64 [T, K] (distinct experts per token, in range: unchecked here, as in the routers' path); scores
+    float32, bf16 or fp16 [T, E] (float64 keys are ranks: the twin's); tile; num_pool the pool's size (P >= the
+    routes that move: routing.pool_bound). Returns (pool int64 [P]: the moving routes' ids ascending, then T·K;
+    order int64 [E, P]: each receiver's entries by descending score, ties ascending; may uint8 [E, P]: whether the
+    entry's token may take the receiver; inv int64 [P]: the index of each entry's token's first entry; need int64
+    [E]: what each expert lacks; num_real int64 [1]: the pool's real entries). Reads nothing on the host.
+    run_step(step, buffers, tile): runs one of _PREP_STEPS over the dict of buffers (default: its kernel on the
+    current stream; tests/test_round_prep.py passes the same bodies compiled for the host)."""
+    _check_combine_operand("topk_idx", topk_idx, torch.int64, (None, None), "[num_tokens, num_topk]")
+    _check_combine_operand("scores", scores, (torch.float32, torch.bfloat16, torch.float16),
+                           (topk_idx.shape[0], None), "[num_tokens, num_experts]")
+    check_int("tile", tile, 1)
+    check_int("num_pool", num_pool, 0)
+    num_experts, num_routes = scores.shape[1], topk_idx.numel()
+    if num_routes > 2**31 - 1:
+        fail("topk_idx", "fewer than 2^31 routes", num_routes)
+    if run_step is None:
+        _check_on_one_gpu({"topk_idx": topk_idx, "scores": scores}, "topk_idx")
+        run_step = _prep_step_on_gpu
+    device = topk_idx.device
+
+    def empty(*shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    b = {"idx": topk_idx.contiguous(), "scores": scores.detach().float().contiguous(),
+         "plan": empty(3, num_experts), "keys": empty(num_routes), "by_expert": empty(num_routes),
+         "chosen": empty(num_routes, dtype=torch.int32), "slots": empty(num_routes, dtype=torch.int32),
+         "pool": torch.full((num_pool,), num_routes, dtype=torch.int64, device=device), "num_real": empty(1),
+         "inv": empty(num_pool), "may": empty(num_experts, num_pool, dtype=torch.uint8),
+         "pool_scores": empty(num_experts, num_pool, dtype=torch.float32)}
+    run_step("plan", b, tile)
+    run_step("keys", b, tile)
+    torch.sort(b["keys"], stable=True, out=(empty(num_routes), b["by_expert"]))
+    run_step("choose", b, tile)
+    torch.cumsum(b["chosen"], 0, dtype=torch.int32, out=b["slots"])
+    run_step("pool", b, tile)
+    run_step("cells", b, tile)
+    order = torch.sort(b["pool_scores"], dim=1, descending=True, stable=True).indices  # [E, P]
+    return b["pool"], order, b["may"], b["inv"], b["plan"][2], b["num_real"]
+
+
+def _prep_step_on_gpu(step: str, b: dict, tile: int) -> None:
+    load_extension().route_round_prep_step(_PREP_STEPS.index(step), *(b[name] for name in _PREP_BUFFERS), tile)

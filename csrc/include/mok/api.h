@@ -204,15 +204,41 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
                           int64_t block_m, int64_t max_num_rows, const ScheduleOutputs& out, int32_t* chunk_counts,
                           cudaStream_t stream);
 
-// ---- round_to_tiles' rounds and end game (csrc/round_to_tiles.cu) ---------------------------------------------
-// mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a pool
-// of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
+// ---- round_to_tiles' prep, rounds and end game (csrc/round_to_tiles.cu) ----------------------------------------
+// The prep (mok/routing.py's PyTorch prep in five launches; csrc/include/mok/moe/round_prep.cuh says what each step
+// writes). idx int64 [T·K] (topk_idx); scores float32 [T, E]; plan int64 [3, E] (delta, first position in expert
+// order, need); keys int64 [T·K]; by_expert int64 [T·K] (the keys' stable argsort); chosen int32 [T·K]; slots
+// int32 [T·K] (chosen's inclusive running count); pool int64 [P] (preset to T·K); num_real int64 [1]; inv int64
+// [P]; may uint8 [E, P]; pool_scores float32 [E, P]. The steps run in order, the caller's sort between kKeys and
+// kChoose, its running count between kChoose and kPool.
+
+enum RoutePrepStep : int { kRoutePrepPlan, kRoutePrepKeys, kRoutePrepChoose, kRoutePrepPool, kRoutePrepCells };
+
+struct RoutePrep {
+  const int64_t* idx;
+  const float* scores;
+  int64_t* plan;
+  int64_t* keys;
+  const int64_t* by_expert;
+  int32_t* chosen;
+  const int32_t* slots;
+  int64_t* pool;
+  int64_t* num_real;
+  int64_t* inv;
+  uint8_t* may;
+  float* pool_scores;
+  int64_t num_tokens, num_topk, num_experts, num_pool, tile;
+};
+
+cudaError_t route_round_prep_step(const RoutePrep& args, int step, cudaStream_t stream);
+
+// The rounds: mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a
+// pool of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
 // (receiver r's entries by descending score, ties ascending); may uint8 [R, U] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
-// receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32
-// [U] and pick int32 [P]: scratch; num_real int64 [1] or null: the entries from it on are padding (never
-// candidates, after the others in every row of order). num_receivers <= kFillMaxReceivers (20 bytes each in
-// shared memory).
+// receiver lacks; out: what it still lacks); assign int64 [P] (out: the receiver's index, or -1); first int32 [U]
+// and pick int32 [P]: scratch; num_real int64 [1] or null: the entries from it on are padding (never candidates,
+// after the others in every row of order). num_receivers <= kFillMaxReceivers (20 bytes each in shared memory).
 
 constexpr int64_t kFillMaxReceivers = 1024;
 

@@ -1,0 +1,153 @@
+"""routing.round_to_tiles' prep kernels (mok.ops.route_round_prep, csrc/include/mok/moe/round_prep.cuh) against
+their twin (routing._prep, receiver-major: mok.twins.route_round_prep), bit for bit.
+
+On the CPU the kernels' bodies run on the host (round_prep.cuh's run_prep_step_on_host, built here with nvcc as a
+small shared library), driven by route_round_prep itself: its sorts, running count and buffers are the GPU's.
+On a GPU the kernels run. Both on the same problems: ties, -inf, negative scores with ±0.0, NaN, bf16 and fp16
+scores, all-zero scores, tokens stuck (no receiver may take them), the pool exact and padded to its bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import pytest
+import torch
+
+from mok import ops, routing, twins
+from mok.ops import ARCH_FLAGS, CSRC
+from mok.ops.moe import _PREP_BUFFERS, _PREP_STEPS
+from tests.test_csrc_compile import NVCC
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _problem(T: int, E: int, K: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [T, K], scores [T, E]): the top K of the scores (-inf and NaN last), as a router's."""
+    g = gen(seed)
+    logits = torch.randn(T, E, generator=g)
+    if kind == "ties":
+        scores = ((logits * 2).round() / 2).softmax(-1)
+    elif kind == "signed-zeros":  # negative scores, ties, -0.0 and +0.0
+        scores = (logits * 2).round() / 2
+        scores = torch.where(scores == 0, torch.where(torch.rand(T, E, generator=g) < 0.5, -0.0, 0.0), scores)
+    elif kind == "inf":  # experts a token may not take: many tokens stuck
+        scores = logits.masked_fill(torch.rand(T, E, generator=g) < 0.6, float("-inf"))
+        scores[torch.arange(T), torch.randint(0, E, (T,), generator=g)] = 0.5
+    elif kind == "nan":
+        scores = logits.masked_fill(torch.rand(T, E, generator=g) < 0.05, float("nan"))
+    elif kind in ("bf16", "fp16"):
+        scores = (logits * 4).to(torch.bfloat16 if kind == "bf16" else torch.float16)
+    elif kind == "zeros":
+        scores = torch.zeros(T, E)
+    else:
+        scores = logits.softmax(-1)
+    finite = torch.where(scores.float() > float("-inf"), scores.float().nan_to_num(nan=-1e30), -1e30)
+    return torch.sort(finite, dim=-1, descending=True, stable=True).indices[:, :K], scores
+
+
+KINDS = ("softmax", "ties", "signed-zeros", "inf", "nan", "bf16", "fp16", "zeros")
+SHAPES = [(1000, 16, 2, 16), (1024, 14, 7, 64), (300, 2, 1, 16), (333, 9, 2, 8), (777, 33, 5, 8),
+          (2048, 48, 6, 128), (8192, 128, 8, 128)]
+
+
+def _num_pools(idx: torch.Tensor, scores: torch.Tensor, tile: int) -> tuple[int, int, int]:
+    """The pool exact (the CPU's size), padded to its bound (the GPU's), and 3 entries short (the last routes that
+    would move left out: never so in round_to_tiles, whose bound holds them all, but the same in both)."""
+    exact = twins.route_round_prep(idx, scores, tile, None)[0].numel()
+    return exact, min(idx.numel(), routing.pool_bound(scores.shape[1], tile)), max(exact - 3, 0)
+
+
+def _assert_same(got: tuple, expected: tuple, label: str) -> None:
+    names = ("pool", "order", "may", "inv", "need", "num_real")
+    for name, a, b in zip(names, got, expected):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), f"{label}: {name} differs"
+
+
+# ---- the bodies on the host ----------------------------------------------------------------------------
+
+class _RoutePrep(ctypes.Structure):  # struct RoutePrep (mok/api.h)
+    _fields_ = [(name, ctypes.c_void_p) for name in _PREP_BUFFERS] + [
+        (name, ctypes.c_int64) for name in ("num_tokens", "num_topk", "num_experts", "num_pool", "tile")]
+
+
+@pytest.fixture(scope="module")
+def host_step(tmp_path_factory):
+    """route_round_prep's run_step with round_prep.cuh's bodies compiled for the host."""
+    if NVCC is None:
+        pytest.skip("nvcc not found: the host build of the prep's bodies needs the CUDA toolkit")
+    out = tmp_path_factory.mktemp("round_prep")
+    source = out / "host.cu"
+    source.write_text('#include "mok/moe/round_prep.cuh"\n'
+                      'extern "C" void run_prep_step(const mok::RoutePrep* a, int step) {\n'
+                      '  mok::moe::run_prep_step_on_host(*a, step);\n}\n')
+    library = out / "libround_prep.so"
+    cmd = [NVCC, *ARCH_FLAGS, "-std=c++17", "-O1", f"-I{CSRC / 'include'}", "-Xcompiler", "-fPIC", "-shared",
+           str(source), "-o", str(library)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"the host build failed:\n{result.stderr}"
+    run = ctypes.CDLL(str(library)).run_prep_step
+    run.argtypes, run.restype = [ctypes.POINTER(_RoutePrep), ctypes.c_int], None
+
+    def step(name: str, b: dict, tile: int) -> None:
+        (num_tokens, num_topk), num_experts = b["idx"].shape, b["scores"].shape[1]
+        args = _RoutePrep(*(b[n].data_ptr() for n in _PREP_BUFFERS), num_tokens, num_topk, num_experts,
+                          b["pool"].numel(), tile)
+        run(ctypes.byref(args), _PREP_STEPS.index(name))
+
+    return step
+
+
+@pytest.mark.parametrize("T, E, K, tile", SHAPES)
+def test_prep_bodies_on_the_host_give_the_twins_bits(host_step, T, E, K, tile):
+    for i, kind in enumerate(KINDS):
+        idx, scores = _problem(T, E, K, kind, seed=T + E + i)
+        for num_pool in _num_pools(idx, scores, tile):
+            got = ops.route_round_prep(idx, scores, tile, num_pool, run_step=host_step)
+            _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
+
+
+def test_prep_on_the_host_gives_round_to_tiles_routing(host_step, monkeypatch):
+    """The whole rounding with the host-run prep (and the twins' rounds and swaps) gives the routing of the twins'
+    prep, where some receivers are left short (K/E = 1/2: the end game's swaps) and where none is."""
+    for T, E, K, tile in [(1024, 14, 7, 64), (2048, 48, 6, 128)]:
+        idx, scores = _problem(T, E, K, "ties", seed=E)
+        expected = routing.round_to_tiles(idx, scores, tile)
+
+        def prep(idx, scores, tile, allowed, num_pool=None):
+            bound = min(idx.numel(), routing.pool_bound(scores.shape[1], tile))  # as on a GPU
+            pool, order, may, inv, need, num_real = ops.route_round_prep(idx, scores, tile, bound, run_step=host_step)
+            return pool, order.t(), may.t().bool(), inv, need, num_real[0]
+
+        monkeypatch.setattr(routing, "_prep", prep)
+        assert torch.equal(routing.round_to_tiles(idx, scores, tile), expected), f"T={T} E={E} K={K}"
+        monkeypatch.undo()
+
+
+def test_route_round_prep_bad_inputs_name_the_argument():
+    idx, scores = _problem(64, 8, 2, "softmax", seed=0)
+    with pytest.raises(ValueError, match=r"^scores: expected dtype torch.float32 or torch.bfloat16 or torch.float16"):
+        ops.route_round_prep(idx, scores.double(), 4, 16)
+    with pytest.raises(ValueError, match=r"^scores: expected shape \[num_tokens, num_experts\] = \[64, \*\]"):
+        ops.route_round_prep(idx, scores[:63], 4, 16)
+    with pytest.raises(ValueError, match=r"^topk_idx: expected dtype torch.int64"):
+        ops.route_round_prep(idx.int(), scores, 4, 16)
+    with pytest.raises(ValueError, match=r"^tile: expected an int in >= 1"):
+        ops.route_round_prep(idx, scores, 0, 16)
+    with pytest.raises(ValueError, match=r"^topk_idx: expected a CUDA tensor"):
+        ops.route_round_prep(idx, scores, 4, 16)
+
+
+# ---- the kernels -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, E, K, tile", SHAPES)
+def test_route_round_prep_kernels_give_the_twins_bits(T, E, K, tile):
+    for i, kind in enumerate(KINDS):
+        idx, scores = _problem(T, E, K, kind, seed=T + E + i)
+        for num_pool in _num_pools(idx, scores, tile):
+            got = ops.route_round_prep(idx.cuda(), scores.cuda(), tile, num_pool)
+            _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
