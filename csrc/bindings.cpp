@@ -393,12 +393,12 @@ void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const 
              "route_grads_prep");
 }
 
-// ---- round_to_tiles' prep, rounds and end game (mok.ops.route_round_prep, route_fill_rounds, ...) ------------
+// ---- round_to_tiles on the device (mok.ops.route_round_to_tiles, route_fill_rounds, route_swap_leftovers) -----
 
-void round_prep_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, at::Tensor& plan,
-                     at::Tensor& keys, const at::Tensor& by_expert, at::Tensor& chosen, const at::Tensor& slots,
-                     at::Tensor& pool, at::Tensor& num_real, at::Tensor& inv, at::Tensor& may,
-                     at::Tensor& pool_scores, int64_t tile) {
+void round_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, at::Tensor& plan, at::Tensor& keys,
+                const at::Tensor& by_expert, at::Tensor& chosen, const at::Tensor& slots, at::Tensor& pool,
+                at::Tensor& num_real, at::Tensor& inv, at::Tensor& may, at::Tensor& pool_scores,
+                const at::Tensor& assign, at::Tensor& routes, at::Tensor& left, at::Tensor& out, int64_t tile) {
   check_arg(scores, "scores"), check_arg(chosen, "chosen"), check_arg(slots, "slots"), check_arg(may, "may");
   check_arg(pool_scores, "pool_scores");
   TORCH_CHECK(scores.scalar_type() == at::kFloat && pool_scores.scalar_type() == at::kFloat,
@@ -406,15 +406,15 @@ void round_prep_step(int64_t step, const at::Tensor& idx, const at::Tensor& scor
   TORCH_CHECK(chosen.scalar_type() == at::kInt && slots.scalar_type() == at::kInt, "chosen, slots: expected int32");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
   const c10::cuda::CUDAGuard guard(idx.device());
-  const mok::RoutePrep args{int64_ptr(idx, "idx"), scores.data_ptr<float>(), int64_ptr(plan, "plan"),
-                            int64_ptr(keys, "keys"), int64_ptr(by_expert, "by_expert"), chosen.data_ptr<int32_t>(),
-                            slots.data_ptr<int32_t>(), int64_ptr(pool, "pool"), int64_ptr(num_real, "num_real"),
-                            int64_ptr(inv, "inv"), may.data_ptr<uint8_t>(), pool_scores.data_ptr<float>(),
-                            idx.size(0), idx.size(1), scores.size(1), pool.size(0), tile};
-  check_cuda(mok::route_round_prep_step(args, static_cast<int>(step), c10::cuda::getCurrentCUDAStream()),
-             "route_round_prep");
+  const mok::RouteRound args{int64_ptr(idx, "idx"), scores.data_ptr<float>(), int64_ptr(plan, "plan"),
+                             int64_ptr(keys, "keys"), int64_ptr(by_expert, "by_expert"), chosen.data_ptr<int32_t>(),
+                             slots.data_ptr<int32_t>(), int64_ptr(pool, "pool"), int64_ptr(num_real, "num_real"),
+                             int64_ptr(inv, "inv"), may.data_ptr<uint8_t>(), pool_scores.data_ptr<float>(),
+                             int64_ptr(assign, "assign"), int64_ptr(routes, "routes"), int64_ptr(left, "left"),
+                             int64_ptr(out, "out"), idx.size(0), idx.size(1), scores.size(1), pool.size(0), tile};
+  check_cuda(mok::route_round_step(args, static_cast<int>(step), c10::cuda::getCurrentCUDAStream()),
+             "route_round_step");
 }
-
 
 void fill_rounds(const at::Tensor& order, at::Tensor& may, const at::Tensor& inv, at::Tensor& need,
                  at::Tensor& assign, at::Tensor& first, at::Tensor& pick, const std::optional<at::Tensor>& num_real) {
@@ -491,9 +491,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
   m.def("route_grads_prep", &route_grads,
         "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
-  m.def("route_round_prep_step", &round_prep_step,
-        "step (RoutePrepStep), idx, scores, plan, keys, by_expert, chosen, slots, pool, num_real, inv, may, "
-        "pool_scores, tile: one step of round_to_tiles' prep (struct RoutePrep, mok/api.h)");
+  m.def("route_round_step", &round_step,
+        "step (RouteRoundStep), idx, scores, plan, keys, by_expert, chosen, slots, pool, num_real, inv, may, "
+        "pool_scores, assign, routes, left, out, tile: one map step of round_to_tiles (struct RouteRound, mok/api.h)");
   m.def("route_fill_rounds", &fill_rounds,
         "order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 [R], in/out), assign (int64 "
         "[P], out), first (int32 [U]), pick (int32 [P]), num_real (int64 [1] or None): round_to_tiles' rounds");

@@ -1,15 +1,15 @@
-// Instantiates round_to_tiles' prep, rounds and end game behind the host API of mok/api.h. Torch-free.
+// Instantiates round_to_tiles' map steps, rounds and end game behind the host API of mok/api.h. Torch-free.
 #include "mok/api.h"
-#include "mok/moe/round_prep.cuh"
+#include "mok/moe/round_steps.cuh"
 #include "mok/moe/round_to_tiles.cuh"
 
 namespace mok {
 
-cudaError_t route_round_prep_step(const RoutePrep& args, int step, cudaStream_t stream) {
+cudaError_t route_round_step(const RouteRound& args, int step, cudaStream_t stream) {
   // route ids, chosen and slots in int32; the keys' high half 2·expert + 1 below 2^31
   if (args.num_tokens * args.num_topk > INT32_MAX || args.num_experts >= (int64_t{1} << 30) || args.tile < 1)
     return cudaErrorInvalidValue;
-  return moe::launch_route_prep_step(args, step, stream);
+  return moe::launch_route_round_step(args, step, stream);
 }
 
 cudaError_t route_fill_rounds(const int64_t* order, uint8_t* may, const int64_t* inv, int64_t* need, int64_t* assign,

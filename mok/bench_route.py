@@ -1,10 +1,10 @@
 """What rounding the routes to the tile costs the router (`python -m mok.bench route`).
 
 Per shape, on the GPU when there is one: the time of `routing.softmax_topk` on random logits [T, E], plain and with
-`tile=` (mok.routing.round_to_tiles; docs/routing.md), the rounding alone with its rounds in the kernel
-(`round_kernel_ms`, mok.ops.route_fill_rounds) and in PyTorch ops (`round_twin_ms`, routing.fill_rounds: a sync
-a round; on a CPU both columns time the twin), the kernels' rounding replayed from a CUDA graph (`round_graph_ms`,
-its GPU time without the host's ~100 small ops; a GPU only, as a training step captured in a graph runs it), and
+`tile=` (mok.routing.round_to_tiles; docs/routing.md), the rounding alone in mok's kernels (`round_kernel_ms`,
+mok.ops.route_round_to_tiles) and in PyTorch ops (`round_twin_ms`, device_rounds=False: a sync a round; on a CPU
+both columns time the twins), the kernels' rounding replayed from a CUDA graph (`round_graph_ms`, its GPU time
+without the host's time per op; a GPU only, as a training step captured in a graph runs it), and
 the share of routes the rounding moves. Times are medians of `--iters` calls after 3 warm-up calls (bench.time_ms,
 no sustained warm-up: the router is host-bound, not under the power cap). One row per (shape, tile) →
 data/bench/route.csv, with provenance; compare `round_ms` with the layer's forward in data/bench/moe_rounded*.csv.

@@ -105,11 +105,11 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: the prep (_prep), the rounds (fill_rounds) and
-    the swaps (swap_leftovers), on a GPU in kernels (mok.ops.route_round_prep, route_fill_rounds,
-    route_swap_leftovers) and ~20 ops around them; device_rounds=False: their PyTorch twins, the prep ~60 ops, the
-    rounds ~20 ops and a host read each, the swaps on the host; float64 scores: the prep's twin. On a GPU it reads the
-    host once, to check topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
+    descending score, then ascending id. Runs on topk_idx's device: on a GPU in mok's kernels with ~25 aten calls
+    around them (mok.ops.route_round_to_tiles); elsewhere, with device_rounds=False or float64 scores, in PyTorch
+    twins: the prep (_prep, ~60 ops), the rounds (fill_rounds, ~20 ops and a host read a round), the swaps
+    (swap_leftovers, on the host) and the moves and final order (~30 ops). On a GPU it reads the host once, to check
+    topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
@@ -133,23 +133,21 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     num_tokens, num_topk = idx.shape
     num_routes = idx.numel()
     scores = scores.detach()
-    allowed = scores > float("-inf")  # [T, E]
-    # On a GPU the prep, the rounds and the swaps are kernels (mok.ops.route_round_prep, route_fill_rounds,
-    # route_swap_leftovers) that read nothing on the host; elsewhere, with device_rounds=False, or where the rounds'
-    # shared memory cannot hold the receivers, their PyTorch twins (_prep, fill_rounds, swap_leftovers).
+    # On a GPU the rounding is mok's kernels, around the rounds and swaps too (mok.ops.route_round_to_tiles), and
+    # reads nothing on the host; elsewhere, with device_rounds=False, or with float64 scores (whose keys are ranks),
+    # the PyTorch twins: _prep, fill_rounds and swap_leftovers (on a GPU the rounds' and swaps' kernels still, but
+    # where device_rounds=False or the rounds' shared memory cannot hold the receivers), and the lines below.
     kernels = idx.is_cuda and device_rounds
     if kernels:
         from mok.ops import moe
 
         kernels = num_experts <= moe.FILL_MAX_RECEIVERS
+        if kernels and scores.dtype != torch.float64:
+            return moe.route_round_to_tiles(idx, scores, tile, min(num_routes, pool_bound(num_experts, tile)))
+    allowed = scores > float("-inf")  # [T, E]
     # assign [P]: an expert or -1; need [E]: what each still lacks; the pool's entries from num_real on are padding
-    if kernels and scores.dtype != torch.float64:  # float64 keys are ranks: the twin's prep
-        num_pool = min(num_routes, pool_bound(num_experts, tile))
-        pool, order, may, inv, need, num_real = moe.route_round_prep(idx, scores, tile, num_pool)  # receiver-major
-        assign, need = moe.fill_rounds_receiver_major(order, may, inv, need, num_real)
-    else:
-        pool, order, may, inv, need, num_real = _prep(idx, scores, tile, allowed)
-        assign, need = (moe.route_fill_rounds if kernels else fill_rounds)(order, may, inv, need, num_real)
+    pool, order, may, inv, need, num_real = _prep(idx, scores, tile, allowed)
+    assign, need = (moe.route_fill_rounds if kernels else fill_rounds)(order, may, inv, need, num_real)
     real = pool < num_routes  # [P]
     flat = idx.view(-1)
     moves = torch.cat([flat, flat.new_zeros(1)])  # [T·K + 1]: the last slot takes the padding's (unchanging) writes

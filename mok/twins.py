@@ -26,8 +26,8 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_m
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
-           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_round_prep",
-           "route_fill_rounds", "route_swap_leftovers")
+           "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_round_to_tiles",
+           "route_round_prep", "route_fill_rounds", "route_swap_leftovers")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -192,6 +192,10 @@ def mxfp8_fake_quantize_dual(x, counts=None):
 def mxfp8_fake_quantize_gathered(x, sched):
     """The column-wise round trip of L0's dispatch of x into the schedule's rows (NaN in its spare rows)."""
     return _poison_spare(mxfp8.fake_quantize(gather_rows(x, sched), dim=-2), sched)
+
+
+def route_round_to_tiles(topk_idx, scores, tile, num_pool, run_step=None, fill=None, swap=None):
+    return routing._round_to_tiles(topk_idx, scores, tile, device_rounds=False)  # the twins' path: any pool size
 
 
 def route_round_prep(topk_idx, scores, tile, num_pool, run_step=None):

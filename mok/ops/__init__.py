@@ -7,8 +7,9 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
     moe    the fixed-order combine (combine_rows), the row gather (gather_rows_cuda), the device schedule
-           (make_schedule_cuda), the backward's routed-gradient prep (route_grads_prep) and the prep, rounds
-           and end game of routing.round_to_tiles (route_round_prep, route_fill_rounds, route_swap_leftovers)
+           (make_schedule_cuda), the backward's routed-gradient prep (route_grads_prep) and
+           routing.round_to_tiles (route_round_to_tiles; its pieces route_round_prep, route_fill_rounds,
+           route_swap_leftovers)
 
 Every op checks its arguments first (errors name the argument, the expectation and the actual value),
 then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
@@ -44,6 +45,7 @@ from mok.ops.moe import (
     route_fill_rounds,
     route_grads_prep,
     route_round_prep,
+    route_round_to_tiles,
     route_swap_leftovers,
 )
 from mok.ops.quant import (
@@ -68,5 +70,5 @@ __all__ = [
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
     "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "require_hopper", "route_fill_rounds", "route_grads_prep",
-    "route_round_prep", "route_swap_leftovers",
+    "route_round_prep", "route_round_to_tiles", "route_swap_leftovers",
 ]

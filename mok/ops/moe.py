@@ -317,15 +317,39 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     return idx, need
 
 
-_PREP_STEPS = ("plan", "keys", "choose", "pool", "cells")  # RoutePrepStep (mok/api.h), in the order they run
-# the buffers in the order of the binding's arguments (struct RoutePrep, mok/api.h)
-_PREP_BUFFERS = ("idx", "scores", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real", "inv", "may",
-                 "pool_scores")
+ROUND_STEPS = ("plan", "keys", "choose", "pool", "cells", "apply", "order")  # RouteRoundStep (mok/api.h), in order
+# the buffers in the order of the binding's arguments (struct RouteRound, mok/api.h)
+ROUND_BUFFERS = ("idx", "scores", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real", "inv", "may",
+                 "pool_scores", "assign", "routes", "left", "out")
+
+
+def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int, run_step=None,
+                         fill=None, swap=None) -> torch.Tensor:
+    """routing.round_to_tiles on a GPU, with the bits of its twin and nothing read on the host: the prep
+    (route_round_prep), the rounds (fill_rounds_receiver_major), the moves and leftovers (a map step), the swaps
+    (route_swap_leftovers), each token's experts in the routers' order (a map step). ~25 aten calls and 7 launches
+    of mok's around the rounds and swaps, where the twins' path makes ~140 calls.
+
+    topk_idx, scores, tile, num_pool: route_round_prep's. Returns the rounded topk_idx, int64 [T, K]. run_step,
+    fill, swap: the map steps' runner (route_round_prep's), the rounds and the swaps (default: the kernels;
+    tests/test_round_steps.py passes the map steps' bodies compiled for the host and the twins of the others)."""
+    b, run_step = _round_buffers(topk_idx, scores, tile, num_pool, run_step)
+    order = _prep_steps(b, tile, run_step)
+    num_tokens, num_topk = topk_idx.shape
+    b["assign"], need = (fill or fill_rounds_receiver_major)(order, b["may"], b["inv"], b["plan"][2], b["num_real"])
+    b["routes"], b["left"] = b["idx"].reshape(-1).clone(), torch.empty_like(b["pool"])
+    run_step("apply", b, tile)
+    allowed = b["scores"] > float("-inf")  # [T, E]
+    routes, _ = (swap or route_swap_leftovers)(b["routes"].view(num_tokens, num_topk), b["idx"], allowed, b["left"],
+                                               need)
+    b["routes"], b["out"] = routes.reshape(-1), torch.empty_like(routes)
+    run_step("order", b, tile)
+    return b["out"]
 
 
 def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int,
                      run_step=None) -> tuple:
-    """The prep of routing.round_to_tiles in five launches, two sorts and a running count, with the bits of its twin
+    """The prep of routing.round_to_tiles in five map steps, two sorts and a running count, with the bits of its twin
     routing._prep, laid out receiver-major as the rounds' kernel reads them (fill_rounds_receiver_major).
 
     topk_idx int64 [T, K] (distinct experts per token, in range: unchecked here, as in the routers' path); scores
@@ -334,8 +358,15 @@ def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, nu
     order int64 [E, P]: each receiver's entries by descending score, ties ascending; may uint8 [E, P]: whether the
     entry's token may take the receiver; inv int64 [P]: the index of each entry's token's first entry; need int64
     [E]: what each expert lacks; num_real int64 [1]: the pool's real entries). Reads nothing on the host.
-    run_step(step, buffers, tile): runs one of _PREP_STEPS over the dict of buffers (default: its kernel on the
-    current stream; tests/test_round_prep.py passes the same bodies compiled for the host)."""
+    run_step(step, buffers, tile): runs one of ROUND_STEPS over the dict of buffers (default: its kernel on the
+    current stream; tests/test_round_steps.py passes the same bodies compiled for the host)."""
+    b, run_step = _round_buffers(topk_idx, scores, tile, num_pool, run_step)
+    order = _prep_steps(b, tile, run_step)
+    return b["pool"], order, b["may"], b["inv"], b["plan"][2], b["num_real"]
+
+
+def _round_buffers(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int, run_step) -> tuple:
+    """The map steps' buffers (ROUND_BUFFERS; the rounds' and later ones empty until then) and their runner."""
     _check_combine_operand("topk_idx", topk_idx, torch.int64, (None, None), "[num_tokens, num_topk]")
     _check_combine_operand("scores", scores, (torch.float32, torch.bfloat16, torch.float16),
                            (topk_idx.shape[0], None), "[num_tokens, num_experts]")
@@ -346,7 +377,7 @@ def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, nu
         fail("topk_idx", "fewer than 2^31 routes", num_routes)
     if run_step is None:
         _check_on_one_gpu({"topk_idx": topk_idx, "scores": scores}, "topk_idx")
-        run_step = _prep_step_on_gpu
+        run_step = _round_step_on_gpu
     device = topk_idx.device
 
     def empty(*shape, dtype=torch.int64):
@@ -358,16 +389,21 @@ def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, nu
          "pool": torch.full((num_pool,), num_routes, dtype=torch.int64, device=device), "num_real": empty(1),
          "inv": empty(num_pool), "may": empty(num_experts, num_pool, dtype=torch.uint8),
          "pool_scores": empty(num_experts, num_pool, dtype=torch.float32)}
+    b.update((name, empty(0)) for name in ("assign", "routes", "left", "out"))
+    return b, run_step
+
+
+def _prep_steps(b: dict, tile: int, run_step) -> torch.Tensor:
+    """route_round_prep's steps over the buffers; returns `order` [E, P]."""
     run_step("plan", b, tile)
     run_step("keys", b, tile)
-    torch.sort(b["keys"], stable=True, out=(empty(num_routes), b["by_expert"]))
+    torch.sort(b["keys"], stable=True, out=(torch.empty_like(b["keys"]), b["by_expert"]))
     run_step("choose", b, tile)
     torch.cumsum(b["chosen"], 0, dtype=torch.int32, out=b["slots"])
     run_step("pool", b, tile)
     run_step("cells", b, tile)
-    order = torch.sort(b["pool_scores"], dim=1, descending=True, stable=True).indices  # [E, P]
-    return b["pool"], order, b["may"], b["inv"], b["plan"][2], b["num_real"]
+    return torch.sort(b["pool_scores"], dim=1, descending=True, stable=True).indices  # [E, P]
 
 
-def _prep_step_on_gpu(step: str, b: dict, tile: int) -> None:
-    load_extension().route_round_prep_step(_PREP_STEPS.index(step), *(b[name] for name in _PREP_BUFFERS), tile)
+def _round_step_on_gpu(step: str, b: dict, tile: int) -> None:
+    load_extension().route_round_step(ROUND_STEPS.index(step), *(b[name] for name in ROUND_BUFFERS), tile)

@@ -204,17 +204,25 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
                           int64_t block_m, int64_t max_num_rows, const ScheduleOutputs& out, int32_t* chunk_counts,
                           cudaStream_t stream);
 
-// ---- round_to_tiles' prep, rounds and end game (csrc/round_to_tiles.cu) ----------------------------------------
-// The prep (mok/routing.py's PyTorch prep in five launches; csrc/include/mok/moe/round_prep.cuh says what each step
-// writes). idx int64 [T·K] (topk_idx); scores float32 [T, E]; plan int64 [3, E] (delta, first position in expert
-// order, need); keys int64 [T·K]; by_expert int64 [T·K] (the keys' stable argsort); chosen int32 [T·K]; slots
-// int32 [T·K] (chosen's inclusive running count); pool int64 [P] (preset to T·K); num_real int64 [1]; inv int64
-// [P]; may uint8 [E, P]; pool_scores float32 [E, P]. The steps run in order, the caller's sort between kKeys and
-// kChoose, its running count between kChoose and kPool.
+// ---- round_to_tiles on the device (csrc/round_to_tiles.cu) ---------------------------------------------------
+// The rounding but for its rounds and swaps, in seven map steps (mok/moe/round_steps.cuh says what each writes, and
+// what the caller runs between them). idx int64 [T·K] (topk_idx); scores float32 [T, E]; plan int64 [3, E] (delta,
+// first position in expert order, need); keys int64 [T·K]; by_expert int64 [T·K] (the keys' stable argsort); chosen
+// int32 [T·K]; slots int32 [T·K] (chosen's inclusive running count); pool int64 [P] (preset to T·K); num_real int64
+// [1]; inv int64 [P]; may uint8 [E, P]; pool_scores float32 [E, P]; assign int64 [P] (the rounds'); routes int64
+// [T·K] (preset to idx); left int64 [P]; out int64 [T·K]. A step reads only what the steps before it wrote.
 
-enum RoutePrepStep : int { kRoutePrepPlan, kRoutePrepKeys, kRoutePrepChoose, kRoutePrepPool, kRoutePrepCells };
+enum RouteRoundStep : int {
+  kRouteRoundPlan,
+  kRouteRoundKeys,
+  kRouteRoundChoose,
+  kRouteRoundPool,
+  kRouteRoundCells,
+  kRouteRoundApply,
+  kRouteRoundOrder
+};
 
-struct RoutePrep {
+struct RouteRound {
   const int64_t* idx;
   const float* scores;
   int64_t* plan;
@@ -227,10 +235,14 @@ struct RoutePrep {
   int64_t* inv;
   uint8_t* may;
   float* pool_scores;
+  const int64_t* assign;
+  int64_t* routes;
+  int64_t* left;
+  int64_t* out;
   int64_t num_tokens, num_topk, num_experts, num_pool, tile;
 };
 
-cudaError_t route_round_prep_step(const RoutePrep& args, int step, cudaStream_t stream);
+cudaError_t route_round_step(const RouteRound& args, int step, cudaStream_t stream);
 
 // The rounds: mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a
 // pool of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]

@@ -1,10 +1,12 @@
-"""routing.round_to_tiles' prep kernels (mok.ops.route_round_prep, csrc/include/mok/moe/round_prep.cuh) against
-their twin (routing._prep, receiver-major: mok.twins.route_round_prep), bit for bit.
+"""routing.round_to_tiles' map steps on a GPU (csrc/include/mok/moe/round_steps.cuh; mok.ops.route_round_prep and
+route_round_to_tiles) against their twins (routing._prep, receiver-major: mok.twins.route_round_prep; the CPU's
+routing), bit for bit.
 
-On the CPU the kernels' bodies run on the host (round_prep.cuh's run_prep_step_on_host, built here with nvcc as a
-small shared library), driven by route_round_prep itself: its sorts, running count and buffers are the GPU's.
-On a GPU the kernels run. Both on the same problems: ties, -inf, negative scores with ±0.0, NaN, bf16 and fp16
-scores, all-zero scores, tokens stuck (no receiver may take them), the pool exact and padded to its bound.
+On the CPU the steps' bodies run on the host (round_steps.cuh's run_round_step_on_host, built here with nvcc as a
+small shared library), driven by route_round_prep and route_round_to_tiles themselves: their sorts, running count,
+buffers and order of steps are the GPU's (the rounds and swaps: their twins, which their kernels match). On a GPU
+the kernels run. Both on the same problems: ties, -inf, negative scores with ±0.0, NaN, bf16 and fp16 scores,
+all-zero scores, tokens stuck (no receiver may take them), the pool exact, padded to its bound, and short.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from mok import ops, routing, twins
 from mok.ops import ARCH_FLAGS, CSRC
-from mok.ops.moe import _PREP_BUFFERS, _PREP_STEPS
+from mok.ops.moe import ROUND_BUFFERS, ROUND_STEPS
 from tests.test_csrc_compile import NVCC
 
 
@@ -69,34 +71,34 @@ def _assert_same(got: tuple, expected: tuple, label: str) -> None:
 
 # ---- the bodies on the host ----------------------------------------------------------------------------
 
-class _RoutePrep(ctypes.Structure):  # struct RoutePrep (mok/api.h)
-    _fields_ = [(name, ctypes.c_void_p) for name in _PREP_BUFFERS] + [
+class _RouteRound(ctypes.Structure):  # struct RouteRound (mok/api.h)
+    _fields_ = [(name, ctypes.c_void_p) for name in ROUND_BUFFERS] + [
         (name, ctypes.c_int64) for name in ("num_tokens", "num_topk", "num_experts", "num_pool", "tile")]
 
 
 @pytest.fixture(scope="module")
 def host_step(tmp_path_factory):
-    """route_round_prep's run_step with round_prep.cuh's bodies compiled for the host."""
+    """The map steps' runner (route_round_to_tiles' run_step) with round_steps.cuh's bodies compiled for the host."""
     if NVCC is None:
         pytest.skip("nvcc not found: the host build of the prep's bodies needs the CUDA toolkit")
-    out = tmp_path_factory.mktemp("round_prep")
+    out = tmp_path_factory.mktemp("round_steps")
     source = out / "host.cu"
-    source.write_text('#include "mok/moe/round_prep.cuh"\n'
-                      'extern "C" void run_prep_step(const mok::RoutePrep* a, int step) {\n'
-                      '  mok::moe::run_prep_step_on_host(*a, step);\n}\n')
-    library = out / "libround_prep.so"
+    source.write_text('#include "mok/moe/round_steps.cuh"\n'
+                      'extern "C" void run_round_step(const mok::RouteRound* a, int step) {\n'
+                      '  mok::moe::run_round_step_on_host(*a, step);\n}\n')
+    library = out / "libround_steps.so"
     cmd = [NVCC, *ARCH_FLAGS, "-std=c++17", "-O1", f"-I{CSRC / 'include'}", "-Xcompiler", "-fPIC", "-shared",
            str(source), "-o", str(library)]
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"the host build failed:\n{result.stderr}"
-    run = ctypes.CDLL(str(library)).run_prep_step
-    run.argtypes, run.restype = [ctypes.POINTER(_RoutePrep), ctypes.c_int], None
+    run = ctypes.CDLL(str(library)).run_round_step
+    run.argtypes, run.restype = [ctypes.POINTER(_RouteRound), ctypes.c_int], None
 
     def step(name: str, b: dict, tile: int) -> None:
         (num_tokens, num_topk), num_experts = b["idx"].shape, b["scores"].shape[1]
-        args = _RoutePrep(*(b[n].data_ptr() for n in _PREP_BUFFERS), num_tokens, num_topk, num_experts,
-                          b["pool"].numel(), tile)
-        run(ctypes.byref(args), _PREP_STEPS.index(name))
+        args = _RouteRound(*(b[n].data_ptr() for n in ROUND_BUFFERS), num_tokens, num_topk, num_experts,
+                           b["pool"].numel(), tile)
+        run(ctypes.byref(args), ROUND_STEPS.index(name))
 
     return step
 
@@ -110,21 +112,20 @@ def test_prep_bodies_on_the_host_give_the_twins_bits(host_step, T, E, K, tile):
             _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
 
 
-def test_prep_on_the_host_gives_round_to_tiles_routing(host_step, monkeypatch):
-    """The whole rounding with the host-run prep (and the twins' rounds and swaps) gives the routing of the twins'
-    prep, where some receivers are left short (K/E = 1/2: the end game's swaps) and where none is."""
-    for T, E, K, tile in [(1024, 14, 7, 64), (2048, 48, 6, 128)]:
-        idx, scores = _problem(T, E, K, "ties", seed=E)
-        expected = routing.round_to_tiles(idx, scores, tile)
+def _twin_fill(order, may, inv, need, num_real):  # fill_rounds_receiver_major's contract, by the twin
+    return routing.fill_rounds(order.t(), may.t().bool(), inv, need, num_real[0])
 
-        def prep(idx, scores, tile, allowed, num_pool=None):
-            bound = min(idx.numel(), routing.pool_bound(scores.shape[1], tile))  # as on a GPU
-            pool, order, may, inv, need, num_real = ops.route_round_prep(idx, scores, tile, bound, run_step=host_step)
-            return pool, order.t(), may.t().bool(), inv, need, num_real[0]
 
-        monkeypatch.setattr(routing, "_prep", prep)
-        assert torch.equal(routing.round_to_tiles(idx, scores, tile), expected), f"T={T} E={E} K={K}"
-        monkeypatch.undo()
+@pytest.mark.parametrize("T, E, K, tile", SHAPES)
+def test_round_to_tiles_steps_on_the_host_give_the_cpus_routing(host_step, T, E, K, tile):
+    """route_round_to_tiles, the GPU's whole path, with the map steps on the host and the twins of the rounds and
+    swaps: the CPU's routing, where receivers are left short (K/E = 1/2: the end game's swaps) and where not."""
+    for i, kind in enumerate(KINDS):
+        idx, scores = _problem(T, E, K, kind, seed=T + E + i)
+        bound = min(idx.numel(), routing.pool_bound(E, tile))
+        got = ops.route_round_to_tiles(idx, scores, tile, bound, run_step=host_step, fill=_twin_fill,
+                                       swap=routing.swap_leftovers)
+        assert torch.equal(got, routing.round_to_tiles(idx, scores, tile)), f"{kind}"
 
 
 def test_route_round_prep_bad_inputs_name_the_argument():
@@ -151,3 +152,12 @@ def test_route_round_prep_kernels_give_the_twins_bits(T, E, K, tile):
         for num_pool in _num_pools(idx, scores, tile):
             got = ops.route_round_prep(idx.cuda(), scores.cuda(), tile, num_pool)
             _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, E, K, tile", SHAPES)
+def test_route_round_to_tiles_kernels_give_the_cpus_routing(T, E, K, tile):
+    for i, kind in enumerate(KINDS):
+        idx, scores = _problem(T, E, K, kind, seed=T + E + i)
+        got = ops.route_round_to_tiles(idx.cuda(), scores.cuda(), tile, min(idx.numel(), routing.pool_bound(E, tile)))
+        assert torch.equal(got.cpu(), routing.round_to_tiles(idx, scores, tile)), f"{kind}"

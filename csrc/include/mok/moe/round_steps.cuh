@@ -1,19 +1,22 @@
-// The prep of routing.round_to_tiles on a GPU: from topk_idx and the scores, the pool and what the rounds'
-// kernel (round_to_tiles.cuh) reads, with the bits of its twin (the PyTorch prep in mok/routing.py). Five maps,
-// between which the caller (mok/ops/moe.py route_round_prep) runs two sorts and one running count with torch:
+// routing.round_to_tiles on a GPU but for its rounds and swaps (round_to_tiles.cuh): seven map steps, with the bits
+// of their twins in mok/routing.py (the PyTorch prep _prep, and the moves and final order of _round_to_tiles). The
+// caller (mok/ops/moe.py route_round_to_tiles) runs them in this order, with torch between them where it says:
 //   kPlan   one block: count the routes per expert (shared-memory atomics), then per expert its delta (what it
 //           lacks, > 0, or gives, < 0), its first position in expert order and its need;
 //   kKeys   per token: whether no receiver may take it ("stuck"), then each route's sort key
-//           (2·expert + stuck) << 32 | the score's ascending key;                  caller: sort the keys (stable)
+//           (2·expert + stuck) << 32 | the score's ascending key;                    caller: sort the keys (stable)
 //   kChoose per position in that order: the route is chosen if it is among its expert's `give` first;
 //                                                                                   caller: running count of chosen
 //   kPool   per route: a chosen route goes to its slot of the pool (ascending route id); the pool's real count;
 //   kCells  per (receiver, entry), receiver-major: the entry's score for the receiver (-inf for padding) and
 //           whether its token may take the receiver; per entry, its token's first entry.
-//                                                   caller: sort each receiver's scores (descending, stable)
-// Each map's body is a host-device function of its index, so a CPU test runs the same bodies on the host
-// (run_prep_step_on_host; tests/test_round_prep.py). The scores come as float32: the twin's keys and orders are
-// those of float32 for bf16 and fp16 scores too (the conversions are exact), and float64 stays with the twin.
+//                          caller: sort each receiver's scores (descending, stable); the rounds (route_fill_rounds)
+//   kApply  per pool entry: an assigned route moves to its receiver; an unassigned real one is a leftover;
+//                                                                        caller: the swaps (route_swap_leftovers)
+//   kOrder  per token: its experts by descending score, then ascending id (the routers' order).
+// Each step's body is a host-device function of its index, so a CPU test runs the same bodies on the host
+// (run_round_step_on_host; tests/test_round_steps.py). The scores come as float32: the twins' keys and orders are
+// those of float32 for bf16 and fp16 scores too (the conversions are exact); float64 stays with the twins.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,7 +30,7 @@
 
 namespace mok::moe {
 
-constexpr int kPrepThreads = 256;
+constexpr int kRoundThreads = 256;
 
 MOK_HOST_DEVICE uint32_t float_bits(float v) {
 #ifdef __CUDA_ARCH__
@@ -46,7 +49,7 @@ MOK_HOST_DEVICE uint32_t ascending_key(float v) {
   return static_cast<uint32_t>((bits < 0 ? bits ^ 0x7FFFFFFF : bits) + (int64_t{1} << 31));
 }
 
-MOK_HOST_DEVICE bool holds(const RoutePrep& a, int64_t t, int64_t e) {  // token t is routed to expert e
+MOK_HOST_DEVICE bool holds(const RouteRound& a, int64_t t, int64_t e) {  // token t is routed to expert e
   for (int k = 0; k < a.num_topk; ++k) {
     if (a.idx[t * a.num_topk + k] == e) return true;
   }
@@ -54,7 +57,7 @@ MOK_HOST_DEVICE bool holds(const RoutePrep& a, int64_t t, int64_t e) {  // token
 }
 
 // kPlan, expert e; counts: the routes per expert. plan rows: delta, first position in expert order, need.
-MOK_HOST_DEVICE void plan_expert(const RoutePrep& a, const int32_t* counts, int e) {
+MOK_HOST_DEVICE void plan_expert(const RouteRound& a, const int32_t* counts, int e) {
   const int64_t E = a.num_experts, tile = a.tile, rem = counts[e] % tile;
   int64_t total = 0, start = 0, rank = 0;  // rank: by remainder, largest first, ties lower id
   for (int f = 0; f < E; ++f) {
@@ -71,7 +74,7 @@ MOK_HOST_DEVICE void plan_expert(const RoutePrep& a, const int32_t* counts, int 
 }
 
 // kKeys, token t: stuck if no expert that lacks routes may take it (allowed: score > -inf; not routed there).
-MOK_HOST_DEVICE void route_keys(const RoutePrep& a, int64_t t) {
+MOK_HOST_DEVICE void route_keys(const RouteRound& a, int64_t t) {
   const int64_t E = a.num_experts, K = a.num_topk;
   bool stuck = true;
   for (int64_t e = 0; e < E && stuck; ++e)
@@ -84,13 +87,13 @@ MOK_HOST_DEVICE void route_keys(const RoutePrep& a, int64_t t) {
 }
 
 // kChoose, position i of the routes in key order: its expert's positions start at plan[E + e].
-MOK_HOST_DEVICE void choose_route(const RoutePrep& a, int64_t i) {
+MOK_HOST_DEVICE void choose_route(const RouteRound& a, int64_t i) {
   const int64_t r = a.by_expert[i], e = a.idx[r], delta = a.plan[e];
   a.chosen[r] = delta < 0 && i - a.plan[a.num_experts + e] < -delta;
 }
 
 // kPool, route r: slots is chosen's inclusive running count; the pool was preset to T·K (padding) by the caller.
-MOK_HOST_DEVICE void place_route(const RoutePrep& a, int64_t r) {
+MOK_HOST_DEVICE void place_route(const RouteRound& a, int64_t r) {
   const int64_t n = a.num_tokens * a.num_topk;
   if (r == n - 1) *a.num_real = a.slots[r] < a.num_pool ? a.slots[r] : a.num_pool;
   if (a.chosen[r] && a.slots[r] - 1 < a.num_pool) a.pool[a.slots[r] - 1] = r;
@@ -98,7 +101,7 @@ MOK_HOST_DEVICE void place_route(const RoutePrep& a, int64_t r) {
 
 // kCells, receiver e and pool entry p (cell e·P + p). A padding entry's token is T: it scores -inf and may take
 // nothing. Entry p's token's first entry: at most K - 1 entries back (a token's routes are adjacent ids).
-MOK_HOST_DEVICE void pool_cell(const RoutePrep& a, int64_t e, int64_t p) {
+MOK_HOST_DEVICE void pool_cell(const RouteRound& a, int64_t e, int64_t p) {
   const int64_t n = a.num_tokens * a.num_topk, K = a.num_topk, P = a.num_pool, route = a.pool[p];
   const int64_t t = route < n ? route / K : a.num_tokens;
   const float score = t < a.num_tokens ? a.scores[t * a.num_experts + e] : -INFINITY;
@@ -115,64 +118,93 @@ MOK_HOST_DEVICE void pool_cell(const RoutePrep& a, int64_t e, int64_t p) {
   }
 }
 
-inline int64_t prep_step_size(const RoutePrep& a, int step) {  // the indices a step maps over
+// kApply, pool entry p: routes was preset to idx by the caller; assign is the rounds' (an expert, or -1).
+MOK_HOST_DEVICE void apply_entry(const RouteRound& a, int64_t p) {
+  const int64_t route = a.pool[p], to = a.assign[p];
+  const bool real = route < a.num_tokens * a.num_topk;
+  if (real && to >= 0) a.routes[route] = to;
+  a.left[p] = real && to < 0 ? route : -1;
+}
+
+// kOrder, token t: its experts (distinct) by descending score, then ascending id, each written at its rank among
+// the token's (score, id) keys, as the twin's one sort of them.
+MOK_HOST_DEVICE void order_token(const RouteRound& a, int64_t t) {
+  const int64_t K = a.num_topk, E = a.num_experts;
+  const auto key = [&](int64_t k) {  // ascending: the score's key flipped in the high half, the id in the low
+    const int64_t e = a.routes[t * K + k];
+    return (static_cast<uint64_t>(0xFFFFFFFFu - ascending_key(a.scores[t * E + e])) << 32) | static_cast<uint64_t>(e);
+  };
+  for (int64_t j = 0; j < K; ++j) {
+    const uint64_t mine = key(j);
+    int64_t rank = 0;
+    for (int64_t k = 0; k < K; ++k) rank += key(k) < mine;
+    a.out[t * K + rank] = a.routes[t * K + j];
+  }
+}
+
+inline int64_t round_step_size(const RouteRound& a, int step) {  // the indices a map step runs over
   switch (step) {
-    case kRoutePrepKeys: return a.num_tokens;
-    case kRoutePrepChoose:
-    case kRoutePrepPool: return a.num_tokens * a.num_topk;
-    case kRoutePrepCells: return a.num_experts * a.num_pool;
+    case kRouteRoundKeys:
+    case kRouteRoundOrder: return a.num_tokens;
+    case kRouteRoundChoose:
+    case kRouteRoundPool: return a.num_tokens * a.num_topk;
+    case kRouteRoundCells: return a.num_experts * a.num_pool;
+    case kRouteRoundApply: return a.num_pool;
     default: return 0;
   }
 }
 
-MOK_HOST_DEVICE void prep_map(const RoutePrep& a, int step, int64_t i) {
+MOK_HOST_DEVICE void round_map(const RouteRound& a, int step, int64_t i) {
   switch (step) {
-    case kRoutePrepKeys: route_keys(a, i); break;
-    case kRoutePrepChoose: choose_route(a, i); break;
-    case kRoutePrepPool: place_route(a, i); break;
-    case kRoutePrepCells: pool_cell(a, i / a.num_pool, i % a.num_pool); break;
+    case kRouteRoundKeys: route_keys(a, i); break;
+    case kRouteRoundChoose: choose_route(a, i); break;
+    case kRouteRoundPool: place_route(a, i); break;
+    case kRouteRoundCells: pool_cell(a, i / a.num_pool, i % a.num_pool); break;
+    case kRouteRoundApply: apply_entry(a, i); break;
+    case kRouteRoundOrder: order_token(a, i); break;
     default: break;
   }
 }
 
-__global__ void __launch_bounds__(1024) route_prep_plan_kernel(RoutePrep a) {
-  extern __shared__ int32_t prep_counts[];  // [E]
+__global__ void __launch_bounds__(1024) route_round_plan_kernel(RouteRound a) {
+  extern __shared__ int32_t round_counts[];  // [E]
   const int64_t n = a.num_tokens * a.num_topk;
-  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) prep_counts[e] = 0;
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) round_counts[e] = 0;
   __syncthreads();
-  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) atomicAdd(&prep_counts[a.idx[r]], 1);  // integer: any order
+  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) atomicAdd(&round_counts[a.idx[r]], 1);  // integers: any order
   __syncthreads();
-  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) plan_expert(a, prep_counts, e);
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) plan_expert(a, round_counts, e);
 }
 
-__global__ void __launch_bounds__(kPrepThreads) route_prep_map_kernel(RoutePrep a, int step, int64_t size) {
+__global__ void __launch_bounds__(kRoundThreads) route_round_map_kernel(RouteRound a, int step, int64_t size) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < size) prep_map(a, step, i);
+  if (i < size) round_map(a, step, i);
 }
 
-inline cudaError_t launch_route_prep_step(const RoutePrep& a, int step, cudaStream_t stream) {
-  if (step == kRoutePrepPlan) {
+inline cudaError_t launch_route_round_step(const RouteRound& a, int step, cudaStream_t stream) {
+  if (step < kRouteRoundPlan || step > kRouteRoundOrder) return cudaErrorInvalidValue;
+  if (step == kRouteRoundPlan) {
     if (a.num_experts == 0) return cudaSuccess;
-    route_prep_plan_kernel<<<1, 1024, sizeof(int32_t) * a.num_experts, stream>>>(a);
+    route_round_plan_kernel<<<1, 1024, sizeof(int32_t) * a.num_experts, stream>>>(a);
     return cudaGetLastError();
   }
-  const int64_t size = prep_step_size(a, step);
-  if (size == 0) return step >= kRoutePrepKeys && step <= kRoutePrepCells ? cudaSuccess : cudaErrorInvalidValue;
-  route_prep_map_kernel<<<static_cast<unsigned>((size + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
-                          stream>>>(a, step, size);
+  const int64_t size = round_step_size(a, step);
+  if (size == 0) return cudaSuccess;
+  route_round_map_kernel<<<static_cast<unsigned>((size + kRoundThreads - 1) / kRoundThreads), kRoundThreads, 0,
+                           stream>>>(a, step, size);
   return cudaGetLastError();
 }
 
 // The same steps on the host, one index at a time (the CPU test's; every pointer a host pointer).
-inline void run_prep_step_on_host(const RoutePrep& a, int step) {
-  if (step == kRoutePrepPlan) {
+inline void run_round_step_on_host(const RouteRound& a, int step) {
+  if (step == kRouteRoundPlan) {
     int32_t* counts = new int32_t[a.num_experts]();
     for (int64_t r = 0; r < a.num_tokens * a.num_topk; ++r) ++counts[a.idx[r]];
     for (int e = 0; e < a.num_experts; ++e) plan_expert(a, counts, e);
     delete[] counts;
     return;
   }
-  for (int64_t i = 0, size = prep_step_size(a, step); i < size; ++i) prep_map(a, step, i);
+  for (int64_t i = 0, size = round_step_size(a, step); i < size; ++i) round_map(a, step, i);
 }
 
 }  // namespace mok::moe
