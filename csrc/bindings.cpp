@@ -395,18 +395,21 @@ void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const 
 
 // ---- round_to_tiles on the device (mok.ops.route_round_to_tiles, route_fill_rounds, route_swap_leftovers) -----
 
-void round_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, at::Tensor& plan, at::Tensor& keys,
+void round_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, at::Tensor& counts, at::Tensor& plan,
+                at::Tensor& keys,
                 const at::Tensor& by_expert, at::Tensor& chosen, const at::Tensor& slots, at::Tensor& pool,
                 at::Tensor& num_real, at::Tensor& inv, at::Tensor& may, at::Tensor& pool_scores,
                 const at::Tensor& assign, at::Tensor& routes, at::Tensor& left, at::Tensor& out, int64_t tile) {
-  check_arg(scores, "scores"), check_arg(chosen, "chosen"), check_arg(slots, "slots"), check_arg(may, "may");
-  check_arg(pool_scores, "pool_scores");
+  check_arg(scores, "scores"), check_arg(counts, "counts"), check_arg(chosen, "chosen"), check_arg(slots, "slots");
+  check_arg(may, "may"), check_arg(pool_scores, "pool_scores");
   TORCH_CHECK(scores.scalar_type() == at::kFloat && pool_scores.scalar_type() == at::kFloat,
               "scores, pool_scores: expected float32");
-  TORCH_CHECK(chosen.scalar_type() == at::kInt && slots.scalar_type() == at::kInt, "chosen, slots: expected int32");
+  TORCH_CHECK(counts.scalar_type() == at::kInt && chosen.scalar_type() == at::kInt && slots.scalar_type() == at::kInt,
+              "counts, chosen, slots: expected int32");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
   const c10::cuda::CUDAGuard guard(idx.device());
-  const mok::RouteRound args{int64_ptr(idx, "idx"), scores.data_ptr<float>(), int64_ptr(plan, "plan"),
+  const mok::RouteRound args{int64_ptr(idx, "idx"), scores.data_ptr<float>(), counts.data_ptr<int32_t>(),
+                             int64_ptr(plan, "plan"),
                              int64_ptr(keys, "keys"), int64_ptr(by_expert, "by_expert"), chosen.data_ptr<int32_t>(),
                              slots.data_ptr<int32_t>(), int64_ptr(pool, "pool"), int64_ptr(num_real, "num_real"),
                              int64_ptr(inv, "inv"), may.data_ptr<uint8_t>(), pool_scores.data_ptr<float>(),
@@ -492,7 +495,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_grads_prep", &route_grads,
         "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
   m.def("route_round_step", &round_step,
-        "step (RouteRoundStep), idx, scores, plan, keys, by_expert, chosen, slots, pool, num_real, inv, may, "
+        "step (RouteRoundStep), idx, scores, counts, plan, keys, by_expert, chosen, slots, pool, num_real, inv, may, "
         "pool_scores, assign, routes, left, out, tile: one map step of round_to_tiles (struct RouteRound, mok/api.h)");
   m.def("route_fill_rounds", &fill_rounds,
         "order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 [R], in/out), assign (int64 "

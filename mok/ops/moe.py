@@ -317,17 +317,18 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     return idx, need
 
 
-ROUND_STEPS = ("plan", "keys", "choose", "pool", "cells", "apply", "order")  # RouteRoundStep (mok/api.h), in order
+# RouteRoundStep (mok/api.h), in the order they run
+ROUND_STEPS = ("count", "plan", "keys", "choose", "pool", "cells", "apply", "order")
 # the buffers in the order of the binding's arguments (struct RouteRound, mok/api.h)
-ROUND_BUFFERS = ("idx", "scores", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real", "inv", "may",
-                 "pool_scores", "assign", "routes", "left", "out")
+ROUND_BUFFERS = ("idx", "scores", "counts", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real",
+                 "inv", "may", "pool_scores", "assign", "routes", "left", "out")
 
 
 def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int, run_step=None,
                          fill=None, swap=None) -> torch.Tensor:
     """routing.round_to_tiles on a GPU, with the bits of its twin and nothing read on the host: the prep
     (route_round_prep), the rounds (fill_rounds_receiver_major), the moves and leftovers (a map step), the swaps
-    (route_swap_leftovers), each token's experts in the routers' order (a map step). ~25 aten calls and 7 launches
+    (route_swap_leftovers), each token's experts in the routers' order (a map step). ~30 aten calls and 8 launches
     of mok's around the rounds and swaps, where the twins' path makes ~140 calls.
 
     topk_idx, scores, tile, num_pool: route_round_prep's. Returns the rounded topk_idx, int64 [T, K]. run_step,
@@ -349,7 +350,7 @@ def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int
 
 def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int,
                      run_step=None) -> tuple:
-    """The prep of routing.round_to_tiles in five map steps, two sorts and a running count, with the bits of its twin
+    """The prep of routing.round_to_tiles in six map steps, two sorts and a running count, with the bits of its twin
     routing._prep, laid out receiver-major as the rounds' kernel reads them (fill_rounds_receiver_major).
 
     topk_idx int64 [T, K] (distinct experts per token, in range: unchecked here, as in the routers' path); scores
@@ -384,7 +385,8 @@ def _round_buffers(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_
         return torch.empty(shape, dtype=dtype, device=device)
 
     b = {"idx": topk_idx.contiguous(), "scores": scores.detach().float().contiguous(),
-         "plan": empty(3, num_experts), "keys": empty(num_routes), "by_expert": empty(num_routes),
+         "counts": torch.zeros(num_experts, dtype=torch.int32, device=device), "plan": empty(3, num_experts),
+         "keys": empty(num_routes), "by_expert": empty(num_routes),
          "chosen": empty(num_routes, dtype=torch.int32), "slots": empty(num_routes, dtype=torch.int32),
          "pool": torch.full((num_pool,), num_routes, dtype=torch.int64, device=device), "num_real": empty(1),
          "inv": empty(num_pool), "may": empty(num_experts, num_pool, dtype=torch.uint8),
@@ -395,6 +397,7 @@ def _round_buffers(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_
 
 def _prep_steps(b: dict, tile: int, run_step) -> torch.Tensor:
     """route_round_prep's steps over the buffers; returns `order` [E, P]."""
+    run_step("count", b, tile)
     run_step("plan", b, tile)
     run_step("keys", b, tile)
     torch.sort(b["keys"], stable=True, out=(torch.empty_like(b["keys"]), b["by_expert"]))

@@ -205,14 +205,16 @@ cudaError_t make_schedule(const int64_t* topk_idx, int64_t num_tokens, int64_t n
                           cudaStream_t stream);
 
 // ---- round_to_tiles on the device (csrc/round_to_tiles.cu) ---------------------------------------------------
-// The rounding but for its rounds and swaps, in seven map steps (mok/moe/round_steps.cuh says what each writes, and
-// what the caller runs between them). idx int64 [T·K] (topk_idx); scores float32 [T, E]; plan int64 [3, E] (delta,
+// The rounding but for its rounds and swaps, in eight map steps (mok/moe/round_steps.cuh says what each writes, and
+// what the caller runs between them). idx int64 [T·K] (topk_idx); scores float32 [T, E]; counts int32 [E] (zeroed
+// by the caller); plan int64 [3, E] (delta,
 // first position in expert order, need); keys int64 [T·K]; by_expert int64 [T·K] (the keys' stable argsort); chosen
 // int32 [T·K]; slots int32 [T·K] (chosen's inclusive running count); pool int64 [P] (preset to T·K); num_real int64
 // [1]; inv int64 [P]; may uint8 [E, P]; pool_scores float32 [E, P]; assign int64 [P] (the rounds'); routes int64
 // [T·K] (preset to idx); left int64 [P]; out int64 [T·K]. A step reads only what the steps before it wrote.
 
 enum RouteRoundStep : int {
+  kRouteRoundCount,
   kRouteRoundPlan,
   kRouteRoundKeys,
   kRouteRoundChoose,
@@ -225,6 +227,7 @@ enum RouteRoundStep : int {
 struct RouteRound {
   const int64_t* idx;
   const float* scores;
+  int32_t* counts;
   int64_t* plan;
   int64_t* keys;
   const int64_t* by_expert;

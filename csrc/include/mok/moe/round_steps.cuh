@@ -1,8 +1,8 @@
-// routing.round_to_tiles on a GPU but for its rounds and swaps (round_to_tiles.cuh): seven map steps, with the bits
+// routing.round_to_tiles on a GPU but for its rounds and swaps (round_to_tiles.cuh): eight map steps, with the bits
 // of their twins in mok/routing.py (the PyTorch prep _prep, and the moves and final order of _round_to_tiles). The
 // caller (mok/ops/moe.py route_round_to_tiles) runs them in this order, with torch between them where it says:
-//   kPlan   one block: count the routes per expert (shared-memory atomics), then per expert its delta (what it
-//           lacks, > 0, or gives, < 0), its first position in expert order and its need;
+//   kCount  per route: count it for its expert (integer atomics: the same counts in any order; zeroed by the caller);
+//   kPlan   per expert: its delta (what it lacks, > 0, or gives, < 0), first position in expert order and need;
 //   kKeys   per token: whether no receiver may take it ("stuck"), then each route's sort key
 //           (2·expert + stuck) << 32 | the score's ascending key;                    caller: sort the keys (stable)
 //   kChoose per position in that order: the route is chosen if it is among its expert's `give` first;
@@ -56,11 +56,21 @@ MOK_HOST_DEVICE bool holds(const RouteRound& a, int64_t t, int64_t e) {  // toke
   return false;
 }
 
-// kPlan, expert e; counts: the routes per expert. plan rows: delta, first position in expert order, need.
-MOK_HOST_DEVICE void plan_expert(const RouteRound& a, const int32_t* counts, int e) {
+// kCount, route r.
+MOK_HOST_DEVICE void count_route(const RouteRound& a, int64_t r) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(&a.counts[a.idx[r]], 1);
+#else
+  ++a.counts[a.idx[r]];
+#endif
+}
+
+// kPlan, expert e. plan rows: delta, first position in expert order, need.
+MOK_HOST_DEVICE void plan_expert(const RouteRound& a, int64_t e) {
+  const int32_t* counts = a.counts;
   const int64_t E = a.num_experts, tile = a.tile, rem = counts[e] % tile;
   int64_t total = 0, start = 0, rank = 0;  // rank: by remainder, largest first, ties lower id
-  for (int f = 0; f < E; ++f) {
+  for (int64_t f = 0; f < E; ++f) {
     const int64_t rem_f = counts[f] % tile;
     total += rem_f;
     start += f < e ? counts[f] : 0;
@@ -144,8 +154,10 @@ MOK_HOST_DEVICE void order_token(const RouteRound& a, int64_t t) {
 
 inline int64_t round_step_size(const RouteRound& a, int step) {  // the indices a map step runs over
   switch (step) {
+    case kRouteRoundPlan: return a.num_experts;
     case kRouteRoundKeys:
     case kRouteRoundOrder: return a.num_tokens;
+    case kRouteRoundCount:
     case kRouteRoundChoose:
     case kRouteRoundPool: return a.num_tokens * a.num_topk;
     case kRouteRoundCells: return a.num_experts * a.num_pool;
@@ -156,6 +168,8 @@ inline int64_t round_step_size(const RouteRound& a, int step) {  // the indices 
 
 MOK_HOST_DEVICE void round_map(const RouteRound& a, int step, int64_t i) {
   switch (step) {
+    case kRouteRoundCount: count_route(a, i); break;
+    case kRouteRoundPlan: plan_expert(a, i); break;
     case kRouteRoundKeys: route_keys(a, i); break;
     case kRouteRoundChoose: choose_route(a, i); break;
     case kRouteRoundPool: place_route(a, i); break;
@@ -166,28 +180,13 @@ MOK_HOST_DEVICE void round_map(const RouteRound& a, int step, int64_t i) {
   }
 }
 
-__global__ void __launch_bounds__(1024) route_round_plan_kernel(RouteRound a) {
-  extern __shared__ int32_t round_counts[];  // [E]
-  const int64_t n = a.num_tokens * a.num_topk;
-  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) round_counts[e] = 0;
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) atomicAdd(&round_counts[a.idx[r]], 1);  // integers: any order
-  __syncthreads();
-  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) plan_expert(a, round_counts, e);
-}
-
 __global__ void __launch_bounds__(kRoundThreads) route_round_map_kernel(RouteRound a, int step, int64_t size) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < size) round_map(a, step, i);
 }
 
 inline cudaError_t launch_route_round_step(const RouteRound& a, int step, cudaStream_t stream) {
-  if (step < kRouteRoundPlan || step > kRouteRoundOrder) return cudaErrorInvalidValue;
-  if (step == kRouteRoundPlan) {
-    if (a.num_experts == 0) return cudaSuccess;
-    route_round_plan_kernel<<<1, 1024, sizeof(int32_t) * a.num_experts, stream>>>(a);
-    return cudaGetLastError();
-  }
+  if (step < kRouteRoundCount || step > kRouteRoundOrder) return cudaErrorInvalidValue;
   const int64_t size = round_step_size(a, step);
   if (size == 0) return cudaSuccess;
   route_round_map_kernel<<<static_cast<unsigned>((size + kRoundThreads - 1) / kRoundThreads), kRoundThreads, 0,
@@ -197,13 +196,6 @@ inline cudaError_t launch_route_round_step(const RouteRound& a, int step, cudaSt
 
 // The same steps on the host, one index at a time (the CPU test's; every pointer a host pointer).
 inline void run_round_step_on_host(const RouteRound& a, int step) {
-  if (step == kRouteRoundPlan) {
-    int32_t* counts = new int32_t[a.num_experts]();
-    for (int64_t r = 0; r < a.num_tokens * a.num_topk; ++r) ++counts[a.idx[r]];
-    for (int e = 0; e < a.num_experts; ++e) plan_expert(a, counts, e);
-    delete[] counts;
-    return;
-  }
   for (int64_t i = 0, size = round_step_size(a, step); i < size; ++i) round_map(a, step, i);
 }
 
