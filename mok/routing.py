@@ -133,10 +133,9 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     num_tokens, num_topk = idx.shape
     num_routes = idx.numel()
     scores = scores.detach()
-    # On a GPU the rounding is mok's kernels, around the rounds and swaps too (mok.ops.route_round_to_tiles), and
-    # reads nothing on the host; elsewhere, with device_rounds=False, or with float64 scores (whose keys are ranks),
-    # the PyTorch twins: _prep, fill_rounds and swap_leftovers (on a GPU the rounds' and swaps' kernels still, but
-    # where device_rounds=False or the rounds' shared memory cannot hold the receivers), and the lines below.
+    # On a GPU: mok's kernels throughout (mok.ops.route_round_to_tiles), reading nothing on the host. Else the PyTorch
+    # twins below: on the CPU, with device_rounds=False, or where the rounds' shared memory cannot hold the receivers;
+    # float64 scores (whose keys are ranks) take the twins' prep, moves and order around the rounds' and swaps' kernels.
     kernels = idx.is_cuda and device_rounds
     if kernels:
         from mok.ops import moe
