@@ -1,5 +1,5 @@
-// The two device pieces of routing.round_to_tiles (mok/routing.py), each one block and one launch, each giving its
-// PyTorch twin's result bit for bit, so that the rounding reads nothing on the host.
+// The two one-block kernels of routing.round_to_tiles (mok/routing.py; the map steps around them: round_steps.cuh),
+// each one launch, each giving its PyTorch twin's result bit for bit, so that the rounding reads nothing on the host.
 //
 // route_fill_rounds_kernel: the rounds (twin fill_rounds). A pool of P movable routes, in ascending route id (a
 // token's entries side by side), R receivers each lacking need[r] routes. Per round:
