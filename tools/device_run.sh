@@ -98,6 +98,8 @@ step bench_rounded 400 "fused|liger|cublas" python -m mok.bench moe --levels tor
 step routing 90 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_round_prep.py \
   tests/test_layer.py
 step route 120 "tile|shape|rank|a3b|235b" python -m mok.bench route --out "$out/route.csv"
+# `round_profile`: where the rounding's time goes per shape: aten calls, eager and graph times, GPU ops, top kernels
+step round_profile 180 "==|graph|  " python tools/round_profile.py
 step bench_100ms 300 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --warmup-ms 100 --from-idle \
   --out "$out/moe_100ms.csv"
 step bench_3calls 300 "fused|liger" python -m mok.bench moe --levels torch fused --warmup-ms 0 \
