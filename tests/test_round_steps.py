@@ -20,6 +20,7 @@ import torch
 from mok import ops, routing, twins
 from mok.ops import ARCH_FLAGS, CSRC
 from mok.ops.moe import ROUND_BUFFERS, ROUND_STEPS
+from mok.testing import poison_allocator
 from tests.test_csrc_compile import NVCC
 
 
@@ -76,6 +77,13 @@ class _RouteRound(ctypes.Structure):  # struct RouteRound (mok/api.h)
         (name, ctypes.c_int64) for name in ("num_tokens", "num_topk", "num_experts", "num_pool", "tile")]
 
 
+# the buffers the steps (and torch between them) write, bytes 0x55 before the first step that may write them (no
+# value they should hold: not -1, 0 or 1): the others are inputs, or preset by design (counts zeroed, pool padding,
+# routes a copy of idx)
+POISONED_BEFORE = {"count": ("plan", "keys", "by_expert", "chosen", "slots", "num_real", "inv", "may", "pool_scores"),
+                   "apply": ("left",), "order": ("out",)}
+
+
 @pytest.fixture(scope="module")
 def host_step(tmp_path_factory):
     """The map steps' runner (route_round_to_tiles' run_step) with round_steps.cuh's bodies compiled for the host."""
@@ -95,6 +103,8 @@ def host_step(tmp_path_factory):
     run.argtypes, run.restype = [ctypes.POINTER(_RouteRound), ctypes.c_int], None
 
     def step(name: str, b: dict, tile: int) -> None:
+        for buffer in POISONED_BEFORE.get(name, ()):  # what the steps write: never a lucky zero of fresh memory
+            b[buffer].view(torch.uint8).fill_(0x55)
         (num_tokens, num_topk), num_experts = b["idx"].shape, b["scores"].shape[1]
         args = _RouteRound(*(b[n].data_ptr() for n in ROUND_BUFFERS), num_tokens, num_topk, num_experts,
                            b["pool"].numel(), tile)
@@ -144,12 +154,20 @@ def test_route_round_prep_bad_inputs_name_the_argument():
 
 # ---- the kernels -----------------------------------------------------------------------------------------
 
+def _poison(T: int, K: int, E: int, P: int) -> None:
+    """Bytes 0x55 in the blocks the buffers of route_round_to_tiles are likely to get (POISONED_BEFORE's value): a
+    value a step forgets to write is never a lucky one from the call before."""
+    for nbytes in (8 * T * K, 4 * T * K, 8 * 3 * E, 4 * E * P, E * P, 8 * P):
+        poison_allocator(nbytes, 0x55)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, E, K, tile", SHAPES)
 def test_route_round_prep_kernels_give_the_twins_bits(T, E, K, tile):
     for i, kind in enumerate(KINDS):
         idx, scores = _problem(T, E, K, kind, seed=T + E + i)
         for num_pool in _num_pools(idx, scores, tile):
+            _poison(T, K, E, num_pool)
             got = ops.route_round_prep(idx.cuda(), scores.cuda(), tile, num_pool)
             _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
 
@@ -159,5 +177,7 @@ def test_route_round_prep_kernels_give_the_twins_bits(T, E, K, tile):
 def test_route_round_to_tiles_kernels_give_the_cpus_routing(T, E, K, tile):
     for i, kind in enumerate(KINDS):
         idx, scores = _problem(T, E, K, kind, seed=T + E + i)
-        got = ops.route_round_to_tiles(idx.cuda(), scores.cuda(), tile, min(idx.numel(), routing.pool_bound(E, tile)))
+        num_pool = min(idx.numel(), routing.pool_bound(E, tile))
+        _poison(T, K, E, num_pool)
+        got = ops.route_round_to_tiles(idx.cuda(), scores.cuda(), tile, num_pool)
         assert torch.equal(got.cpu(), routing.round_to_tiles(idx, scores, tile)), f"{kind}"
