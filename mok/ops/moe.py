@@ -234,7 +234,7 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     return dy_rows, d_topk_weights
 
 
-# ---- round_to_tiles' prep, rounds and end game (csrc/include/mok/moe/round_prep.cuh, round_to_tiles.cuh) ----
+# ---- round_to_tiles on a GPU (csrc/include/mok/moe/round_steps.cuh, round_to_tiles.cuh) -------------------
 
 FILL_MAX_RECEIVERS = 1024  # kFillMaxReceivers (mok/api.h): 20 bytes per receiver in shared memory
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # what a `need` may be, as in the twins
