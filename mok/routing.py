@@ -105,11 +105,11 @@ def round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, devi
     topk_idx: int64 `[num_tokens, num_topk]`, distinct experts per token; scores: float `[num_tokens, num_experts]`,
     the selection scores (higher = preferred); tile: at most T·K/E (rounding to the nearest multiple of a larger
     tile would empty most experts). Returns a new topk_idx, each token's experts still distinct and ordered by
-    descending score, then ascending id. Runs on topk_idx's device: on a GPU in mok's kernels with ~25 aten calls
-    around them (mok.ops.route_round_to_tiles); elsewhere, with device_rounds=False or float64 scores, in PyTorch
-    twins: the prep (_prep, ~60 ops), the rounds (fill_rounds, ~20 ops and a host read a round), the swaps
-    (swap_leftovers, on the host) and the moves and final order (~30 ops). On a GPU it reads the host once, to check
-    topk_idx's range; the routers' tile= skips that (their topk_idx is their own).
+    descending score, then ascending id. Runs on topk_idx's device: on a GPU in mok's kernels with ~30 aten calls
+    around them (mok.ops.route_round_to_tiles); on the CPU or with device_rounds=False in PyTorch twins: the prep
+    (_prep, ~60 ops), the rounds (fill_rounds, ~20 ops and a host read a round), the swaps (swap_leftovers, on the
+    host) and the moves and final order (~30 ops); float64 scores take the twins' but for the rounds and swaps. On a
+    GPU it reads the host once, to check topk_idx's range; the routers' tile= skips that (their topk_idx is theirs).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
         fail("scores", "a float tensor [num_tokens, num_experts]",
