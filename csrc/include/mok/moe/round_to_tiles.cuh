@@ -63,9 +63,12 @@ __global__ void __launch_bounds__(kFillThreads) route_fill_rounds_kernel(FillArg
     if (p == 0 || a.inv[p - 1] != a.inv[p]) a.first[a.inv[p]] = p;
   }
   __syncthreads();
+  // Each of the three loads is in range whatever the others read, so the test takes all three (`&`, not `&&`): with
+  // short-circuits the walks' SASS chained inv -> first -> may in each entry and the entries one after another, three
+  // dependent loads an entry (nvcc 13.0); now an unrolled walk issues its entries' loads together.
   const auto is_candidate = [&](int p, int r) {
     const int64_t u = a.inv[p];
-    return a.assign[p] < 0 && a.first[u] == p && a.may[int64_t{r} * a.num_tokens + u] != 0;
+    return (a.assign[p] < 0) & (a.first[u] == p) & (a.may[int64_t{r} * a.num_tokens + u] != 0);
   };
   const auto slack = [&](int r) {  // int64 like the twin's, whose receivers needing nothing sort last
     return need[r] > 0 ? count[r] - need[r] : INT64_MAX;
