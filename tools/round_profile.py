@@ -4,9 +4,9 @@ logits, seed 0, tile 128), as `bench route` calls it.
     python tools/round_profile.py [SHAPE ...] [--device cuda|cpu] [--iters 20]
 
 Per shape: the aten calls of one rounding (views included: the host's work per call), its eager time (queued calls,
-bench.time_ms); on a GPU also one CUDA graph's replay (its GPU time alone; the graph's routing must equal the eager
-one's), the GPU ops of one eager call and their busy time (torch.profiler), and the kernels of most GPU time. These
-are what docs/routing.md's predictions are made of (device step `round_profile`).
+bench.time_ms); on a GPU also its time replayed from a CUDA graph (bench.graph_time_ms, as `bench route`'s
+round_graph_ms: its GPU time alone), the GPU ops of one eager call and their busy time (torch.profiler), and the
+kernels of most GPU time. These are what docs/routing.md's predictions are made of (device step `round_profile`).
 """
 
 from __future__ import annotations
@@ -30,22 +30,6 @@ class _CountCalls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
-
-
-def _graph_ms(fn, expected: torch.Tensor, iters: int) -> float:
-    """One CUDA graph of fn, replayed: its median time; fails where the replay's routing is not the eager one's."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up on a side stream, as torch.cuda.graph asks
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    if not torch.equal(out, expected):
-        raise AssertionError("the graph's routing differs from the eager call's")
-    return bench.time_ms(graph.replay, iters)
 
 
 def _gpu_ops(fn, top: int) -> tuple[int, float, list[tuple[str, float, int]]]:
@@ -72,15 +56,15 @@ def profile_shape(name: str, device: str, iters: int = 20, top: int = 8) -> list
     def fn():
         return routing._round_to_tiles(idx, probs, tile)
 
-    expected = fn()  # builds and loads the kernels
+    rounded = fn()  # builds and loads the kernels
     with _CountCalls() as calls:
         fn()
     eager = bench.time_ms(fn, iters)
-    moved = float((routing.moved_routes(idx, expected)).float().mean())
+    moved = float(routing.moved_routes(idx, rounded).float().mean())
     lines = [f"== {name} (tile {tile}, {device}): {calls.count} aten calls, eager {eager:.3f} ms, "
              f"{moved:.2%} of the routes moved"]
     if device == "cuda":
-        graph = _graph_ms(fn, expected, iters)
+        graph = bench.graph_time_ms([fn], 5, iters)  # as bench route's round_graph_ms
         num_ops, busy, kernels = _gpu_ops(fn, top)
         lines.append(f"   graph replay {graph:.3f} ms; {num_ops} GPU ops, busy {busy:.3f} ms")
         lines += [f"   {key[:80]:80s} {ms:.3f} ms  x{count}" for key, ms, count in kernels]
