@@ -122,7 +122,7 @@ def test_prep_bodies_on_the_host_give_the_twins_bits(host_step, T, E, K, tile):
             _assert_same(got, twins.route_round_prep(idx, scores, tile, num_pool), f"{kind}, P={num_pool}")
 
 
-def _twin_fill(order, may, inv, need, num_real):  # fill_rounds_receiver_major's contract, by the twin
+def _twin_fill(order, may, inv, need, num_real):  # _fill_rounds_receiver_major's contract, by the twin
     return routing.fill_rounds(order.t(), may.t().bool(), inv, need, num_real[0])
 
 

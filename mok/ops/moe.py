@@ -272,10 +272,10 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     _check_on_one_gpu({"order": order, "may": may, "inv": inv, "need": need, "num_real": num_real}, "order")
     # receiver-major copies: a warp walks a receiver's row of order; the kernel clears what the tokens take in may
     may_rows = torch.empty(num_receivers, may.shape[0], dtype=torch.uint8, device=order.device).copy_(may.t())
-    return fill_rounds_receiver_major(order.t().contiguous(), may_rows, inv.contiguous(), need, num_real)
+    return _fill_rounds_receiver_major(order.t().contiguous(), may_rows, inv.contiguous(), need, num_real)
 
 
-def fill_rounds_receiver_major(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
+def _fill_rounds_receiver_major(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
                                num_real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """route_fill_rounds on operands already checked and laid out as the kernel reads them: order int64 [R, P]
     and may uint8 [R, U] contiguous (may is changed: the kernel clears what the tokens take), inv int64 [P]
@@ -327,7 +327,7 @@ ROUND_BUFFERS = ("idx", "scores", "counts", "plan", "keys", "by_expert", "chosen
 def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int, run_step=None,
                          fill=None, swap=None) -> torch.Tensor:
     """routing.round_to_tiles on a GPU, with the bits of its twin and nothing read on the host: the prep
-    (route_round_prep), the rounds (fill_rounds_receiver_major), the moves and leftovers (a map step), the swaps
+    (route_round_prep), the rounds (_fill_rounds_receiver_major), the moves and leftovers (a map step), the swaps
     (route_swap_leftovers), each token's experts in the routers' order (a map step). ~30 aten calls and 8 launches
     of mok's around the rounds and swaps, where the twins' path makes ~140 calls.
 
@@ -337,7 +337,7 @@ def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int
     b, run_step = _round_buffers(topk_idx, scores, tile, num_pool, run_step)
     order = _prep_steps(b, tile, run_step)
     num_tokens, num_topk = topk_idx.shape
-    b["assign"], need = (fill or fill_rounds_receiver_major)(order, b["may"], b["inv"], b["plan"][2], b["num_real"])
+    b["assign"], need = (fill or _fill_rounds_receiver_major)(order, b["may"], b["inv"], b["plan"][2], b["num_real"])
     b["routes"], b["left"] = b["idx"].reshape(-1).clone(), torch.empty_like(b["pool"])
     run_step("apply", b, tile)
     allowed = b["scores"] > float("-inf")  # [T, E]
@@ -351,7 +351,7 @@ def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int
 def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int,
                      run_step=None) -> tuple:
     """The prep of routing.round_to_tiles in six map steps, two sorts and a running count, with the bits of its twin
-    routing._prep, laid out receiver-major as the rounds' kernel reads them (fill_rounds_receiver_major).
+    routing._prep, laid out receiver-major as the rounds' kernel reads them (_fill_rounds_receiver_major).
 
     topk_idx int64 [T, K] (distinct experts per token, in range: unchecked here, as in the routers' path); scores
     float32, bf16 or fp16 [T, E] (float64 keys are ranks: the twin's); tile; num_pool the pool's size (P >= the
