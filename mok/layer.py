@@ -104,7 +104,7 @@ class MoE(nn.Module):
     gradients through topk_weights; the experts run at the chosen level and precision. With `route_tile`
     (128: the fused level's tile), the router rounds every expert's routes to a multiple of it
     (routing.round_to_tiles): no padding rows in the fused level's GEMMs, for 1-3% of the routes moved to
-    their tokens' next choices (a change to the model's routing, computed in PyTorch with host syncs:
+    their tokens' next choices (a change to the model's routing; on a GPU in mok's kernels, which add no host read:
     docs/routing.md)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, num_topk: int,
