@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from mok import bench, routing
+from mok import bench, rounding, routing
 from mok.config import STANDARD_SHAPES, MoEConfig
 from mok.ops.gemm import GEMM_BLOCK_M
 
@@ -37,10 +37,10 @@ def route_rows(cfg: MoEConfig, tile: int, iters: int, device, seed: int = 0) -> 
     plain, rounded = routing.softmax_topk(logits, k)[0], routing.softmax_topk(logits, k, tile=tile)[0]
     probs = logits.float().softmax(dim=-1)  # [T, E]: what softmax_topk rounds on
     # the routers' path (no range check of their own topk_idx: on a GPU no host read with the kernels)
-    round_kernel_ms, round_twin_ms = (bench.time_ms(lambda rounds=rounds: routing._round_to_tiles(plain, probs, tile,
-                                                                                               rounds), iters)
+    round_kernel_ms, round_twin_ms = (bench.time_ms(lambda rounds=rounds: rounding._round_to_tiles(plain, probs, tile,
+                                                                                                rounds), iters)
                                       for rounds in (True, False))
-    round_graph_ms = (bench.graph_time_ms([lambda: routing._round_to_tiles(plain, probs, tile)], 5, iters)
+    round_graph_ms = (bench.graph_time_ms([lambda: rounding._round_to_tiles(plain, probs, tile)], 5, iters)
                       if plain.is_cuda else float("nan"))
     moved = routing.moved_routes(plain, rounded)  # [T, K]
     return [{"shape": cfg.name, "tile": tile, "num_tokens": cfg.num_tokens, "num_experts": cfg.num_experts,

@@ -39,6 +39,26 @@ def check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.d
         fail(name, "a contiguous tensor", f"strides {t.stride()}")
 
 
+def check_topk_idx(topk_idx, num_experts: int) -> torch.Tensor:
+    """Raise a clear error unless topk_idx is int64 `[num_tokens, num_topk]` with ids in [0, num_experts)."""
+    check_int("num_experts", num_experts, 1)
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"topk_idx: expected a torch.Tensor, got {type(topk_idx).__name__}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected shape [num_tokens, num_topk], got {tuple(topk_idx.shape)}")
+    if topk_idx.dtype != torch.int64:
+        raise TypeError(f"topk_idx: expected dtype torch.int64, got {topk_idx.dtype}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError("topk_idx: expected num_topk >= 1, got shape with 0 columns")
+    if topk_idx.numel() > 0:
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(
+                f"topk_idx: expected expert ids in [0, {num_experts}), got values in [{low}, {high}]"
+            )
+    return topk_idx
+
+
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Every id in [0, num_experts): a min/max read, so a host sync on a GPU (mok.bad_ids for the level that
     checks on the device instead)."""

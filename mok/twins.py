@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mok import mxfp8, routing
+from mok import mxfp8, rounding
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
 from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
@@ -195,19 +195,19 @@ def mxfp8_fake_quantize_gathered(x, sched):
 
 
 def route_round_to_tiles(topk_idx, scores, tile, num_pool, run_step=None, fill=None, swap=None):
-    return routing._round_to_tiles(topk_idx, scores, tile, device_rounds=False)  # the twins' path: any pool size
+    return rounding._round_to_tiles(topk_idx, scores, tile, device_rounds=False)  # the twins' path: any pool size
 
 
 def route_round_prep(topk_idx, scores, tile, num_pool, run_step=None):
-    """The reference itself (routing._prep), laid out receiver-major as the kernels give it."""
-    pool, order, may, inv, need, num_real = routing._prep(topk_idx.contiguous(), scores, tile,
-                                                          scores > float("-inf"), num_pool)
+    """The reference itself (rounding._prep), laid out receiver-major as the kernels give it."""
+    pool, order, may, inv, need, num_real = rounding._prep(topk_idx.contiguous(), scores, tile,
+                                                           scores > float("-inf"), num_pool)
     return pool, order.t().contiguous(), may.t().to(torch.uint8).contiguous(), inv, need, num_real.reshape(1)
 
 
 def route_fill_rounds(order, may, inv, need, num_real=None):
-    return routing.fill_rounds(order, may, inv, need, num_real)  # the reference itself: the kernel gives its bits
+    return rounding.fill_rounds(order, may, inv, need, num_real)  # the reference itself: the kernel gives its bits
 
 
 def route_swap_leftovers(idx, before, allowed, left, need):
-    return routing.swap_leftovers(idx, before, allowed, left, need)  # the reference itself
+    return rounding.swap_leftovers(idx, before, allowed, left, need)  # the reference itself

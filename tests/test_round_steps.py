@@ -1,5 +1,5 @@
-"""routing.round_to_tiles' map steps on a GPU (csrc/include/mok/moe/round_steps.cuh; mok.ops.route_round_prep and
-route_round_to_tiles) against their twins (routing._prep, receiver-major: mok.twins.route_round_prep; the CPU's
+"""round_to_tiles' map steps on a GPU (csrc/include/mok/moe/round_steps.cuh; mok.ops.route_round_prep and
+route_round_to_tiles) against their twins (rounding._prep, receiver-major: mok.twins.route_round_prep; the CPU's
 routing), bit for bit.
 
 On the CPU the steps' bodies run on the host (round_steps.cuh's run_round_step_on_host, built here with nvcc as a
@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from mok import ops, routing, twins
+from mok import ops, rounding, twins
 from mok.ops import ARCH_FLAGS, CSRC
 from mok.ops.moe import ROUND_BUFFERS, ROUND_STEPS
 from mok.testing import poison_allocator
@@ -61,7 +61,7 @@ def _num_pools(idx: torch.Tensor, scores: torch.Tensor, tile: int) -> tuple[int,
     """The pool exact (the CPU's size), padded to its bound (the GPU's), and 3 entries short (the last routes that
     would move left out: never so in round_to_tiles, whose bound holds them all, but the same in both)."""
     exact = twins.route_round_prep(idx, scores, tile, None)[0].numel()
-    return exact, min(idx.numel(), routing.pool_bound(scores.shape[1], tile)), max(exact - 3, 0)
+    return exact, min(idx.numel(), rounding.pool_bound(scores.shape[1], tile)), max(exact - 3, 0)
 
 
 def _assert_same(got: tuple, expected: tuple, label: str) -> None:
@@ -123,7 +123,7 @@ def test_prep_bodies_on_the_host_give_the_twins_bits(host_step, T, E, K, tile):
 
 
 def _twin_fill(order, may, inv, need, num_real):  # _fill_rounds_receiver_major's contract, by the twin
-    return routing.fill_rounds(order.t(), may.t().bool(), inv, need, num_real[0])
+    return rounding.fill_rounds(order.t(), may.t().bool(), inv, need, num_real[0])
 
 
 @pytest.mark.parametrize("T, E, K, tile", SHAPES)
@@ -132,10 +132,10 @@ def test_round_to_tiles_steps_on_the_host_give_the_cpus_routing(host_step, T, E,
     swaps: the CPU's routing, where receivers are left short (K/E = 1/2: the end game's swaps) and where not."""
     for i, kind in enumerate(KINDS):
         idx, scores = _problem(T, E, K, kind, seed=T + E + i)
-        bound = min(idx.numel(), routing.pool_bound(E, tile))
+        bound = min(idx.numel(), rounding.pool_bound(E, tile))
         got = ops.route_round_to_tiles(idx, scores, tile, bound, run_step=host_step, fill=_twin_fill,
-                                       swap=routing.swap_leftovers)
-        assert torch.equal(got, routing.round_to_tiles(idx, scores, tile)), f"{kind}"
+                                       swap=rounding.swap_leftovers)
+        assert torch.equal(got, rounding.round_to_tiles(idx, scores, tile)), f"{kind}"
 
 
 def test_route_round_prep_bad_inputs_name_the_argument():
@@ -177,7 +177,7 @@ def test_route_round_prep_kernels_give_the_twins_bits(T, E, K, tile):
 def test_route_round_to_tiles_kernels_give_the_cpus_routing(T, E, K, tile):
     for i, kind in enumerate(KINDS):
         idx, scores = _problem(T, E, K, kind, seed=T + E + i)
-        num_pool = min(idx.numel(), routing.pool_bound(E, tile))
+        num_pool = min(idx.numel(), rounding.pool_bound(E, tile))
         _poison(T, K, E, num_pool)
         got = ops.route_round_to_tiles(idx.cuda(), scores.cuda(), tile, num_pool)
-        assert torch.equal(got.cpu(), routing.round_to_tiles(idx, scores, tile)), f"{kind}"
+        assert torch.equal(got.cpu(), rounding.round_to_tiles(idx, scores, tile)), f"{kind}"

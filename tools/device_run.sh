@@ -95,8 +95,8 @@ step bench_l2 240 "fused|cublas" python -m mok.bench moe --levels fused --precis
 # `route`: the router's time with and without that rounding (mok.bench_route).
 step bench_rounded 400 "fused|liger|cublas" python -m mok.bench moe --levels torch fused --precisions bf16 \
   --routing rounded --out "$out/moe_rounded.csv"
-step routing 120 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_round_steps.py \
-  tests/test_layer.py
+step routing 120 "passed|failed|FAILED|Error" python -m pytest -q tests/test_routing.py tests/test_rounding.py \
+  tests/test_round_steps.py tests/test_layer.py
 step route 120 "tile|shape|rank|a3b|235b" python -m mok.bench route --out "$out/route.csv"
 # `round_profile`: where the rounding's time goes per shape: aten calls, eager and graph times, GPU ops, top kernels
 step round_profile 180 "==|graph|  " python tools/round_profile.py

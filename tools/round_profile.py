@@ -16,7 +16,7 @@ import argparse
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mok import bench, routing
+from mok import bench, rounding, routing
 from mok.config import get_shape
 
 TILE = 128
@@ -54,7 +54,7 @@ def profile_shape(name: str, device: str, iters: int = 20, top: int = 8) -> list
     tile = min(TILE, idx.numel() // cfg.num_experts)
 
     def fn():
-        return routing._round_to_tiles(idx, probs, tile)
+        return rounding._round_to_tiles(idx, probs, tile)
 
     rounded = fn()  # builds and loads the kernels
     with _CountCalls() as calls:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from mok.checks import check_int, fail
+from mok.checks import check_int, check_topk_idx, fail
 from mok.ops.core import load_extension
 from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
-from mok.routing import check_topk_idx
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
 # ---- fixed-order combine (L2; csrc/include/mok/moe/combine.cuh) ----------------------------------------
@@ -255,7 +254,7 @@ def _check_on_one_gpu(tensors: dict, like: str) -> None:
 def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
                       num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rounds of routing.round_to_tiles in one launch (one block), with the contract and the bits of its twin
-    routing.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], num_real
+    rounding.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], num_real
     None or an int64 scalar (read on the device: the padding entries from it on are never walked), all on one GPU;
     returns (assign int64 [P], need int64 [R]). The inputs are not changed."""
     _check_combine_operand("order", order, torch.int64, (None, None), "[num_pool, num_receivers]")
@@ -294,7 +293,7 @@ def _fill_rounds_receiver_major(order: torch.Tensor, may: torch.Tensor, inv: tor
 def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch.Tensor, left: torch.Tensor,
                          need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The end game of routing.round_to_tiles in one launch (one block), with the contract and the bits of its twin
-    routing.swap_leftovers: idx, before int64 [T, K], allowed bool [T, E], left int64 [P], need int [E], all on one
+    rounding.swap_leftovers: idx, before int64 [T, K], allowed bool [T, E], left int64 [P], need int [E], all on one
     GPU; returns (idx, need) after the swaps, reading nothing on the host (the kernel returns at once when no expert
     lacks routes). The inputs are not changed."""
     _check_combine_operand("idx", idx, torch.int64, (None, None), "[num_tokens, num_topk]")
@@ -351,11 +350,11 @@ def route_round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int
 def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int,
                      run_step=None) -> tuple:
     """The prep of routing.round_to_tiles in six map steps, two sorts and a running count, with the bits of its twin
-    routing._prep, laid out receiver-major as the rounds' kernel reads them (_fill_rounds_receiver_major).
+    rounding._prep, laid out receiver-major as the rounds' kernel reads them (_fill_rounds_receiver_major).
 
     topk_idx int64 [T, K] (distinct experts per token, in range: unchecked here, as in the routers' path); scores
     float32, bf16 or fp16 [T, E] (float64 keys are ranks: the twin's); tile; num_pool the pool's size (P >= the
-    routes that move: routing.pool_bound). Returns (pool int64 [P]: the moving routes' ids ascending, then T·K;
+    routes that move: rounding.pool_bound). Returns (pool int64 [P]: the moving routes' ids ascending, then T·K;
     order int64 [E, P]: each receiver's entries by descending score, ties ascending; may uint8 [E, P]: whether the
     entry's token may take the receiver; inv int64 [P]: the index of each entry's token's first entry; need int64
     [E]: what each expert lacks; num_real int64 [1]: the pool's real entries). Reads nothing on the host.

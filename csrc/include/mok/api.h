@@ -247,7 +247,7 @@ struct RouteRound {
 
 cudaError_t route_round_step(const RouteRound& args, int step, cudaStream_t stream);
 
-// The rounds: mok/routing.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a
+// The rounds: mok/rounding.py fill_rounds in one launch, with its result bit for bit (mok/moe/round_to_tiles.cuh): a
 // pool of num_pool movable routes of num_tokens tokens, num_receivers experts that lack routes. order int64 [R, P]
 // (receiver r's entries by descending score, ties ascending); may uint8 [R, U] (whether the token may take the
 // receiver; cleared as it does); inv int64 [P] (each entry's token, nondecreasing); need int64 [R] (in: what each
@@ -261,7 +261,7 @@ cudaError_t route_fill_rounds(const int64_t* order, uint8_t* may, const int64_t*
                               int32_t* first, int32_t* pick, const int64_t* num_real, int64_t num_pool,
                               int64_t num_tokens, int64_t num_receivers, cudaStream_t stream);
 
-// mok/routing.py swap_leftovers in one launch, with its result bit for bit: idx int64 [T, K] (the routing so far,
+// mok/rounding.py swap_leftovers in one launch, with its result bit for bit: idx int64 [T, K] (the routing so far,
 // changed in place), before int64 [T, K], allowed uint8 [T, E], left int64 [P] (the leftover route ids, ascending
 // where >= 0), need int64 [E] (in: what each expert lacks; out: what it still lacks); waiting int32 [P] and moved
 // int32 [T·K + P]: scratch. Returns at once when no expert lacks routes.

@@ -1,5 +1,5 @@
 // routing.round_to_tiles on a GPU but for its rounds and swaps (round_to_tiles.cuh): eight map steps, with the bits
-// of their twins in mok/routing.py (the PyTorch prep _prep, and the moves and final order of _round_to_tiles). The
+// of their twins in mok/rounding.py (the PyTorch prep _prep, and the moves and final order of _round_to_tiles). The
 // caller (mok/ops/moe.py route_round_to_tiles) runs them in this order, with torch between them where it says:
 //   kCount  per route: count it for its expert (integer atomics: the same counts in any order; zeroed by the caller);
 //   kPlan   per expert: its delta (what it lacks, > 0, or gives, < 0), first position in expert order and need;

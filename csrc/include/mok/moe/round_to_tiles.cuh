@@ -1,4 +1,4 @@
-// The two one-block kernels of routing.round_to_tiles (mok/routing.py; the map steps around them: round_steps.cuh),
+// The two one-block kernels of round_to_tiles (mok/rounding.py; the map steps around them: round_steps.cuh),
 // each one launch, each giving its PyTorch twin's result bit for bit, so that the rounding reads nothing on the host.
 //
 // route_fill_rounds_kernel: the rounds (twin fill_rounds). A pool of P movable routes, in ascending route id (a
