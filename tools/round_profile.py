@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mok import bench, rounding, routing
-from mok.config import get_shape
+from mok.config import STANDARD_SHAPES, get_shape
 
 TILE = 128
 
@@ -73,7 +73,7 @@ def profile_shape(name: str, device: str, iters: int = 20, top: int = 8) -> list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shapes", nargs="*", default=["dsv4pro-rank", "kimi-k2-rank", "qwen3-30b-a3b", "qwen3-235b"])
+    parser.add_argument("shapes", nargs="*", default=list(STANDARD_SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
