@@ -1,5 +1,5 @@
 """The benchmark harness on the CPU: row schema of DESIGN §8, FLOP bookkeeping, CSV merging, and the L2
-breakdown (mok.bench_parts) on the kernels' L0 twins."""
+breakdown (bench.parts) on the kernels' L0 twins."""
 
 import inspect
 import math
@@ -9,7 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from mok import bench, bench_parts, fused, ops, twins
+from bench import moe, parts, timing
+from bench.__main__ import main as bench_main
+from mok import fused, ops, twins
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
 from mok.routing import random_routing
 from mok.schedule import Schedule, make_schedule
@@ -24,7 +26,7 @@ CLOCK_COLUMNS = ("sm_mhz", "power_w", "power_capped")  # the clocks each timing 
 @pytest.mark.parametrize("pass_", ["fwd", "bwd", "fwd+bwd"])
 def test_ceiling_gemms_carry_the_moe_flops(cfg, pass_):
     """The dense ceiling runs exactly the MoE's FLOPs, so its TFLOP/s are comparable."""
-    flops = sum(2 * m * n * k for m, n, k in bench.gemm_shapes(cfg, pass_))
+    flops = sum(2 * m * n * k for m, n, k in moe.gemm_shapes(cfg, pass_))
     assert flops == cfg.flops(pass_)
 
 
@@ -34,10 +36,10 @@ def test_executed_rows_round_each_expert_up():
     counts = [0, 1, 64, 65, 129]
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     topk_idx = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(fresh_seed()))].view(-1, 1)
-    assert bench.executed_rows(topk_idx, num_experts=6) == (640, 448)
-    assert bench.executed_rows(topk_idx.view(-1, 7), num_experts=5) == (640, 448)
-    assert bench.executed_rows(topk_idx, num_experts=5, block_m=64) == (448, 448)  # a schedule of 64-row tiles
-    assert bench.executed_rows(topk_idx, num_experts=5, block_m=1) == (259, 259)  # no padding: the routes
+    assert moe.executed_rows(topk_idx, num_experts=6) == (640, 448)
+    assert moe.executed_rows(topk_idx.view(-1, 7), num_experts=5) == (640, 448)
+    assert moe.executed_rows(topk_idx, num_experts=5, block_m=64) == (448, 448)  # a schedule of 64-row tiles
+    assert moe.executed_rows(topk_idx, num_experts=5, block_m=1) == (259, 259)  # no padding: the routes
 
 
 @pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"], TINY_SHAPES["tiny"]], ids=lambda c: c.name)
@@ -46,7 +48,7 @@ def test_executed_gemms_scale_only_the_routed_flops(cfg, pass_):
     """With rows = (M, K): the routed row-wise GEMMs carry M / routes of their FLOPs, the routed weight
     gradients K / routes, the shared expert's GEMMs are unchanged."""
     m, k = cfg.num_routes + 128 * 5, cfg.num_routes + 64 * 3
-    flops = sum(2 * a * b * c for a, b, c in bench.gemm_shapes(cfg, pass_, rows=(m, k)))
+    flops = sum(2 * a * b * c for a, b, c in moe.gemm_shapes(cfg, pass_, rows=(m, k)))
     routed = cfg.scaled(shared_intermediate=0).flops(pass_)
     shared = cfg.flops(pass_) - routed
     row_wise, wgrad = (routed, 0) if pass_ == "fwd" else (routed / 2, routed / 2)
@@ -58,14 +60,14 @@ def test_time_ms_warms_up_for_warmup_ms(monkeypatch, warmup_ms, warm_calls):
     """On a fake clock where each call takes 10 ms: one warm-up call, then more until warmup_ms have passed, then
     the timed calls, whose median is the call's time."""
     now = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     calls = []
 
     def fn():
         calls.append(now[0])
         now[0] += 0.010
 
-    assert bench.time_ms(fn, iters=3, warmup=1, warmup_ms=warmup_ms) == pytest.approx(10.0)
+    assert timing.time_ms(fn, iters=3, warmup=1, warmup_ms=warmup_ms) == pytest.approx(10.0)
     assert len(calls) == warm_calls + 3
 
 
@@ -114,7 +116,7 @@ def test_time_ms_queues_the_timed_calls_or_starts_each_from_idle(monkeypatch, qu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
     monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
-    ms = bench.time_ms(gpu.fn, iters=3, warmup=2, queued=queued)
+    ms = timing.time_ms(gpu.fn, iters=3, warmup=2, queued=queued)
     timed = gpu.log[2:]  # after the warm-up calls
     if queued:
         assert ms == 1.0 and timed == ["fn"] + ["record", "fn", "record"] * 3 + ["event sync"]
@@ -124,7 +126,7 @@ def test_time_ms_queues_the_timed_calls_or_starts_each_from_idle(monkeypatch, qu
 
 def test_bench_rows_on_cpu(tmp_path, capsys):
     cfg = TINY_SHAPES["tiny-top1"]
-    rows = bench.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
+    rows = moe.bench_shape(cfg, ["reference", "torch"], ["bf16", "mxfp8"], ["fwd", "fwd+bwd"], peers=[],
                              iters=2, device="cpu", warmup_ms=0.0)
     assert len(rows) == 2 * (1 + 2 * 2)  # per pass: the ceiling + levels × precisions
     for r in rows:
@@ -138,18 +140,18 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     path = tmp_path / "moe.csv"
     for r in rows:
         r["commit"] = "6e81576"  # a short hash that reads as a float (it became "inf" in a merged CSV once)
-    bench.write_rows(rows, path)
-    bench.write_rows(rows[:1], path)  # same key again: replaced, not duplicated
-    df = bench.read_rows(path)
+    timing.write_rows(rows, path)
+    timing.write_rows(rows[:1], path)  # same key again: replaced, not duplicated
+    df = timing.read_rows(path)
     assert len(df) == len(rows)
     assert (df["commit"] == "6e81576").all(), set(df["commit"])
-    assert not df.duplicated(subset=bench.KEY).any()
-    table = bench.summary_markdown(df)
+    assert not df.duplicated(subset=timing.KEY).any()
+    table = moe.summary_markdown(df)
     assert "| tiny-top1 | fwd |" in table and "cublas-dense" in table
-    assert bench.main(["summary", str(path)]) == 0  # the CLI prints the same table
+    assert bench_main(["summary", str(path)]) == 0  # the CLI prints the same table
     assert table in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:  # `summary --help` is help, not a CSV named "--help"
-        bench.main(["summary", "--help"])
+        bench_main(["summary", "--help"])
     assert exit_.value.code == 0
 
 
@@ -163,14 +165,14 @@ def test_samples_table_reads_each_run_and_the_median(tmp_path, capsys):
 
     runs = {"a": run({("s", "fwd"): 0.70, ("s", "bwd"): 0.60}), "b": run({("s", "fwd"): 0.80, ("s", "bwd"): 0.64}),
             "c": run({("s", "fwd"): 0.75})}  # c has no backward: a blank cell, left out of its row's statistics
-    table = bench.samples_markdown(runs)
+    table = moe.samples_markdown(runs)
     assert "| s | fwd | 0.70 | 0.80 | 0.75 | 0.70 | 0.75 | 0.80 |" in table, table
     assert "| s | bwd | 0.60 | 0.64 |  | 0.60 | 0.62 | 0.64 |" in table, table
     paths = []
     for name, df in runs.items():
         paths.append(tmp_path / f"moe_{name}.csv")
         df.to_csv(paths[-1], index=False)
-    assert bench.main(["summary", *map(str, paths)]) == 0
+    assert bench_main(["summary", *map(str, paths)]) == 0
     out = capsys.readouterr().out
     assert "| shape | pass | moe_a | moe_b | moe_c | min | median | max |" in out and "| s | fwd | 0.70 |" in out
 
@@ -183,21 +185,21 @@ def test_bench_warmup_ms_reaches_every_timing(monkeypatch):
         seen.append((warmup_ms, queued))
         return 1.0
 
-    monkeypatch.setattr(bench, "time_ms", spy)
+    monkeypatch.setattr(moe, "time_ms", spy)
     cfg = TINY_SHAPES["tiny-top1"]
-    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu")
-    assert len(seen) == len(bench.gemm_shapes(cfg, "fwd")) + 1
-    assert set(seen) == {(bench.WARMUP_MS, bench.QUEUED)} == {(1000.0, True)}
+    rows = moe.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu")
+    assert len(seen) == len(moe.gemm_shapes(cfg, "fwd")) + 1
+    assert set(seen) == {(timing.WARMUP_MS, timing.QUEUED)} == {(1000.0, True)}
     assert {(r["warmup_ms"], r["timing"]) for r in rows} == {(1000.0, "queued")} and len(rows) == 2
     seen.clear()
-    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=7.0,
+    rows = moe.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=7.0,
                              queued=False)
     assert set(seen) == {(7.0, False)} and {(r["warmup_ms"], r["timing"]) for r in rows} == {(7.0, "from_idle")}
 
 
 def test_committed_rows_have_provenance():
     """data/bench/moe.csv is what the README quotes: every row says where it was measured."""
-    df = bench.read_rows(bench.DATA / "moe.csv")
+    df = timing.read_rows(timing.DATA / "moe.csv")
     assert COLUMNS - {"saved_gb"} <= set(df.columns)  # saved_gb came later than some committed rows
     assert df[["gpu", "torch", "cuda", "commit", "date"]].notna().all().all()
     assert set(STANDARD_SHAPES) <= set(df["shape"])
@@ -211,13 +213,13 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     the cache's size, and go to their own CSV (KEY has no notes); the timed runs reuse the warm-up's weight
     round trips, so the weights are quantized only by the saved_gb forward (3, outside) and the first warm-up
     (3 dual calls) instead of in every run (3 + 13 forward + backward runs x 6)."""
-    monkeypatch.setattr(bench, "DATA", tmp_path)
+    monkeypatch.setattr(moe, "DATA", tmp_path)
     argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
             "--peers", "--iters", "2", "--warmup-ms", "0"] + (["--mx-weight-cache"] if cached else [])
-    assert bench.main(argv) == 0
+    assert bench_main(argv) == 0
     csv = tmp_path / ("moe_mx_cache.csv" if cached else "moe.csv")
     assert sorted(p.name for p in tmp_path.iterdir()) == [csv.name]
-    row = bench.read_rows(csv).query("level == 'fused'").iloc[0]
+    row = timing.read_rows(csv).query("level == 'fused'").iloc[0]
     assert row.notes == f"{fused.MX_WEIGHTS_ENV}=dequantize" + ("; mxfp8_weight_cache" if cached else "")
     weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
                        if name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
@@ -235,42 +237,42 @@ def test_bound_rows_time_the_fused_levels_executed_rows(twin_calls, monkeypatch)
     """With the fused level, each pass gets a `bound` row: the ceiling's GEMMs over the rows the level executes
     for this routing (each expert's routes rounded up to its tiles), timed like the ceiling; without it, none."""
     timed = []
-    monkeypatch.setattr(bench, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
+    monkeypatch.setattr(moe, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
     cfg = TINY_SHAPES["tiny"]
-    rows = bench.bench_shape(cfg, ["fused"], ["bf16"], ["fwd", "bwd"], peers=[], iters=2, device="cpu",
+    rows = moe.bench_shape(cfg, ["fused"], ["bf16"], ["fwd", "bwd"], peers=[], iters=2, device="cpu",
                              warmup_ms=0.0)
     inputs = make_inputs(cfg, device="cpu", seed=0, draw_on="cpu")  # bench_shape's inputs
-    executed = bench.executed_rows(inputs["topk_idx"], cfg.num_experts)
+    executed = moe.executed_rows(inputs["topk_idx"], cfg.num_experts)
     assert executed[0] > executed[1] > cfg.num_routes  # tiny's experts have padding rows
     expected = []
     for pass_ in ("fwd", "bwd"):
-        expected += bench.gemm_shapes(cfg, pass_) + bench.gemm_shapes(cfg, pass_, rows=executed)
+        expected += moe.gemm_shapes(cfg, pass_) + moe.gemm_shapes(cfg, pass_, rows=executed)
     assert timed == expected
     bound = [r for r in rows if r["kind"] == "bound"]
     assert [(r["level"], r["pass"]) for r in bound] == [("cublas-executed", "fwd"), ("cublas-executed", "bwd")]
     for r in bound:  # 1 ms per fake GEMM: the bound's time is its GEMM count, its fraction ceiling / bound
-        assert r["time_ms"] == len(bench.gemm_shapes(cfg, r["pass"])) and r["frac_of_ceiling"] == 1.0
+        assert r["time_ms"] == len(moe.gemm_shapes(cfg, r["pass"])) and r["frac_of_ceiling"] == 1.0
         assert r["notes"] == "block_m=128"
-    assert "cublas-executed / ceiling" in bench.summary_markdown(pd.DataFrame(rows))
+    assert "cublas-executed / ceiling" in moe.summary_markdown(pd.DataFrame(rows))
     timed.clear()
-    rows = bench.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0)
-    assert not [r for r in rows if r["kind"] == "bound"] and timed == bench.gemm_shapes(cfg, "fwd")
+    rows = moe.bench_shape(cfg, ["reference"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0)
+    assert not [r for r in rows if r["kind"] == "bound"] and timed == moe.gemm_shapes(cfg, "fwd")
 
 
 def test_rounded_routing_rows_pad_only_the_remainder(twin_calls, monkeypatch):
     """--routing rounded: the benchmark's draw with every expert's routes but one expert's T·K mod 128 a multiple of
     the tile, so the `bound` executes one padded tile at most; the rows say which routing they ran."""
     timed = []
-    monkeypatch.setattr(bench, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
+    monkeypatch.setattr(moe, "dense_gemm_ms", lambda mnk, iters, device, time_fn: timed.append(mnk) or 1.0)
     cfg = TINY_SHAPES["tiny"].scaled(num_tokens=1100, num_experts=16)  # 2200 routes: 137.5 per expert
-    rows = bench.bench_shape(cfg, ["fused"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0,
+    rows = moe.bench_shape(cfg, ["fused"], ["bf16"], ["fwd"], peers=[], iters=2, device="cpu", warmup_ms=0.0,
                              routing="rounded")
     assert {r["routing"] for r in rows} == {"rounded"}
     rounded = make_inputs(cfg, routing_fn=routing_of("rounded"))["topk_idx"]  # bench_shape's routing
     random = make_inputs(cfg)["topk_idx"]  # the same draw, not rounded
-    assert bench.executed_rows(rounded, cfg.num_experts)[0] == 18 * 128  # 17 full tiles and one of 24 routes
-    assert bench.executed_rows(random, cfg.num_experts)[0] > 24 * 128  # 137 ± 12 each: most experts 2 tiles
-    assert timed == bench.gemm_shapes(cfg, "fwd") + bench.gemm_shapes(cfg, "fwd", rows=(18 * 128, 18 * 128))
+    assert moe.executed_rows(rounded, cfg.num_experts)[0] == 18 * 128  # 17 full tiles and one of 24 routes
+    assert moe.executed_rows(random, cfg.num_experts)[0] > 24 * 128  # 137 ± 12 each: most experts 2 tiles
+    assert timed == moe.gemm_shapes(cfg, "fwd") + moe.gemm_shapes(cfg, "fwd", rows=(18 * 128, 18 * 128))
 
 
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
@@ -336,13 +338,13 @@ def test_parts_steps_make_the_levels_calls(twin_calls, monkeypatch, shape, limit
     level_bwd = Counter(twin_calls)
     twin_calls.clear()
 
-    steps = bench_parts.steps_of(saved)
+    steps = parts.steps_of(saved)
     assert {s.name for s in steps} == _expected_steps(cfg.has_shared)
     assert len({s.name for s in steps}) == len(steps)
-    fwd = bench_parts.run_steps([s for s in steps if s.pass_ == "fwd"], bench_parts.forward_state(inputs))
+    fwd = parts.run_steps([s for s in steps if s.pass_ == "fwd"], parts.forward_state(inputs))
     assert Counter(twin_calls) == level_fwd
     twin_calls.clear()
-    bwd = bench_parts.run_steps([s for s in steps if s.pass_ == "bwd"], bench_parts.backward_state(inputs, saved))
+    bwd = parts.run_steps([s for s in steps if s.pass_ == "bwd"], parts.backward_state(inputs, saved))
     assert Counter(twin_calls) == level_bwd
 
     assert bitwise_equal(fwd["out"], out)
@@ -370,7 +372,7 @@ def _sized_saved(cfg) -> fused.FusedSaved:
 def test_parts_gemm_flops_are_the_moe_flops(cfg):
     """The GEMM steps' useful FLOPs are MoK's, piece by piece; padded FLOPs count the schedule's rows."""
     saved = _sized_saved(cfg)
-    steps = bench_parts.steps_of(saved)
+    steps = parts.steps_of(saved)
     assert {s.name for s in steps} == _expected_steps(cfg.has_shared)
     R, H, I, T, I_sh = cfg.num_routes, cfg.hidden, cfg.intermediate, cfg.num_tokens, cfg.shared_intermediate
     rows, rows_sh = saved.sched.num_rows, fused.shared_schedule(T, "cpu").num_rows if I_sh else 0
@@ -393,7 +395,7 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
     """The rows of one shape (the twins on the CPU, perf_counter timings): every step once with its share of
     the pass, the whole passes and the sum of their steps, and a CSV keyed by (shape, step)."""
     cfg = TINY_SHAPES[shape]
-    rows = bench_parts.bench_parts_shape(cfg, iters=3, device="cpu")
+    rows = parts.bench_parts_shape(cfg, iters=3, device="cpu")
     assert all(PARTS_COLUMNS <= set(r) for r in rows)
     assert all(set(CLOCK_COLUMNS) | {"ceiling_sm_mhz"} <= set(r) for r in rows)  # each step's clocks and its GEMM's
     names = [r["step"] for r in rows]
@@ -417,22 +419,22 @@ def test_parts_rows_on_cpu(twin_calls, tmp_path, shape):
                 assert math.isnan(r["frac_of_executed"])
 
     path = tmp_path / "parts.csv"
-    bench.write_rows(rows, path, key=bench_parts.KEY)
-    bench.write_rows(rows[:2], path, key=bench_parts.KEY)  # the same keys again: replaced, not duplicated
+    timing.write_rows(rows, path, key=parts.KEY)
+    timing.write_rows(rows[:2], path, key=parts.KEY)  # the same keys again: replaced, not duplicated
     df = pd.read_csv(path)
-    assert len(df) == len(rows) and not df.duplicated(subset=bench_parts.KEY).any()
+    assert len(df) == len(rows) and not df.duplicated(subset=parts.KEY).any()
 
 
-@pytest.mark.parametrize("options, method", [([], (bench.WARMUP_MS, True, "queued")),
+@pytest.mark.parametrize("options, method", [([], (timing.WARMUP_MS, True, "queued")),
                                              (["--warmup-ms", "7", "--from-idle"], (7.0, False, "from_idle"))])
 def test_parts_cli_times_every_step_alike(twin_calls, monkeypatch, tmp_path, options, method):
     """`parts --warmup-ms --from-idle`: the passes, their steps and the ceilings' GEMMs are timed by the same method,
     and the rows say which."""
     seen = []
-    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None, queued=False:
+    monkeypatch.setattr(timing, "time_ms", lambda fn, iters, warmup_ms=0.0, during=None, queued=False:
                         seen.append((warmup_ms, queued)) or 1.0)
     out = tmp_path / "parts.csv"
-    assert bench_parts.main(["--shapes", "tiny", "--iters", "2", *options, "--out", str(out)]) == 0
+    assert parts.main(["--shapes", "tiny", "--iters", "2", *options, "--out", str(out)]) == 0
     assert len(seen) > 10 and set(seen) == {method[:2]}
     df = pd.read_csv(out)
     assert set(zip(df["warmup_ms"], df["timing"])) == {(method[0], method[2])}
@@ -447,11 +449,11 @@ def test_parts_time_each_gemm_on_its_padded_rows(twin_calls, monkeypatch):
         timed.append(mnk)
         return min(mnk[0], mnk[2]) / 1e6
 
-    monkeypatch.setattr(bench_parts.bench, "dense_gemm_ms", dense_gemm_ms)
+    monkeypatch.setattr(parts.moe, "dense_gemm_ms", dense_gemm_ms)
     cfg = TINY_SHAPES["tiny"]
-    rows = bench_parts.bench_parts_shape(cfg, iters=2, device="cpu")
+    rows = parts.bench_parts_shape(cfg, iters=2, device="cpu")
     assert len(timed) == len(set(timed))  # each shape once
-    steps = {s.name: s for s in bench_parts.steps_of(fused.forward(*moe_args(make_inputs(cfg, device="cpu")))[1])}
+    steps = {s.name: s for s in parts.steps_of(fused.forward(*moe_args(make_inputs(cfg, device="cpu")))[1])}
     for r in rows:
         if r["kind"] == "gemm":
             s = steps[r["step"]]
@@ -470,7 +472,7 @@ def test_parts_time_each_gemm_on_its_padded_rows(twin_calls, monkeypatch):
 def test_parts_rows_on_hopper(shape):
     """The same rows from the real kernels: finite, every step a share of its pass."""
     cfg = TINY_SHAPES[shape]
-    rows = bench_parts.bench_parts_shape(cfg, iters=3, device="cuda")
+    rows = parts.bench_parts_shape(cfg, iters=3, device="cuda")
     assert {r["step"] for r in rows} >= _expected_steps(cfg.has_shared)
     for r in rows:
         assert r["time_ms"] > 0 and math.isfinite(r["time_ms"]), r
@@ -478,14 +480,3 @@ def test_parts_rows_on_hopper(shape):
             assert r["tflops"] > 0 and r["frac_of_ceiling"] > 0, r
         if r["kind"] in ("gemm", "memory"):
             assert r["share_of_pass"] > 0, r
-
-
-def test_alternating_rounds_reverse_the_order_every_other_round(monkeypatch):
-    """Each way once per round, in order on even rounds and reversed on odd ones (a drift falls on all alike)."""
-    monkeypatch.setattr(bench, "WARMUP_MS", 0.0)
-    calls = []
-    ways = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
-    rows = bench.alternating_rounds(ways, rounds=3, iters=1)
-    assert [(r["round"], r["way"]) for r in rows] == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
-                                                     (2, "a"), (2, "b"), (2, "c")]
-    assert all(r["time_ms"] >= 0 for r in rows) and set(calls) == {"a", "b", "c"}

@@ -1,4 +1,4 @@
-"""CPU checks of mok.bench_quant's arithmetic: the bytes each op moves, the same-size copy's byte count,
+"""CPU checks of bench.quant's arithmetic: the bytes each op moves, the same-size copy's byte count,
 the L2 rotation rule, and the bandwidth columns (no GPU: the timings themselves run on the H200)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mok import bench_quant
+from bench import quant as bench_quant
 
 
 def test_bytes_moved_counts_each_byte_once():

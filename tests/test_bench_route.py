@@ -1,17 +1,19 @@
-"""`python -m mok.bench route` (mok.bench_route) on the CPU: its rows, their moved share against the same draw
+"""`python -m bench route` (bench.route) on the CPU: its rows, their moved share against the same draw
 rounded here, and the CSV they merge into."""
 
 import pandas as pd
 import pytest
 import torch
 
-from mok import bench, routing
+from bench.__main__ import main as bench_main
+from bench.timing import read_rows
+from mok import routing
 
 
 def test_route_rows_on_a_tiny_shape(tmp_path):
     out = tmp_path / "route.csv"
-    assert bench.main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)]) == 0
-    rows = bench.read_rows(out)
+    assert bench_main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)]) == 0
+    rows = read_rows(out)
     assert len(rows) == 1
     row = rows.iloc[0]
     assert (row["shape"], row["tile"], row["gpu"]) == ("tiny-noshared", 8, "cpu")
@@ -27,6 +29,6 @@ def test_route_rows_on_a_tiny_shape(tmp_path):
     assert row["routes_moved_pct"] == pytest.approx(100 * float(routing.moved_routes(plain, rounded).float().mean()))
     assert 0 < row["routes_moved_pct"] < 50
     # a second run replaces its row (same shape, tile, gpu) and keeps another tile's
-    bench.main(["route", "--shapes", "tiny-noshared", "--tile", "4", "--iters", "2", "--out", str(out)])
-    bench.main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)])
+    bench_main(["route", "--shapes", "tiny-noshared", "--tile", "4", "--iters", "2", "--out", str(out)])
+    bench_main(["route", "--shapes", "tiny-noshared", "--tile", "8", "--iters", "2", "--out", str(out)])
     assert sorted(pd.read_csv(out)["tile"]) == [4, 8]

@@ -1,5 +1,5 @@
-"""mok.clocks: NVML readings around the timed calls of a benchmark. CPU: every value NaN, the sampler brackets
-exactly the timed calls of bench.time_ms and the A/B rows carry its summary. GPU: the readings are a live clock."""
+"""bench.clocks: NVML readings around the timed calls of a benchmark. CPU: every value NaN, the sampler brackets
+exactly the timed calls of bench.timing.time_ms. GPU: the readings are a live clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mok import bench, clocks
+from bench import clocks, timing
 
 
 class _Bracket:
@@ -26,8 +26,8 @@ class _Bracket:
 
 def test_time_ms_enters_during_around_the_timed_calls_only():
     log = []
-    bench.time_ms(lambda: log.append("call"), iters=4, warmup=2, during=_Bracket(log))
-    primer = 1 if torch.cuda.is_available() and bench.QUEUED else 0  # queued timing: one call before the first timed
+    timing.time_ms(lambda: log.append("call"), iters=4, warmup=2, during=_Bracket(log))
+    primer = 1 if torch.cuda.is_available() and timing.QUEUED else 0  # queued timing: one call before the first timed
     assert log == ["call"] * 2 + ["enter"] + ["call"] * (primer + 4) + ["exit"]
 
 
@@ -67,13 +67,6 @@ def test_sampler_summary_medians_and_capped_fraction():
     sampler = clocks.Sampler()
     sampler.samples = [(1980.0, 500.0, 0.0), (1700.0, 690.0, 1.0), (1750.0, math.nan, 1.0), (math.nan,) * 3]
     assert sampler.summary() == {"sm_mhz": 1750.0, "power_w": 595.0, "power_capped": pytest.approx(2 / 3)}
-
-
-def test_alternating_rounds_rows_carry_the_clock_columns():
-    rows = bench.alternating_rounds({"a": lambda: None, "b": lambda: None}, rounds=2, iters=2)
-    assert [r["way"] for r in rows] == ["a", "b", "b", "a"]
-    for r in rows:
-        assert {"sm_mhz", "power_w", "power_capped"} <= set(r)
 
 
 @pytest.mark.gpu

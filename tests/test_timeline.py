@@ -1,4 +1,4 @@
-"""The overlap model (mok.timeline): costs from the byte model and FLOP convention, schedules that obey
+"""The overlap model (notebooks/timeline.py): costs from the byte model and FLOP convention, schedules that obey
 their own rules, the limits a pipeline cannot beat, calibration from data/bench, bad inputs named.
 
 Grid: random setups (fresh seed each run, printed on failure) over EP degree, minibatches, SM share,
@@ -10,13 +10,18 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from mok import comm, timeline
+from mok import comm
 from mok.config import STANDARD_SHAPES, MoEConfig
-from mok.timeline import EPSetup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))  # the notebooks' helpers
+import timeline  # noqa: E402
+from timeline import EPSetup  # noqa: E402
 
 SEED = int(os.environ.get("MOK_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 

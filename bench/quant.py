@@ -7,7 +7,7 @@ Two ceilings, both measured in the same run:
 - `copy_gbps`: a device-to-device copy (`dst.copy_(src)`, 4 GiB, read + write), eager (its launch is
   nothing next to 2 ms); `frac_of_copy` = gbps / copy_gbps.
 - `copy_same_size_gbps`: a copy kernel (mok's `copy_bytes`) moving the SAME bytes as the row's kernel
-  (half read, half written), timed exactly like the kernel: `bench.graph_time_ms`, same calls per graph,
+  (half read, half written), timed exactly like the kernel: `graph_time_ms`, same calls per graph,
   replays and median, inputs rotated the same way; `frac_of_same_size_copy` = gbps / it. At 14 us a
   call, launch, ramp-up and drain are a large part of any kernel; this column says how much of the gap
   to the 4 GiB copy a copy of that size shares.
@@ -17,10 +17,10 @@ several copies (each with its own outputs), so that a call's input was last touc
 ago and comes from HBM; the same-size copy rotates its sources by the same rule. Outputs are written
 into L2 and written back by the hardware, for both alike.
 
-    python -m mok.bench_quant                    # writes data/bench/quant.csv
-    python -m mok.bench_quant --ops dual --variants 0,11,13,14,15,16 --out data/bench/quant_dual.csv
+    python -m bench quant                    # writes data/bench/quant.csv
+    python -m bench quant --ops dual --variants 0,11,13,14,15,16 --out data/bench/quant_dual.csv
                                                  # some ops and variants only, side by side
-    python -m mok.bench_quant --ops dual --shapes 147456x7168,258048x4096 --out data/bench/quant_geometry.csv
+    python -m bench quant --ops dual --shapes 147456x7168,258048x4096 --out data/bench/quant_geometry.csv
                                                  # other shapes (here: the same bytes in other row lengths)
 """
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from mok import bench, mxfp8, ops
+from bench.timing import DATA, graph_time_ms, provenance, time_ms
+from mok import mxfp8, ops
 from mok.config import STANDARD_SHAPES
 
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
@@ -110,7 +111,7 @@ def copy_bandwidth_gbps(nbytes: int = 2**32) -> float:
     node that ran at ~2.7 TB/s on the H200, against ~4.3 eager), bytes read + written per second, GB/s."""
     src = torch.randint(0, 255, (nbytes // 4,), dtype=torch.int32, device="cuda")  # [nbytes / 4]
     dst = torch.empty_like(src)  # [nbytes / 4]
-    ms = bench.time_ms(lambda: dst.copy_(src), iters=10, warmup=1)
+    ms = time_ms(lambda: dst.copy_(src), iters=10, warmup=1)
     return 2 * nbytes / ms / 1e6
 
 
@@ -122,7 +123,7 @@ def same_size_copy_gbps(nbytes: int, variant: int = 0) -> float:
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255),  # [half] source
               torch.empty(half, dtype=torch.uint8, device="cuda"))  # [half] destination
              for _ in range(rotation_copies(half))]
-    ms = bench.graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
+    ms = graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
     return 2 * half / ms / 1e6
 
 
@@ -202,10 +203,10 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
         if l0:
             l0_fn = _l0_fn(op, xs[0], {d: q[0] for d, q in quantized.items()})
             want = l0_fn()
-            l0_ms = bench.time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
+            l0_ms = time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
         for variant in variants_of(op, variants):
             calls, first_out = _kernel_calls(op, inputs, variant)
-            ms = bench.graph_time_ms(calls)
+            ms = graph_time_ms(calls)
             if l0:
                 calls[0]()
                 exact = _same_bits(first_out, want)
@@ -227,7 +228,7 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants=True, ops_
     """Tidy rows, one per (shape, op, variant), provenance columns included. `variants`: see variants_of."""
     ops.require_hopper()
     copy_gbps = copy_bandwidth_gbps()
-    meta = bench.provenance()
+    meta = provenance()
     none = {"variant": 0, "l0_time_ms": float("nan"), "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}
     # The eager 4 GiB copy, and the copy kernels at 4 GiB timed as the kernels are: variant 0's row says
     # whether the kernel the same-size columns use is itself a full-speed copy; 1-3 are other access patterns
@@ -247,7 +248,7 @@ def bench_quant(shapes: list | None = None, l0: bool = True, variants=True, ops_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(bench.DATA / "quant.csv"))
+    parser.add_argument("--out", default=str(DATA / "quant.csv"))
     parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--variants", default=None,

@@ -1,8 +1,8 @@
-"""Where the L2 `fused` level's time goes, kernel by kernel (`python -m mok.bench parts`).
+"""Where the L2 `fused` level's time goes, kernel by kernel (`python -m bench parts`).
 
 For each shape (bf16, no swiglu_limit, as the layer benchmark runs), one fused forward gives the saved
 state; every step of a pass (the list in mok/fused.py's docstring) then runs once, in the level's order, to
-build the intermediates, and is timed alone with mok.bench.time_ms (CUDA events, one sync per timing),
+build the intermediates, and is timed alone with bench.timing.time_ms (CUDA events, one sync per timing),
 next to the whole fused passes timed in the same process. The steps call the same mok.ops kernels with the
 same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_x_rows, pad_rows);
 tests/test_bench.py runs both on the kernels' L0 twins and checks that they make the same calls.
@@ -13,16 +13,16 @@ Per (shape, step) one row:
                    the kernel runs), tflops on the useful flops, the cuBLAS dense ceiling of the same (M, N, K)
                    (torch.mm on bf16 randn, same timing, same process) and frac_of_ceiling; frac_of_executed
                    against the same on the padded (M, N, K): how close the kernel comes to cuBLAS on the work it
-                   is given, padding apart (mok.bench's `bound` rows, kernel by kernel)
+                   is given, padding apart (bench.moe's `bound` rows, kernel by kernel)
     memory steps   bytes = the fewest bytes the step must move (every input byte read once, every output
-                   byte written once, as mok.bench_quant counts) and gbps
-    whole_fwd/bwd  the level's passes (mok.bench.level_pass_fn, as `python -m mok.bench moe` times them)
+                   byte written once, as bench.quant counts) and gbps
+    whole_fwd/bwd  the level's passes (bench.moe.level_pass_fn, as `python -m bench moe` times them)
                    with MoK's flops (mok.config) against the sum of the GEMM steps' ceilings (frac_of_executed:
                    against the sum of their padded ones)
     steps_fwd/bwd  the sum of the pass's steps; 1 - its share_of_pass is launch gaps and anything missed
 share_of_pass = time_ms / the whole pass's time_ms.
 
-    python -m mok.bench parts [--shapes ...] [--iters 20] [--out data/bench/parts.csv]
+    python -m bench parts [--shapes ...] [--iters 20] [--out data/bench/parts.csv]
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from mok import bench, clocks, fused, ops
+from bench import clocks, moe
+from bench.timing import DATA, add_timing_options, clocked, provenance, sweep, time_ms, timing_of
+from mok import fused, ops
 from mok.config import STANDARD_SHAPES, MoEConfig
 from mok.schedule import Schedule
 from mok.testing import make_inputs, moe_args
@@ -214,7 +216,7 @@ NO_CLOCK = dict.fromkeys(clocks.COLUMNS, math.nan)
 
 def step_row(step: Step, ms: float, pass_ms: float, ceiling_ms: float, clock: dict = NO_CLOCK,
              ceiling_clock: dict = NO_CLOCK, executed_ms: float = math.nan) -> dict:
-    """One step's row; `clock` the clocks its timing ran at, ceiling_sm_mhz its dense GEMM's (mok.bench.clocked),
+    """One step's row; `clock` the clocks its timing ran at, ceiling_sm_mhz its dense GEMM's (bench.timing.clocked),
     executed_ms that GEMM's time on the padded rows."""
     gemm = step.mnk is not None
     return {"pass": step.pass_, "step": step.name, "kind": "gemm" if gemm else "memory", "time_ms": ms, **clock,
@@ -244,10 +246,10 @@ def pass_rows(cfg: MoEConfig, pass_: str, whole_ms: float, rows: list[dict], cei
     return out
 
 
-def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=bench.time_ms, seed: int = 0,
+def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=time_ms, seed: int = 0,
                       routing_fn=None):
     """Rows for one shape: every step of both passes, then each pass whole and summed (see the docstring).
-    time_fn(fn, iters) -> ms (mok.bench.time_ms; tests inject their own); routing_fn: make_inputs' (None: the
+    time_fn(fn, iters) -> ms (bench.timing.time_ms; tests inject their own); routing_fn: make_inputs' (None: the
     benchmark's random routing)."""
     inputs = make_inputs(cfg, device=device, seed=seed, routing_fn=routing_fn, draw_on=device)
     _, saved = fused.forward(*moe_args(inputs))
@@ -256,13 +258,13 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
     for pass_, state in (("fwd", forward_state(inputs)), ("bwd", backward_state(inputs, saved))):
         pass_steps = [s for s in steps if s.pass_ == pass_]
         run_steps(pass_steps, state)
-        whole_ms, whole_clock = bench.clocked(time_fn, bench.level_pass_fn("fused", inputs, "bf16", pass_), iters)
+        whole_ms, whole_clock = clocked(time_fn, moe.level_pass_fn("fused", inputs, "bf16", pass_), iters)
         step_rows = []
         for step in pass_steps:
-            ms, clock = bench.clocked(time_fn, functools.partial(step.run, state), iters)
+            ms, clock = clocked(time_fn, functools.partial(step.run, state), iters)
             for mnk in (step.mnk, step.padded_mnk):
                 if mnk is not None and mnk not in ceilings:
-                    ceilings[mnk] = bench.clocked_dense_ms([mnk], iters, device, time_fn)
+                    ceilings[mnk] = moe.clocked_dense_ms([mnk], iters, device, time_fn)
             ceiling_ms, ceiling_clock = ceilings.get(step.mnk, (math.nan, NO_CLOCK))
             executed_ms = ceilings.get(step.padded_mnk, (math.nan,))[0]
             step_rows.append(step_row(step, ms, whole_ms, ceiling_ms, clock, ceiling_clock, executed_ms))
@@ -271,23 +273,23 @@ def bench_parts_shape(cfg: MoEConfig, iters: int = 20, device="cuda", time_fn=be
         executed_ms = sum(ceilings[s.padded_mnk][0] for s in gemms)
         rows += step_rows + pass_rows(cfg, pass_, whole_ms, step_rows, ceiling_ms, whole_clock, executed_ms)
         del state
-    prov = bench.provenance()
+    prov = provenance()
     return [{"shape": cfg.name, **r, "iters": iters, **prov} for r in rows]
 
 
 # --- CLI ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mok.bench parts", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench parts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
     p.add_argument("--iters", type=int, default=20, help="timed runs of every step, pass and ceiling (≥ 20)")
-    bench.add_timing_options(p)
-    p.add_argument("--out", type=Path, default=bench.DATA / "parts.csv")
+    add_timing_options(p)
+    p.add_argument("--out", type=Path, default=DATA / "parts.csv")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    time_fn, method = bench.timing_of(args)
-    all_rows = bench.sweep(args.shapes, lambda cfg: [{**r, **method}
+    time_fn, method = timing_of(args)
+    all_rows = sweep(args.shapes, lambda cfg: [{**r, **method}
                                                      for r in bench_parts_shape(cfg, args.iters, device, time_fn)],
                            args.out, KEY)
     cols = ["shape", "step", "time_ms", "share_of_pass", "tflops", "frac_of_ceiling", "gbps"]

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 
 import pandas as pd
 
-from mok import bench
+from bench.timing import DATA, read_rows
 from mok.checks import fail
 from mok.comm import bytes_per_row
 from mok.config import PASSES, PRECISIONS, MoEConfig
@@ -188,12 +188,12 @@ def sweep(base: EPSetup, **axes) -> pd.DataFrame:
 
 
 def calibrate_tflops(shape: str, level: str = "cublas-dense", pass_: str = "fwd", precision: str = "bf16",
-                     csv=bench.DATA / "moe.csv") -> tuple[float, dict]:
+                     csv=DATA / "moe.csv") -> tuple[float, dict]:
     """The measured TFLOP/s of (shape, level, precision, pass_) in data/bench/moe.csv (or a DataFrame),
     and the row's provenance (gpu, torch, cuda, commit, date)."""
     if pass_ not in PASSES:
         fail("pass_", f"one of {PASSES}", pass_)
-    df = csv if isinstance(csv, pd.DataFrame) else pd.read_csv(csv)
+    df = csv if isinstance(csv, pd.DataFrame) else read_rows(csv)
     hit = df[(df["shape"] == shape) & (df["level"] == level) & (df["pass"] == pass_)
              & (df["precision"] == precision)]
     if hit.empty:
