@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from bench import sonic
 from bench.timing import (
     DATA,
     QUEUED,
@@ -48,7 +49,7 @@ from mok import fused, mx_cache
 from mok.config import PASSES, PRECISIONS, STANDARD_SHAPES, MoEConfig
 from mok.layer import get_level
 from mok.ops.gemm import GEMM_BLOCK_K
-from mok.testing import make_inputs, moe_args, routing_of, saved_nbytes
+from mok.testing import make_inputs, moe_args, rel_err, routing_of, saved_nbytes
 
 # --- the dense ceiling ------------------------------------------------------------------------------
 
@@ -128,7 +129,8 @@ def saved_gb(level_name: str, inputs: dict, precision: str) -> float:
 
 def liger_pass_fn(inputs: dict, pass_: str):
     """Liger-Kernel's Triton fused MoE (routed experts; the shared expert through cuBLAS, as L1 does),
-    or None when liger_kernel is not importable."""
+    or None when liger_kernel is not importable. Backward passes differentiate with autograd.grad, as the levels
+    return their gradients: nothing accumulates into .grad between timed calls."""
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
     except ImportError as e:
@@ -140,6 +142,7 @@ def liger_pass_fn(inputs: dict, pass_: str):
     idx, w = inputs["topk_idx"].int(), inputs["topk_weights"].clone().requires_grad_()
     shared = [inputs[n].clone().requires_grad_() if inputs[n] is not None else None
               for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+    leaves = [t for t in (x, w, w_gate_up, w_down, *shared) if t is not None]
 
     def fwd():
         out = LigerFusedMoEFunction.apply(x, w_gate_up, w_down, idx, w)
@@ -153,8 +156,26 @@ def liger_pass_fn(inputs: dict, pass_: str):
         return fwd
     if pass_ == "bwd":
         out = fwd()
-        return lambda: out.backward(inputs["d_out"], retain_graph=True)
-    return lambda: fwd().backward(inputs["d_out"])
+        return lambda: torch.autograd.grad(out, leaves, inputs["d_out"], retain_graph=True)
+    return lambda: torch.autograd.grad(fwd(), leaves, inputs["d_out"])
+
+
+def sonic_pass_fn(inputs: dict, pass_: str):
+    """SonicMoE (bench.sonic) on shapes without a shared expert, which it does not have; None when it does not
+    import or the shape has one."""
+    if inputs["w_shared_gate"] is not None:
+        print("peer sonic skipped: the shape has a shared expert (use its -routed twin)", file=sys.stderr)
+        return None
+    if sonic.version() is None:
+        print("peer sonic skipped: sonicmoe does not import", file=sys.stderr)
+        return None
+    return sonic.pass_fn(inputs, pass_)
+
+
+def _forward_out(fn) -> torch.Tensor:
+    """The forward output of a pass callable: a level's returns (out, saved), a peer's returns out."""
+    out = fn()
+    return out[0] if isinstance(out, tuple) else out
 
 
 def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, device, seed=0,
@@ -177,6 +198,15 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                          warmup_ms=warmup_ms, timing=timing_name(queued), **clock, **prov))
 
     saved = {}  # (level, precision) -> saved_gb: the same for every pass, so one extra forward each
+    l0_out = {}  # precision -> L0's forward output, the reference of every row's err_vs_l0
+
+    def err_vs_l0(fwd, precision: str) -> float:
+        """Σ|Δ|/Σ|ref| of a forward's output against L0's in the same precision (DESIGN §10)."""
+        if precision not in l0_out:
+            l0_out[precision] = get_level("reference").forward(*moe_args(inputs), precision=precision)[0]
+        return rel_err(_forward_out(fwd), l0_out[precision])
+
+    errors = {}  # (level, precision) -> err_vs_l0, once per shape
 
     for pass_ in passes:
         n = timings(pass_, iters)
@@ -191,24 +221,33 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 fn = level_pass_fn(level, inputs, precision, pass_)
                 if (level, precision) not in saved:
                     saved[level, precision] = saved_gb(level, inputs, precision)
+                    errors[level, precision] = err_vs_l0(level_pass_fn(level, inputs, precision, "fwd"), precision)
                 cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
                     (ms, clock), mem, cache_gb = clocked(time_fn, fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
+                rows[-1]["err_vs_l0"] = errors[level, precision]
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
                     rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
                     if cached:
                         rows[-1]["notes"] += "; mxfp8_weight_cache"
                         rows[-1]["mx_cache_gb"] = cache_gb
                 del fn
-            if "liger" in peers and precision == "bf16":
-                fn = liger_pass_fn(inputs, pass_)
-                if fn is not None:
-                    ms, clock = clocked(time_fn, fn, n)
-                    row("liger", "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
-                    rows[-1]["notes"] = f"LIGER_FUSED_MOE_AUTOTUNE={os.environ.get('LIGER_FUSED_MOE_AUTOTUNE', '1')}"
-                    del fn
+            if precision != "bf16":
+                continue
+            for peer, pass_fn, note in (("liger", liger_pass_fn, "LIGER_FUSED_MOE_AUTOTUNE="
+                                         + os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1")),
+                                        ("sonic", sonic_pass_fn, f"sonic-moe {sonic.version()}")):
+                fn = pass_fn(inputs, pass_) if peer in peers else None
+                if fn is None:
+                    continue
+                if (peer, precision) not in errors:
+                    errors[peer, precision] = err_vs_l0(pass_fn(inputs, "fwd"), precision)
+                ms, clock = clocked(time_fn, fn, n)
+                row(peer, "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
+                rows[-1].update(notes=note, err_vs_l0=errors[peer, precision])
+                del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}
     for r in rows:
         base = torch_ms.get((r["precision"], r["pass"])) or torch_ms.get(("bf16", r["pass"]))

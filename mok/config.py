@@ -54,6 +54,19 @@ STANDARD_SHAPES: dict[str, MoEConfig] = {
     )
 }
 
+# The routed experts alone, for peers without a shared expert (SonicMoE): the two standard shapes that have one,
+# without it, the two that have none, and olmoe-7b (SonicMoE's paper config; DESIGN §8).
+ROUTED_SHAPES: dict[str, MoEConfig] = {
+    c.name: c
+    for c in (
+        MoEConfig("dsv4pro-rank-routed", 2048, 7168, 3072, 48, 6),
+        MoEConfig("kimi-k2-rank-routed", 4096, 7168, 2048, 48, 8),
+        STANDARD_SHAPES["qwen3-30b-a3b"],
+        STANDARD_SHAPES["qwen3-235b"],
+        MoEConfig("olmoe-7b", 16384, 2048, 1024, 64, 8),
+    )
+}
+
 # Small shapes for tests and smoke runs: irregular on purpose (T not a tile multiple, K = 1 and 8).
 TINY_SHAPES: dict[str, MoEConfig] = {
     c.name: c
@@ -67,7 +80,7 @@ TINY_SHAPES: dict[str, MoEConfig] = {
 
 
 def get_shape(name: str) -> MoEConfig:
-    shapes = {**STANDARD_SHAPES, **TINY_SHAPES}
+    shapes = {**STANDARD_SHAPES, **ROUTED_SHAPES, **TINY_SHAPES}
     if name not in shapes:
         raise ValueError(f"shape: expected one of {sorted(shapes)}, got {name!r}")
     return shapes[name]

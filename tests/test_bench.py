@@ -136,6 +136,9 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     torch_rows = [r for r in rows if r["level"] == "torch"]
     assert all(r["speedup_vs_torch"] == 1.0 for r in torch_rows)
     assert all(r["saved_gb"] > 0 for r in rows if r["kind"] == "mok")
+    # each level's forward against L0's in its precision: L0 itself exactly, L1 within DESIGN §10's tolerance
+    assert all(r["err_vs_l0"] == 0.0 for r in rows if r["level"] == "reference")
+    assert all(0.0 <= r["err_vs_l0"] <= 1e-2 for r in torch_rows)
 
     path = tmp_path / "moe.csv"
     for r in rows:
@@ -211,8 +214,8 @@ def test_committed_rows_have_provenance():
 def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     """`moe --mx-weight-cache` (the fused level on its L0 twins): the mxfp8 rows say so in their notes, carry
     the cache's size, and go to their own CSV (KEY has no notes); the timed runs reuse the warm-up's weight
-    round trips, so the weights are quantized only by the saved_gb forward (3, outside) and the first warm-up
-    (3 dual calls) instead of in every run (3 + 13 forward + backward runs x 6)."""
+    round trips, so the weights are quantized only by the saved_gb and err_vs_l0 forwards (3 + 3, outside) and the first
+    warm-up (3 dual calls) instead of in every run (3 + 3 + 13 forward + backward runs x 6)."""
     monkeypatch.setattr(moe, "DATA", tmp_path)
     argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
             "--peers", "--iters", "2", "--warmup-ms", "0"] + (["--mx-weight-cache"] if cached else [])
@@ -224,7 +227,7 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
                        if name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
                        and len(dict(args)["x"][0]) == 3)  # [E, *, *]: a weight
-    assert weight_calls == (3 + 3 if cached else 3 + (3 + 10) * 6)
+    assert weight_calls == (3 + 3 + 3 if cached else 3 + 3 + (3 + 10) * 6)
     cfg = TINY_SHAPES["tiny"]
     weight_bytes = 3 * cfg.num_experts * cfg.intermediate * cfg.hidden * 2  # w_gate, w_up, w_down in bf16
     if cached:  # one bf16 round trip per weight and direction
