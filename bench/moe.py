@@ -229,7 +229,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
                 rows[-1]["err_vs_l0"] = errors[level, precision]
                 if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
-                    rows[-1]["notes"] = f"{fused.MX_WEIGHTS_ENV}={fused.mx_weights_from_env()}"
+                    rows[-1]["notes"] = f"mx_weights={fused.DEFAULT_MX_WEIGHTS}"
                     if cached:
                         rows[-1]["notes"] += "; mxfp8_weight_cache"
                         rows[-1]["mx_cache_gb"] = cache_gb

@@ -3,7 +3,7 @@
 Same function and interface as L0/L1 (`forward(...) -> (out, saved)`, `backward(saved, d_out)`, see
 mok.layer), in BF16 and MXFP8. What runs where (mxfp8 adds the `mx:` steps; `q` = an MXFP8 quantize kernel
 along the GEMM's K, `q+dq` = a quantize kernel then a dequantize kernel back to bf16; every GEMM is the BF16
-kernel, except the forward's with MOK_MX_WEIGHTS=mainloop: MXFP8 weights dequantized in the mainloop):
+kernel, except the forward's with mx_weights="mainloop": MXFP8 weights dequantized in the mainloop):
 
 forward:
     shared expert                              the same two kernels, one expert, a schedule of all tokens in
@@ -20,7 +20,7 @@ forward:
                                                grouped_gemm_bf16_swiglu_gather_mxfp8_out, whose epilogue
                                                writes h's row-wise q+dq and gate/up quantized row-wise (the
                                                saved MXFP8 data + scales) instead of bf16 gate, up, h
-                                               (MOK_MX_WEIGHTS=mainloop: weights q only,
+                                               (mx_weights="mainloop": weights q only,
                                                grouped_gemm_mxfp8_swiglu_gather dequantizes in the mainloop;
                                                h, gate, up by the kernels named above)
     grouped_gemm_bf16_nt_contiguous            kernel: down GEMM, y_rows [num_rows, hidden]
@@ -54,8 +54,7 @@ Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' 
 order than L0's, so results agree within DESIGN §9's tolerance (most elements bit for bit). In mxfp8 the
 GEMMs see exactly L0's operands (mok.reference.quant): E4M3·2^e is exact in bf16, so a BF16 GEMM of
 dequantized operands is the MXFP8 GEMM. Bits are identical run to run and for any persistent grid size:
-set it with `num_sms=` or the environment variable MOK_NUM_SMS (unset or 0: every SM), which tests use to
-run two grid sizes.
+set it with `num_sms=` (default: MOK_NUM_SMS, read once at import; unset or 0: every SM).
 
 No host sync in either pass (tests/test_fused.py runs both under torch.cuda.set_sync_debug_mode("error")). In
 mxfp8 the round trips over row buffers (`_mx` with a schedule, `_mx_dual`, the gathered x rows) stop at the
@@ -63,11 +62,11 @@ real row count on the device (sched.counts), as the GEMMs do: spare rows are nei
 
 MXFP8 cost: a round trip (`_mx`: ops.mxfp8_fake_quantize, one kernel) moves 4 bytes per element (reads 2,
 writes 2), twice the GEMM's own read of the bf16 operand, and the weights dominate; `_mx_dual` moves 6 for
-both directions. With MOK_MX_WEIGHTS=mainloop the forward quantizes its weights only (3 bytes per element)
+both directions. With mx_weights="mainloop" the forward quantizes its weights only (3 bytes per element)
 and its GEMMs read 1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs
 1.45-1.9x their BF16 time on the H200 (docs/l2_fused.md); the backward round-trips every operand either way.
 Inside `mok.mxfp8_weight_cache()` (mok.mx_cache) the routed weights' round trips (`_mx_weight`: both directions
-from one dual kernel; with MOK_MX_WEIGHTS=mainloop the forward's quantized weights, `_q_weight`) are computed once
+from one dual kernel; with mx_weights="mainloop" the forward's quantized weights, `_q_weight`) are computed once
 per weight version and reused across calls, as gradient accumulation allows; outside it, every call computes them.
 """
 
@@ -84,7 +83,7 @@ from mok.checks import fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
-__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "PRECISIONS",
+__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "OPTIONS", "PRECISIONS",
            "FusedSaved", "backward", "experts_forward", "forward", "gather_x_rows", "mx_weights_from_env",
            "num_sms_from_env", "pad_rows", "shared_schedule"]
 
@@ -99,6 +98,7 @@ MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
 MX_WEIGHTS = ("dequantize", "mainloop")
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
+OPTIONS = ("num_sms", "mx_weights")  # the keyword options this level takes beyond precision and swiglu_limit
 
 
 @dataclass(eq=False)
@@ -109,13 +109,14 @@ class FusedSaved(Saved):
     y_rows: torch.Tensor | None = None  # [num_rows, H]
     shared_rows: tuple | None = None  # (gate, up) [R_sh, I_sh] of the shared expert, padding rows included
     num_sms: int | None = None  # the forward's grid size, reused by the backward kernels
+    mx_weights: str = "dequantize"  # the forward's weight path (MX_WEIGHTS), which the backward's cache lookups follow
     gate_mx: tuple | None = None  # mxfp8: (data e4m3 [num_rows, I], scales uint8 [num_rows, I / 32]), row-wise
     up_mx: tuple | None = None  # mxfp8: as gate_mx
 
 
-def num_sms_from_env() -> int | None:
+def num_sms_from_env(environ=os.environ) -> int | None:
     """The grid size MOK_NUM_SMS asks for: None (all SMs) when unset, empty or 0."""
-    raw = os.environ.get(NUM_SMS_ENV, "").strip()
+    raw = environ.get(NUM_SMS_ENV, "").strip()
     if raw in ("", "0"):
         return None
     if not raw.isdigit():
@@ -123,12 +124,24 @@ def num_sms_from_env() -> int | None:
     return int(raw)
 
 
-def mx_weights_from_env() -> str:
+def mx_weights_from_env(environ=os.environ) -> str:
     """The mxfp8 forward's weight path MOK_MX_WEIGHTS asks for: "dequantize" (unset or empty) or "mainloop"."""
-    raw = os.environ.get(MX_WEIGHTS_ENV, "").strip() or MX_WEIGHTS[0]
+    raw = environ.get(MX_WEIGHTS_ENV, "").strip() or MX_WEIGHTS[0]
     if raw not in MX_WEIGHTS:
         fail(MX_WEIGHTS_ENV, f"unset or one of {MX_WEIGHTS}", repr(raw))
     return raw
+
+
+# The options' defaults: the environment, read once, here (README's table); arguments override them per call.
+DEFAULT_NUM_SMS = num_sms_from_env()
+DEFAULT_MX_WEIGHTS = mx_weights_from_env()
+
+
+def _check_options(num_sms, mx_weights) -> None:
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+        fail("num_sms", "None (every SM) or an int >= 1", repr(num_sms))
+    if mx_weights not in MX_WEIGHTS:
+        fail("mx_weights", f"one of {MX_WEIGHTS}", repr(mx_weights))
 
 
 def _check_runs_here(x: torch.Tensor, precision: str) -> None:
@@ -153,7 +166,7 @@ def _check_mxfp8_dims(x: torch.Tensor, w_gate: torch.Tensor) -> None:
 # ---- MXFP8 operands: the round trip (quantize + dequantize) -> the BF16 kernels (DESIGN §4) ---------------
 # An E4M3 value times 2^e is exact in bf16, so a BF16 GEMM of dequantized operands is L0's MXFP8 GEMM
 # (mok.reference.quant), bit for bit in its operands. These two functions are the level's MXFP8 operand path,
-# but for the forward's weights with MOK_MX_WEIGHTS=mainloop (their GEMMs dequantize to the same bf16).
+# but for the forward's weights with mx_weights="mainloop" (their GEMMs dequantize to the same bf16).
 #
 # Column-wise (dim -2) on a schedule row array [num_rows, *] blocks 32 rows at a time over all experts at
 # once. That is exactly L0's per-expert blocks: segments start at multiples of BLOCK_M = 128 (so at a block
@@ -180,33 +193,33 @@ def _mx_dual(t: torch.Tensor, precision: str, sched: Schedule) -> tuple[torch.Te
     return ops.mxfp8_fake_quantize_dual(t, counts=sched.counts)
 
 
-def _mx_weight(w: torch.Tensor, dim: int, precision: str) -> torch.Tensor:
+def _mx_weight(w: torch.Tensor, dim: int, precision: str, mx_weights: str = "dequantize") -> torch.Tensor:
     """_mx for a routed weight [E, *, *]; inside mok.mxfp8_weight_cache() computed once per weight version and
     reused across calls (mok.mx_cache). There, on the default weight path, both of its round trips (the
     forward's dim -1, the backward's dim -2) come from one dual kernel at the first call: 6 bytes moved per
     element instead of 4 + 4. Activations never take this path."""
     if precision == "bf16":
         return w
-    if mx_cache.active() and mx_weights_from_env() == "dequantize":  # the forward reads the row-wise one too
+    if mx_cache.active() and mx_weights == "dequantize":  # the forward reads the row-wise one too
         row, col = mx_cache.lookup(w, ("fake_quantize_dual",), lambda: ops.mxfp8_fake_quantize_dual(w))
         return row if dim in (-1, w.dim() - 1) else col
     return mx_cache.lookup(w, ("fake_quantize", dim), lambda: _mx(w, dim, precision))  # computes outside a context
 
 
 def _q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.mxfp8_quantize_rowwise(w) for a routed weight (MOK_MX_WEIGHTS=mainloop), cached like _mx_weight."""
+    """ops.mxfp8_quantize_rowwise(w) for a routed weight (mx_weights="mainloop"), cached like _mx_weight."""
     return mx_cache.lookup(w, ("quantize_rowwise",), lambda: ops.mxfp8_quantize_rowwise(w))
 
 
 # ---- forward --------------------------------------------------------------------------------------------
 
-def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16"):
+def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16", mx_weights="dequantize"):
     """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate, up), gate/up as the backward
     saves them: bf16 [R, I] in bf16; in mxfp8 quantized row-wise, (data, scales) each (L0 saves quant(gate, -1):
     the same values in 1 + 1/32 bytes per element, not 2). In mxfp8 x, w_gate, w_up are MXFP8 along hidden and
-    h, w_down along intermediate (L0's operands), the weights by the path MOK_MX_WEIGHTS picks (MX_WEIGHTS)."""
+    h, w_down along intermediate (L0's operands), the weights by the path `mx_weights` picks (MX_WEIGHTS)."""
     p = precision
-    if p == "mxfp8" and mx_weights_from_env() == "mainloop":
+    if p == "mxfp8" and mx_weights == "mainloop":
         return _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)
     # mxfp8: GEMM1's epilogue writes h's round trip (GEMM2's operand) and the quantized gate/up itself
     gemm1 = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out if p == "mxfp8" else ops.grouped_gemm_bf16_swiglu_gather
@@ -239,12 +252,15 @@ def shared_schedule(num_tokens: int, device) -> Schedule:
 
 
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
-            w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None):
-    """out [T, H] bf16 and a FusedSaved. num_sms: the GEMMs' grid size (None: MOK_NUM_SMS, else all SMs)."""
+            w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None, mx_weights=None):
+    """out [T, H] bf16 and a FusedSaved. num_sms: the GEMMs' grid size (None: DEFAULT_NUM_SMS, MOK_NUM_SMS's, else
+    every SM); mx_weights: the mxfp8 forward's weight path, one of MX_WEIGHTS (None: DEFAULT_MX_WEIGHTS)."""
+    num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
+    mx_weights = DEFAULT_MX_WEIGHTS if mx_weights is None else mx_weights
+    _check_options(num_sms, mx_weights)
     if precision == "mxfp8":
         _check_mxfp8_dims(x, w_gate)
     _check_runs_here(x, precision)
-    num_sms = num_sms_from_env() if num_sms is None else num_sms
     T = x.shape[0]
     # The shared expert first: its schedule is cached, so its GEMMs start at once and run while the host
     # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
@@ -258,7 +274,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
-    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision)  # [R, *]
+    y_rows, gate, up = experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision,
+                                       mx_weights)  # [R, *]
     gate_mx, up_mx = None, None
     if precision == "mxfp8":  # quantized row-wise (experts_forward)
         gate_mx, up_mx, gate, up = gate, up, None, None
@@ -271,7 +288,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
-                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms,
+                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms, mx_weights=mx_weights,
                        gate_mx=gate_mx, up_mx=up_mx)
     return out, saved
 
@@ -283,7 +300,8 @@ def _saved_gate_up(s: FusedSaved) -> tuple:
     return (s.gate, s.up) if s.gate_mx is None else (s.gate_mx, s.up_mx)
 
 
-def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16"):
+def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16",
+                   mx_weights="dequantize"):
     """The dgrad kernels over `sched`, gate/up as saved (_saved_gate_up): (dx_rows [R, H], h [R, I] recomputed by
     the first from gate/up, and (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2,
     column-wise MXFP8 in mxfp8)."""
@@ -291,13 +309,13 @@ def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sm
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
     # mxfp8: the SwiGLU backward reads the saved MXFP8 gate/up itself (no bf16 copy of them in memory)
     dgrad = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8 if p == "mxfp8" else ops.grouped_gemm_bf16_dgrad_swiglu
-    d_gate, d_up, h = dgrad(dy_k, _mx_weight(w_down, -2, p), gate, up, sched, swiglu_limit=limit,
+    d_gate, d_up, h = dgrad(dy_k, _mx_weight(w_down, -2, p, mx_weights), gate, up, sched, swiglu_limit=limit,
                             num_sms=num_sms)  # [R, I] each; Wd along H
     del dy_k
     (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p, sched), _mx_dual(d_up, p, sched)  # [R, I] each
     del d_gate, d_up
-    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p),
-                                                  _mx_weight(w_up, -2, p), sched,
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p, mx_weights),
+                                                  _mx_weight(w_up, -2, p, mx_weights), sched,
                                                   num_sms=num_sms)  # [R, H]; weights along intermediate
     return dx_rows, h, (dy_w, d_gate_w, d_up_w)
 
@@ -356,7 +374,8 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
     gate, up = _saved_gate_up(s)  # [R, I] each, bf16 or MXFP8
-    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p)
+    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p,
+                                                s.mx_weights)
     del dy_rows, gate, up
     h_rows = _mx(h_rows, -2, p, sched)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
     x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mok import routing
-from mok.checks import check_expert_ids, check_moe_inputs
+from mok.checks import check_expert_ids, check_moe_inputs, fail
 from mok.config import PRECISIONS
 
 # level name -> module implementing forward/backward (DESIGN §6)
@@ -60,13 +60,28 @@ def get_level(backend: str):
     return importlib.import_module(LEVELS[backend])
 
 
+def _level_options(backend: str, **options) -> dict:
+    """The options given (not None), checked against what level `backend` takes (its OPTIONS)."""
+    given = {name: value for name, value in options.items() if value is not None}
+    takes = getattr(get_level(backend), "OPTIONS", ())
+    for name, value in given.items():
+        if name not in takes:
+            fail(name, f"None for backend {backend!r} (levels that take it: "
+                       f"{[n for n in LEVELS if n != backend and _has_option(n, name)]})", repr(value))
+    return given
+
+
+def _has_option(name: str, option: str) -> bool:
+    return importlib.util.find_spec(LEVELS[name]) is not None and option in getattr(get_level(name), "OPTIONS", ())
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                precision, swiglu_limit, backend):
+                precision, swiglu_limit, backend, options):
         level = get_level(backend)
         out, saved = level.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
-                                   ws_down, precision=precision, swiglu_limit=swiglu_limit)
+                                   ws_down, precision=precision, swiglu_limit=swiglu_limit, **options)
         ctx.level, ctx.saved = level, saved
         ctx.mark_non_differentiable(topk_idx)
         return out
@@ -75,26 +90,33 @@ class _MoEFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         d_x, d_tw, *d_w = ctx.level.backward(ctx.saved, d_out.contiguous())
         ctx.saved = None  # free the saved activations as soon as they are used
-        return (d_x, None, d_tw, *d_w, None, None, None)
+        return (d_x, None, d_tw, *d_w, None, None, None, None)
 
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
         w_shared_down=None, *, precision: str = "bf16", swiglu_limit: float | None = None,
-        backend: str = "auto", check: bool = False) -> torch.Tensor:
+        backend: str = "auto", check: bool = False, num_sms: int | None = None,
+        mx_weights: str | None = None) -> torch.Tensor:
     """The MoE layer: out [num_tokens, hidden] bf16. mok does not route: topk_idx/topk_weights come
     from the caller, weights already normalized. Differentiable in x, topk_weights and all weights.
 
     Expert ids outside [0, num_experts) raise ValueError. On a level that checks them on the device (`fused`:
     no host sync per call) the error comes from a later call, the same step's backward in practice, and the
     routes are skipped meanwhile (their tokens' outputs NaN: mok.bad_ids); check=True reads the ids' range on
-    the host first (one sync) and raises in this call, on every level."""
+    the host first (one sync) and raises in this call, on every level.
+
+    Options of the `fused` level (None: the default, from the environment read once at import, README's table):
+    num_sms, the persistent grid size of its kernels (bits are the same for any); mx_weights, how its mxfp8 forward
+    feeds the weights to the GEMMs, "dequantize" (a bf16 round trip) or "mainloop" (E4M3 read by the GEMMs: less
+    memory, slower; the same bits). Giving one to a level that has no such option raises ValueError."""
     check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                      w_shared_down, precision=precision, swiglu_limit=swiglu_limit, check_ids=False)
     backend = resolve_backend(backend, x.device, precision)
+    options = _level_options(backend, num_sms=num_sms, mx_weights=mx_weights)
     if check or not getattr(get_level(backend), "CHECKS_IDS_ON_DEVICE", False):
         check_expert_ids(topk_idx, w_gate.shape[0])
     return _MoEFunction.apply(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate,
-                              w_shared_up, w_shared_down, precision, swiglu_limit, backend)
+                              w_shared_up, w_shared_down, precision, swiglu_limit, backend, options)
 
 
 class MoE(nn.Module):
@@ -110,10 +132,10 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, num_topk: int,
                  shared_intermediate: int = 0, *, precision: str = "bf16",
                  swiglu_limit: float | None = None, backend: str = "auto", route_tile: int | None = None,
-                 device=None):
+                 num_sms: int | None = None, mx_weights: str | None = None, device=None):
         super().__init__()
         self.num_topk, self.precision, self.swiglu_limit, self.backend = num_topk, precision, swiglu_limit, backend
-        self.route_tile = route_tile
+        self.route_tile, self.num_sms, self.mx_weights = route_tile, num_sms, mx_weights  # options: mok.moe's
 
         def param(*shape, fan_in):
             w = torch.randn(*shape, device=device) / math.sqrt(fan_in)
@@ -136,5 +158,6 @@ class MoE(nn.Module):
         topk_idx, topk_weights = (t.contiguous() for t in routes)
         out = moe(x, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down, self.w_shared_gate,
                   self.w_shared_up, self.w_shared_down, precision=self.precision,
-                  swiglu_limit=self.swiglu_limit, backend=self.backend)
+                  swiglu_limit=self.swiglu_limit, backend=self.backend, num_sms=self.num_sms,
+                  mx_weights=self.mx_weights)
         return out.view(shape)

@@ -133,9 +133,9 @@ def bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
-def run_level(level, inputs: dict, *, precision="bf16", swiglu_limit=None) -> tuple:
-    """Forward and backward of one level module: (out, grads tuple)."""
-    out, saved = level.forward(*moe_args(inputs), precision=precision, swiglu_limit=swiglu_limit)
+def run_level(level, inputs: dict, *, precision="bf16", swiglu_limit=None, **options) -> tuple:
+    """Forward and backward of one level module: (out, grads tuple); options: the level's own (its OPTIONS)."""
+    out, saved = level.forward(*moe_args(inputs), precision=precision, swiglu_limit=swiglu_limit, **options)
     return out, level.backward(saved, inputs["d_out"])
 
 

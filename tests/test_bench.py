@@ -223,7 +223,7 @@ def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
     csv = tmp_path / ("moe_mx_cache.csv" if cached else "moe.csv")
     assert sorted(p.name for p in tmp_path.iterdir()) == [csv.name]
     row = timing.read_rows(csv).query("level == 'fused'").iloc[0]
-    assert row.notes == f"{fused.MX_WEIGHTS_ENV}=dequantize" + ("; mxfp8_weight_cache" if cached else "")
+    assert row.notes == "mx_weights=dequantize" + ("; mxfp8_weight_cache" if cached else "")
     weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
                        if name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
                        and len(dict(args)["x"][0]) == 3)  # [E, *, *]: a weight
@@ -330,8 +330,8 @@ def _expected_steps(with_shared: bool) -> set:
 def test_parts_steps_make_the_levels_calls(twin_calls, monkeypatch, shape, limit):
     """Per pass, the steps call the same kernels and glue with the same arguments as mok.fused, and give its
     outputs bit for bit: the breakdown cannot drift from the level unnoticed. A swiglu_limit and a grid size
-    (MOK_NUM_SMS) that are not the defaults must reach every kernel as they do in the level."""
-    monkeypatch.setenv(fused.NUM_SMS_ENV, "7")
+    (num_sms) that are not the defaults must reach every kernel as they do in the level."""
+    monkeypatch.setattr(fused, "DEFAULT_NUM_SMS", 7)
     cfg = TINY_SHAPES[shape]
     inputs = make_inputs(cfg, seed=fresh_seed())
     out, saved = fused.forward(*moe_args(inputs), swiglu_limit=limit)

@@ -4,7 +4,7 @@ GPU (Hopper), in bf16 and mxfp8 (against L0 in the same precision): the tiny sha
 shapes at 512 tokens (full width, expert count and top-k), with and without the shared expert, with and
 without a swiglu_limit, under DESIGN §9's tolerances; the shared expert's path through the routed kernels
 (a one-expert schedule of all tokens) against L0's shared-expert forward; bitwise identical bits run to
-run and for two persistent grid sizes (MOK_NUM_SMS); in mxfp8, zero padding rows under every column-wise
+run and for two persistent grid sizes (num_sms); in mxfp8, zero padding rows under every column-wise
 quantized operand and a smaller saved state than bf16's. CPU: the level's wiring with every kernel
 replaced by its L0 twin gives L0's bits in both precisions; backend resolution (auto picks L2 only on
 sm_90) and clear errors. Inputs are drawn fresh every run (the seed is in each failure message); the
@@ -122,15 +122,14 @@ def test_shared_expert_through_routed_kernels_matches_l0(cfg, limit):
 @pytest.mark.sm90
 @pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512), TINY_SHAPES["tiny"]],
                          ids=lambda c: c.name)
-def test_fused_mxfp8_weight_paths_give_the_same_bits(cfg, monkeypatch):
-    """MOK_MX_WEIGHTS: dequantizing the weights in the GEMM mainloops changes no bit of the layer."""
+def test_fused_mxfp8_weight_paths_give_the_same_bits(cfg):
+    """mx_weights: dequantizing the weights in the GEMM mainloops changes no bit of the layer."""
     seed = fresh_seed()
     inputs = _inputs(cfg, True, seed)
     runs = {}
     for path in fused.MX_WEIGHTS:
-        monkeypatch.setenv(fused.MX_WEIGHTS_ENV, path)
         testing.poison_allocator(256 << 20)
-        runs[path] = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0)
+        runs[path] = run_level(fused, inputs, precision="mxfp8", swiglu_limit=1.0, mx_weights=path)
     (out_a, grads_a), (out_b, grads_b) = runs.values()
     assert bitwise_equal(out_a, out_b), f"out: bits differ between weight paths (seed {seed})"
     for name, a, b in zip(GRAD_NAMES, grads_a, grads_b):
@@ -142,20 +141,19 @@ def test_fused_mxfp8_weight_paths_give_the_same_bits(cfg, monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("cfg", [STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=512), TINY_SHAPES["tiny-top8"]],
                          ids=lambda c: c.name)
-def test_fused_bitwise_across_runs_and_grid_sizes(cfg, precision, monkeypatch):
-    """DESIGN §5: the same bits run to run and whatever the persistent grid size (MOK_NUM_SMS)."""
+def test_fused_bitwise_across_runs_and_grid_sizes(cfg, precision):
+    """DESIGN §5: the same bits run to run and whatever the persistent grid size (num_sms)."""
     seed = fresh_seed()
     inputs = _inputs(cfg, True, seed)
     runs = []
-    for num_sms in ("132", "37", "132", "0"):  # 0: all SMs
-        monkeypatch.setenv(fused.NUM_SMS_ENV, num_sms)
+    for num_sms in (132, 37, 132, None):  # None: all SMs
         testing.poison_allocator(256 << 20)
-        runs.append((num_sms, run_level(fused, inputs, precision=precision, swiglu_limit=1.0)))
+        runs.append((num_sms, run_level(fused, inputs, precision=precision, swiglu_limit=1.0, num_sms=num_sms)))
     (_, (out_a, grads_a)) = runs[0]
     for num_sms, (out, grads) in runs[1:]:
-        assert bitwise_equal(out, out_a), f"{precision} out: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
+        assert bitwise_equal(out, out_a), f"{precision} out: bits differ with num_sms={num_sms} (seed {seed})"
         for name, a, b in zip(GRAD_NAMES, grads_a, grads):
-            assert bitwise_equal(a, b), f"{precision} {name}: bits differ with MOK_NUM_SMS={num_sms} (seed {seed})"
+            assert bitwise_equal(a, b), f"{precision} {name}: bits differ with num_sms={num_sms} (seed {seed})"
 
 
 @pytest.mark.gpu
@@ -299,10 +297,11 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
 
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
-    """MOK_MX_WEIGHTS=mainloop: the forward hands quantized weights to the MXFP8 GEMMs (twins: the BF16 GEMM
+    """mx_weights="mainloop" (as the default, which MOK_MX_WEIGHTS sets): the forward hands quantized weights to the
+    MXFP8 GEMMs (twins: the BF16 GEMM
     on their dequantization), L0's mxfp8 bits still."""
     _use_twins(monkeypatch)
-    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, "mainloop")
+    monkeypatch.setattr(fused, "DEFAULT_MX_WEIGHTS", "mainloop")
     _assert_twin_level_is_l0(shape, "mxfp8", 0.7)
 
 
@@ -369,19 +368,14 @@ ENV = {
 
 
 @pytest.mark.parametrize("name,value,expected", [(n, v, e) for n, (_, ok, _, _) in ENV.items() for v, e in ok])
-def test_env_readers(monkeypatch, name, value, expected):
-    if value is None:
-        monkeypatch.delenv(name, raising=False)
-    else:
-        monkeypatch.setenv(name, value)
-    assert ENV[name][0]() == expected
+def test_env_readers(name, value, expected):
+    assert ENV[name][0]({} if value is None else {name: value}) == expected
 
 
 @pytest.mark.parametrize("name,value", [(n, v) for n, (_, _, bad, _) in ENV.items() for v in bad])
-def test_env_readers_refuse_garbage(monkeypatch, name, value):
-    monkeypatch.setenv(name, value)
+def test_env_readers_refuse_garbage(name, value):
     with pytest.raises(ValueError, match=f"{name}: {ENV[name][3]}"):
-        ENV[name][0]()
+        ENV[name][0]({name: value})
 
 
 def test_pad_rows_adds_zero_rows_and_copies_only_when_needed():

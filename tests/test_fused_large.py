@@ -48,7 +48,7 @@ def test_large_shape_is_past_int32():
                                                          ("mxfp8", "dequantize", True)],
                          ids=["bf16", "mxfp8", "mxfp8-mainloop", "mxfp8-cached"])
 def test_past_int32_the_last_expert_matches_its_tokens_alone(precision, mx_weights, cached, monkeypatch):
-    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, mx_weights)
+    monkeypatch.setattr(fused, "DEFAULT_MX_WEIGHTS", mx_weights)
     seed = fresh_seed()
     inputs = make_inputs(LARGE, device="cuda", seed=seed, draw_on="cuda")
     last = LARGE.num_experts - 1

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mok
+from mok import fused
 from mok import reference as L0
 from mok.config import TINY_SHAPES
 from mok.testing import GRAD_NAMES, bitwise_equal, make_inputs, moe_args, run_level
@@ -117,3 +118,23 @@ def test_device_mismatch_is_named():
     inputs["w_up"] = inputs["w_up"].to("meta")
     with pytest.raises(ValueError, match="w_up"):
         mok.moe(**inputs, backend="reference")
+
+
+@pytest.mark.parametrize("option,value", [("num_sms", 8), ("mx_weights", "mainloop")])
+def test_fused_options_are_refused_by_levels_without_them(option, value):
+    """num_sms and mx_weights are the fused level's options: given to another level, a clear error, not ignored."""
+    inputs = make_inputs(CFG, seed=2)
+    with pytest.raises(ValueError, match=rf"{option}: expected None for backend 'torch' \(levels that take it: "
+                                         r"\['fused'\]\), got"):
+        mok.moe(*moe_args(inputs), backend="torch", **{option: value})
+    assert mok.MoE(64, 96, 4, 2, backend="torch").num_sms is None  # unset: the level's default
+
+
+@pytest.mark.parametrize("kwargs,match", [({"num_sms": 0}, "num_sms: expected None"),
+                                          ({"num_sms": True}, "num_sms: expected None"),
+                                          ({"mx_weights": "registers"}, "mx_weights: expected one of")])
+def test_fused_options_are_checked_before_any_kernel(kwargs, match):
+    """Bad option values name the argument on any machine: they are checked before the level needs a GPU."""
+    inputs = make_inputs(CFG, seed=3)
+    with pytest.raises(ValueError, match=match):
+        fused.forward(*moe_args(inputs), **kwargs)

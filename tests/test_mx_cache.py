@@ -94,7 +94,7 @@ def test_same_bits_and_each_weight_quantized_once(quantizer_calls, monkeypatch, 
     """Inside one context the first call computes every routed weight's round trips (6, by 3 dual calls in the
     dequantize path), the second none, and both give the bits of a call without the cache; the cache holds the
     documented memory."""
-    monkeypatch.setenv(fused.MX_WEIGHTS_ENV, path)
+    monkeypatch.setattr(fused, "DEFAULT_MX_WEIGHTS", path)
     seed = fresh_seed()
     inputs = _inputs(shape, seed)
     plain = run_level(fused, inputs, precision="mxfp8", swiglu_limit=0.7)
