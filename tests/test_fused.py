@@ -298,8 +298,7 @@ def test_fused_wiring_with_l0_twins_is_l0(monkeypatch, shape, limit, precision):
 @pytest.mark.parametrize("shape", list(TINY_SHAPES))
 def test_fused_wiring_with_mx_weights_in_the_mainloop_is_l0(monkeypatch, shape):
     """mx_weights="mainloop" (as the default, which MOK_MX_WEIGHTS sets): the forward hands quantized weights to the
-    MXFP8 GEMMs (twins: the BF16 GEMM
-    on their dequantization), L0's mxfp8 bits still."""
+    MXFP8 GEMMs (twins: the BF16 GEMM on their dequantization), L0's mxfp8 bits still."""
     _use_twins(monkeypatch)
     monkeypatch.setattr(fused, "DEFAULT_MX_WEIGHTS", "mainloop")
     _assert_twin_level_is_l0(shape, "mxfp8", 0.7)
