@@ -2,6 +2,19 @@
 #   make test      create/reuse .venv, install mok[dev], run the pytest suite
 #   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/
 # Both are quick when .venv is already up to date (stamp files track pyproject.toml).
+#
+# On a machine with a Hopper GPU (sm_90a) and nvcc, four more; they use that machine's $(GPU_PY) (python3) with the
+# packages it has (torch, pytest, ...), mok from this tree, no .venv, no network, and build the extension first:
+#   make gpu-test   every test that needs a GPU (marks gpu, sm90, multigpu, bigmem; the others are `make test`'s)
+#   make bench      the layer benchmark, L1 and L2 beside the peers it can import (Liger, ...): rows merge into
+#                   data/bench/moe.csv (more options of `python -m bench moe` in BENCH_ARGS, e.g. --shapes qwen3-235b)
+#   make sanitize   compute-sanitizer memcheck and racecheck on tools/sanitize.py's small workload, synccheck on
+#                   its rounding kernels; fails on any error
+#   make profile    Nsight Compute on every L2 GEMM (tools/profile_gemms.py), clocks left free: $(GPU_OUT)/ncu_gemms.csv
+# Variables: GPU_PY (python3), GPU_OUT (build/gpu), BENCH_ARGS, CUDA_BIN (where compute-sanitizer and ncu are when
+# not on PATH), MOK_COMMIT (the commit a benchmark row records; default: git's HEAD).
+# On the lent device machine, which stops a command after 10 minutes and returns only $OUT:
+#   MOK_COMMIT=<your HEAD> bash tools/gpu_run.sh gpu-test bench ...   (its header says more)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -50,3 +63,37 @@ lint: $(VENV)/.dev
 
 clean:
 	rm -rf build .cache
+
+# --- GPU targets (see the top) -------------------------------------------------------------------------------------
+GPU_PY     ?= python3
+GPU_OUT    ?= build/gpu
+BENCH_ARGS ?=
+CUDA_BIN   ?= /usr/local/cuda/bin
+SANITIZER  ?= $(or $(shell command -v compute-sanitizer),$(CUDA_BIN)/compute-sanitizer)
+NCU        ?= $(or $(shell command -v ncu),$(CUDA_BIN)/ncu)
+# JIT builds stay in .cache/ (ignored); Liger's autotuner would spend minutes per shape, so it runs one config.
+GPU_ENV = PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTHONUNBUFFERED=1 \
+  TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions LIGER_FUSED_MOE_AUTOTUNE=0
+
+.PHONY: gpu-build gpu-test bench sanitize profile
+
+# Built here, outside any tool: built under compute-sanitizer the build crashed (rc 139) and left torch's lock behind.
+gpu-build:
+	$(GPU_ENV) $(GPU_PY) -c "from mok.ops.core import load_extension; load_extension(); print('mok: extension built')"
+
+gpu-test: gpu-build
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -m "gpu or sm90 or multigpu or bigmem"
+
+bench: gpu-build
+	$(GPU_ENV) $(GPU_PY) -m bench moe --levels torch fused $(BENCH_ARGS)
+
+sanitize: gpu-build
+	$(GPU_ENV) $(SANITIZER) --tool memcheck --error-exitcode 1 $(GPU_PY) tools/sanitize.py
+	$(GPU_ENV) $(SANITIZER) --tool racecheck --error-exitcode 1 $(GPU_PY) tools/sanitize.py
+	$(GPU_ENV) $(SANITIZER) --tool synccheck --error-exitcode 1 $(GPU_PY) tools/sanitize.py rounding
+
+profile: gpu-build
+	mkdir -p $(GPU_OUT)
+	$(GPU_ENV) $(NCU) --clock-control none --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight \
+	  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --csv --page details \
+	  --log-file $(GPU_OUT)/ncu_gemms.csv $(GPU_PY) tools/profile_gemms.py

@@ -110,14 +110,6 @@ def test_bindings_type_check_against_torch_headers(tmp_path):
     assert result.returncode == 0, "bindings.cpp does not type-check:\n" + "\n".join(errors[:20])
 
 
-PROBES = sorted((CSRC.parent / "tools").glob("*.cu"))  # stand-alone GPU probes (a main each), built on the device
-
-
-@pytest.mark.parametrize("probe", PROBES, ids=[p.name for p in PROBES])
-def test_tool_probe_compiles_without_spills(probe, tmp_path):
-    _check_compiles_without_spills(probe, tmp_path)
-
-
 # The GEMMs' build switches other than the defaults (mok.ops.core.BUILD_SWITCHES): every path the lead can
 # A/B on the GPU compiles, without spills.
 GEMM_UNIT = CSRC / "gemm_bf16.cu"

@@ -70,7 +70,7 @@ def test_prebuild_rejects_an_unknown_switch():
         core.prebuild([{"MOK_GEMM_DYNAMIC": 5}])
 
 
-def test_prebuild_tool_reads_the_device_runs_specs(fake_builds, capsys):
+def test_prebuild_tool_reads_build_specs(fake_builds, capsys):
     spec = importlib.util.spec_from_file_location("prebuild_tool", Path(__file__).parents[1] / "tools" / "prebuild.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

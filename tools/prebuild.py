@@ -1,5 +1,5 @@
 """Build mok's extension for several sets of build switches side by side, before the steps that load them
-(mok.ops.core.prebuild; tools/device_run.sh runs it first). Builds already in .cache/ are skipped.
+(mok.ops.core.prebuild). Builds already in .cache/ are skipped.
 
     python tools/prebuild.py [--timeout-s S] default MOK_GEMM_DYNAMIC=1,MOK_GEMM_TRACE=1 MOK_GEMM_TRACE=1 ...
 

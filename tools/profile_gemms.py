@@ -5,6 +5,7 @@ steps are mok.bench_parts' (the level's kernels with the level's arguments); the
 
     ncu --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --csv --page details python tools/profile_gemms.py [SHAPE ...] > ncu.csv
+    (`make profile` runs it so, with `--clock-control none`)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ logits, seed 0, tile 128), as `bench route` calls it.
 Per shape: the aten calls of one rounding (views included: the host's work per call), its eager time (queued calls,
 bench.time_ms); on a GPU also its time replayed from a CUDA graph (bench.graph_time_ms, as `bench route`'s
 round_graph_ms: its GPU time alone), the GPU ops of one eager call and their busy time (torch.profiler), and the
-kernels of most GPU time. These are what docs/routing.md's predictions are made of (device step `round_profile`).
+kernels of most GPU time. These are what docs/routing.md's predictions are made of.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ with MOK_MX_WEIGHTS=mainloop, the MXFP8-weight GEMMs) with and without the share
 result against L0 so that a sanitizer run that silently skipped a kernel cannot pass. The case "tails" gives each
 expert a full tile and a short tail.
 
-    compute-sanitizer --tool memcheck  python tools/sanitize.py
+    compute-sanitizer --tool memcheck  python tools/sanitize.py             (`make sanitize`: both, and synccheck)
     compute-sanitizer --tool racecheck python tools/sanitize.py [WORD ...]   (only the cases naming a WORD)
 
 The word `rounding` also runs routing.round_to_tiles' kernels (the prep, the rounds and the end game) on end games
