@@ -13,6 +13,7 @@ import sys
 import time
 
 from mok.bench_ab import parse_switch
+
 from mok.ops import core
 
 

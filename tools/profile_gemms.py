@@ -1,6 +1,6 @@
 """Every L2 GEMM launched once per shape, between cudaProfilerStart/Stop, for Nsight Compute: what bounds each
 kernel (SM, tensor or memory throughput, L2 hit rate), where `bench parts` only says how long it takes. The
-steps are mok.bench_parts' (the level's kernels with the level's arguments); the MXFP8-weight GEMMs
+steps are bench.parts' (the level's kernels with the level's arguments); the MXFP8-weight GEMMs
 (kGateUpMx, kDownMx) follow the BF16 forward on the first shape. A device-side tool, not a benchmark of record.
 
     ncu --profile-from-start off -k regex:grouped_gemm --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from mok import bench_parts, fused, ops
+from bench import parts as bench_parts
+from mok import fused, ops
 from mok.config import get_shape
 from mok.testing import make_inputs, moe_args
 

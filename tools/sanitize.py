@@ -13,7 +13,6 @@ The word `rounding` also runs routing.round_to_tiles' kernels (the prep, the rou
 with swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers.
 """
 
-import os
 import sys
 
 import torch
@@ -38,10 +37,9 @@ if not words or "rounding" in words:
 for name, precision, mx_weights in CASES:
     if words and not any(w in (name, precision, mx_weights) for w in words):
         continue
-    os.environ[fused.MX_WEIGHTS_ENV] = mx_weights
     routing_fn = testing.routing_of("tails") if name == "tails" else None
     inputs = testing.make_inputs(SHAPES[name], device="cuda", seed=1, draw_on="cuda", routing_fn=routing_fn)
-    out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    out, grads = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0, mx_weights=mx_weights)
     out0, grads0 = testing.run_level(L0, inputs, precision=precision, swiglu_limit=1.0)
     torch.cuda.synchronize()
     errors = [testing.rel_err(a, b) for a, b in zip((out, *grads), (out0, *grads0)) if b is not None]
