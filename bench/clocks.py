@@ -1,7 +1,7 @@
 """The GPU's SM clock, power draw and software power-cap flag while a benchmark times, read through NVML (the
 library behind nvidia-smi, loaded by ctypes: no extra package).
 
-The H200 runs under a power cap that moves timings by up to ~15% (docs/l2_fused_log.md, "The ceiling under a sustained
+The H200 runs under a power cap that moves timings by up to ~15% (docs/lab/log.md, "The ceiling under a sustained
 load"), and an A/B whose two ways draw different power can differ by the clock alone ("Operand values and GEMM
 speed"). A timing that records the clock it ran at can be read without guessing:
 

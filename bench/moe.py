@@ -278,9 +278,31 @@ def summary_markdown(df: pd.DataFrame, precision: str = "bf16") -> str:
     return "\n".join(lines)
 
 
+def headline_markdown(df: pd.DataFrame) -> str:
+    """The README's headline: per shape and pass, the fused level's TFLOP/s beside SonicMoE, Liger, L1 and the ceiling
+    (bf16, one run), then mok over the fastest of the others (MoK's measure) and the peak memory of both."""
+    d = df[df.precision == "bf16"]
+    who = {"cublas-dense": "ceiling", "fused": "mok", "sonic": "SonicMoE", "liger": "Liger", "torch": "L1"}
+    t = d.pivot_table(index=["shape", "pass"], columns="level", values="tflops", sort=False)
+    mem = d.pivot_table(index=["shape", "pass"], columns="level", values="peak_mem_gb", sort=False)
+    cols = [c for c in who if c in t.columns]
+    others = [c for c in ("sonic", "liger", "torch") if c in t.columns]
+    lines = ["| shape | pass | " + " | ".join(f"{who[c]} TFLOP/s" for c in cols)
+             + " | mok / fastest other | peak GB mok / it |", "|---" * (len(cols) + 4) + "|"]
+    for (shape, pass_), r in t[cols].iterrows():
+        best = r[others].astype(float).idxmax()
+        ratio = f"{r['fused'] / r[best]:.2f}× {who[best]}"
+        mems = f"{mem.loc[(shape, pass_), 'fused']:.1f} / {mem.loc[(shape, pass_), best]:.1f}"
+        lines.append(f"| {shape} | {pass_} | " + " | ".join("" if pd.isna(v) else f"{v:.0f}" for v in r)
+                     + f" | {ratio} | {mems} |")
+    prov = d.iloc[0]
+    lines.append(f"\n{prov.gpu}, torch {prov.torch}, CUDA {prov.cuda}, commit {prov.commit}, {prov.date}")
+    return "\n".join(lines)
+
+
 def samples_markdown(runs: dict[str, pd.DataFrame], level: str = "fused", precision: str = "bf16") -> str:
     """One level's fraction of the same-run ceiling per shape × pass in several runs (name -> rows), then the
-    min / median / max over them: a run's machine moves both its ceiling and the level (docs/l2_fused_log.md, "Samples
+    min / median / max over them: a run's machine moves both its ceiling and the level (docs/lab/log.md, "Samples
     of the fractions"), so a goal reads off the median of several runs, not off one."""
     fracs = pd.DataFrame({name: df[(df.level == level) & (df.precision == precision)]
                           .set_index(["shape", "pass"]).frac_of_ceiling for name, df in runs.items()})
@@ -334,8 +356,13 @@ def summary_main(argv=None) -> int:
                                             "fraction of the ceiling in each run and over them")
     s.add_argument("csv", type=Path, nargs="*", default=[DATA / "moe.csv"])
     s.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    s.add_argument("--headline", action="store_true", help="the README's headline: mok beside SonicMoE and the rest")
+    s.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES, help="with --headline: these passes")
     args = s.parse_args(argv)
-    if len(args.csv) == 1:
+    if args.headline:
+        rows = pd.concat([read_rows(path) for path in args.csv])
+        print(headline_markdown(rows[rows["pass"].isin(args.passes)]))
+    elif len(args.csv) == 1:
         print(summary_markdown(read_rows(args.csv[0]), precision=args.precision))
     else:
         print(samples_markdown({path.stem: read_rows(path) for path in args.csv}, precision=args.precision))

@@ -28,7 +28,7 @@ KEY = ["shape", "level", "precision", "pass"]
 # The method of record times every call as a training step runs it. WARMUP_MS: the warm-up beyond 3 calls. Sustained
 # calls put the GPU under its power cap, where a dense GEMM runs 6-18% slower than in the first milliseconds; the
 # cap averages power over about a second, and after 100 ms the shortest ceilings still ran partly above it (dsv4pro's
-# forward: 743 TFLOP/s at 100 ms, 618 at 1 s; docs/l2_fused_log.md, "The ceiling under a sustained load" and "What the
+# forward: 743 TFLOP/s at 100 ms, 618 at 1 s; docs/lab/log.md, "The ceiling under a sustained load" and "What the
 # forward goal needs"). QUEUED: the timed calls go back to back, one sync at the end, so the host's launch time hides
 # behind the previous call as it does in a training loop (a call from an idle GPU also paid it: qwen3-30b's forward
 # 5% more, "Host time on the path to GEMM1"); a host slower than the GPU still shows, as the GPU's idle time.
@@ -41,7 +41,7 @@ QUEUED = True
 def time_ms(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 0.0, during=None, queued: bool = QUEUED) -> float:
     """Median wall time of fn() in ms: CUDA events on a GPU, perf_counter on the CPU. The warm-up is `warmup`
     calls, then more until `warmup_ms` of wall time have passed since the first (0: none more): after an idle
-    spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/l2_fused.md, "Next" 6).
+    spell a GPU's clocks may take longer to rise than 3 calls of a short GEMM (docs/lab/roadmap.md).
     `queued` (a GPU): the timed calls are queued back to back behind one more call, each between its own two
     events, and synchronized once at the end, so each time is the GPU's from the end of the call before; else
     each call starts from an idle GPU (start event, fn, end event, sync) and pays the host's time to its first

@@ -64,7 +64,7 @@ MXFP8 cost: a round trip (`_mx`: ops.mxfp8_fake_quantize, one kernel) moves 4 by
 writes 2), twice the GEMM's own read of the bf16 operand, and the weights dominate; `_mx_dual` moves 6 for
 both directions. With mx_weights="mainloop" the forward quantizes its weights only (3 bytes per element)
 and its GEMMs read 1 + 1/32 bytes per weight element, but dequantizing in shared memory costs the GEMMs
-1.45-1.9x their BF16 time on the H200 (docs/l2_fused.md); the backward round-trips every operand either way.
+1.45-1.9x their BF16 time on the H200 (docs/fused.md); the backward round-trips every operand either way.
 Inside `mok.mxfp8_weight_cache()` (mok.mx_cache) the routed weights' round trips (`_mx_weight`: both directions
 from one dual kernel; with mx_weights="mainloop" the forward's quantized weights, `_q_weight`) are computed once
 per weight version and reused across calls, as gradient accumulation allows; outside it, every call computes them.
@@ -91,7 +91,7 @@ BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_B
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
 # How the mxfp8 forward feeds its weights to GEMM1/GEMM2 (the same bits either way):
 #   "dequantize": quantize, dequantize to bf16 in HBM, the BF16 kernels (the default: faster on 3 of the 4
-#                 standard shapes on the H200, docs/l2_fused_log.md "MXFP8 weights in the mainloop")
+#                 standard shapes on the H200, docs/lab/log.md "MXFP8 weights in the mainloop")
 #   "mainloop":   quantize only; the kernels read E4M3 and dequantize in shared memory (no bf16 weight copy:
 #                 about half the forward's peak memory on dsv4pro-rank)
 MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"

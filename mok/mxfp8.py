@@ -7,7 +7,7 @@ Recipe (MoK's, after NVIDIA arXiv 2506.08027; "ceil" / RCEIL rule):
     e    = ceil(log2(s))                        exactly, from the bits of s; clamped to [-127, 127];
     scale byte (E8M0) = e + 127;  data q = e4m3_rn_satfinite(x * 2^-e);  dequantized q * 2^e.
 
-Edge cases (docs/mxfp8.md has the same table; tests/test_mxfp8.py tests each row):
+Edge cases (DESIGN §12 has the same table; tests/test_mxfp8.py tests each row):
 
     | block holds                      | scale byte      | data bytes                             |
     |----------------------------------|-----------------|----------------------------------------|

@@ -483,3 +483,16 @@ def test_parts_rows_on_hopper(shape):
             assert r["tflops"] > 0 and r["frac_of_ceiling"] > 0, r
         if r["kind"] in ("gemm", "memory"):
             assert r["share_of_pass"] > 0, r
+
+
+def test_headline_names_the_fastest_other_per_row(tmp_path, capsys):
+    """`summary --headline`: mok's TFLOP/s over the fastest of SonicMoE, Liger and L1 in each row, named."""
+    rows = []
+    for level, tflops, mem in (("cublas-dense", 600, float("nan")), ("fused", 500, 2.0), ("sonic", 400, 1.5),
+                               ("liger", 450, 3.0), ("torch", 100, 9.0)):
+        rows.append(dict(shape="s", level=level, precision="bf16", **{"pass": "fwd"}, tflops=tflops, peak_mem_gb=mem,
+                         gpu="g", torch="t", cuda="c", commit="abc1234", date="d"))
+    pd.DataFrame(rows).to_csv(tmp_path / "moe.csv", index=False)
+    assert bench_main(["summary", "--headline", str(tmp_path / "moe.csv")]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| s |")][0]
+    assert line == "| s | fwd | 600 | 500 | 400 | 450 | 100 | 1.11× Liger | 2.0 / 3.0 |"

@@ -160,7 +160,7 @@ def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):
     """mxfp8_fake_quantize_gathered's kernel (quantize_tiled_kernel with kGather) loads x with an L2 evict_last
     policy and stores its round trip with an evict_first one, each load and store hinted; no other tiled kernel
-    carries a hint (docs/l2_fused_log.md, "The MXFP8 backward kernel by kernel")."""
+    carries a hint (docs/lab/log.md, "The MXFP8 backward kernel by kernel")."""
     out = tmp_path / "quant.ptx"
     cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", "-ptx", str(CSRC / "quant_mxfp8.cu"),
            "-o", str(out)]

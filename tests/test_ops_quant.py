@@ -194,7 +194,7 @@ def _every_bf16_as_block_amax(seed: int) -> torch.Tensor:
 
 
 def _special_blocks(seed: int) -> torch.Tensor:
-    """[num_blocks, 32] bf16 rows of the L0 edge-case table (docs/mxfp8.md), at random positions."""
+    """[num_blocks, 32] bf16 rows of the L0 edge-case table (DESIGN §12), at random positions."""
     gen = torch.Generator().manual_seed(seed)
     nan, inf = float("nan"), float("inf")
     tiny_bits = torch.tensor([0x0001, 0x807F, 0x0040, 0x8001], dtype=torch.int32).to(torch.int16)
