@@ -270,29 +270,6 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
              "grouped_gemm_bf16_weight_grad");
 }
 
-// What this build's GEMMs were compiled with (a variant loaded beside the default build must report its own).
-pybind11::dict gemm_build_switches() {
-  const mok::GemmBuildSwitches built = mok::grouped_gemm_bf16_build_switches();
-  pybind11::dict switches;
-  switches["MOK_GEMM_TMA_STORE"] = built.tma_store;
-  switches["MOK_GEMM_NUM_STAGES"] = built.num_stages;
-  switches["MOK_GEMM_MULTICAST"] = built.multicast;
-  switches["MOK_GEMM_GROUP_M"] = built.group_m;
-  switches["MOK_GEMM_TRACE"] = built.trace;
-  switches["MOK_GEMM_DYNAMIC"] = built.dynamic;
-  return switches;
-}
-
-// MOK_GEMM_TRACE builds: fills `records` (CPU int64 [n, 8]) with the per-task records since the last call.
-int64_t gemm_trace(at::Tensor& records) {
-  TORCH_CHECK(!records.is_cuda() && records.is_contiguous() && records.scalar_type() == at::kLong &&
-                  records.dim() == 2 && records.size(1) == 8,
-              "records: expected a contiguous CPU int64 tensor [n, 8]");
-  const int64_t n = mok::grouped_gemm_bf16_trace(records.data_ptr<int64_t>(), records.size(0));
-  TORCH_CHECK(n >= 0, "grouped_gemm_bf16_trace: a copy from the device failed");
-  return n;
-}
-
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
              const std::optional<at::Tensor>& shared, at::Tensor& out) {
   check_arg(y_rows, "y_rows"), check_arg(route_to_row, "route_to_row"), check_arg(out, "out");
@@ -484,8 +461,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
         "a_rows, b_rows, expert_offsets, expert_rows, d_w, num_sms");
-  m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
-  m.def("grouped_gemm_bf16_trace", &gemm_trace, "records (CPU int64 [n, 8]) -> count: MOK_GEMM_TRACE builds");
   m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
   m.def("gather_rows", &gather,
         "x, row_to_token (int32), row_to_k (int64), route_to_row (int64 [T, K]), out, counts (None, or a schedule's "

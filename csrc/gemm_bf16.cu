@@ -109,25 +109,4 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(b_rows, b_rows, num_experts, p, num_sms, stream);
 }
 
-int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records) {
-#if MOK_GEMM_TRACE
-  int count = 0;
-  if (cudaMemcpyFromSymbol(&count, gemm::g_trace_count, sizeof(count)) != cudaSuccess) return -1;
-  const int64_t n = std::min<int64_t>({count, max_records, gemm::kTraceRecords});
-  if (n > 0 && cudaMemcpyFromSymbol(records, gemm::g_trace, n * gemm::kTraceWords * sizeof(int64_t)) != cudaSuccess)
-    return -1;
-  const int zero = 0;
-  if (cudaMemcpyToSymbol(gemm::g_trace_count, &zero, sizeof(zero)) != cudaSuccess) return -1;
-  return n;
-#else
-  (void)records, (void)max_records;
-  return 0;
-#endif
-}
-
-GemmBuildSwitches grouped_gemm_bf16_build_switches() {
-  return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_GROUP_M, MOK_GEMM_TRACE,
-          MOK_GEMM_DYNAMIC};
-}
-
 }  // namespace mok

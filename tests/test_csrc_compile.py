@@ -118,26 +118,14 @@ def test_tool_probe_compiles_without_spills(probe, tmp_path):
     _check_compiles_without_spills(probe, tmp_path)
 
 
-# The GEMMs' build switches other than the defaults (mok.ops.core.BUILD_SWITCHES): every path the lead can
-# A/B on the GPU compiles, without spills.
 GEMM_UNIT = CSRC / "gemm_bf16.cu"
-GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
-                 ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
-                 ["-DMOK_GEMM_GROUP_M=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_DYNAMIC=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"]]
 
 
-@pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
-def test_gemm_build_switches_compile_without_spills(defines, tmp_path):
-    _check_compiles_without_spills(GEMM_UNIT, tmp_path, defines)
-
-
-def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
+def _gemm_kernels_ptx(tmp_path) -> list[str]:
     """The PTX of the six GEMM kinds of gemm_bf16.cu (Gemm enum order: gate/up, down, down dgrad, gate/up dgrad,
     wgrad, then gate/up with MXFP8 outputs)."""
     out = tmp_path / "gemm.ptx"
-    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", define, "-ptx", str(GEMM_UNIT),
-           "-o", str(out)]
+    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", "-ptx", str(GEMM_UNIT), "-o", str(out)]
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"nvcc -ptx failed:\n{result.stderr}"
     kernels = re.split(r"\.entry ", out.read_text())[1:]
@@ -146,23 +134,14 @@ def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
     return gemms
 
 
-@pytest.mark.parametrize("tma_store", [1, 0])
-def test_gemm_epilogues_store_by_tma_only_when_switched_on(tma_store, tmp_path):
-    """Every GEMM kernel's PTX has bulk tensor stores with MOK_GEMM_TMA_STORE=1, none with 0 (the switch
-    really selects the path; ptxas turns them into UTMASTG)."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_TMA_STORE={tma_store}")
+def test_gemm_epilogues_store_by_tma_and_load_without_multicast(tmp_path):
+    """Every GEMM kernel's PTX has bulk tensor stores (ptxas turns them into UTMASTG), and no kind loads by
+    cluster multicast: one CTA per task."""
+    gemms = _gemm_kernels_ptx(tmp_path)
     stores = [k.count("cp.async.bulk.tensor.3d.global.shared::cta") for k in gemms]
-    assert all(stores) if tma_store else not any(stores), f"TMA stores per GEMM kernel: {stores}"
-
-
-@pytest.mark.parametrize("multicast", [1, 0])
-def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
-    """MOK_GEMM_MULTICAST=1: GEMM2 and both dgrads load B by cluster multicast; the gathered GEMM1s and the
-    weight gradients never do (measured slower / different K per task). 0: no kind does."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_MULTICAST={multicast}")
+    assert all(stores), f"TMA stores per GEMM kernel: {stores}"
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
-    assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
-        f"multicast per kind: {loads}"
+    assert not any(loads), f"multicast per kind: {loads}"
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):

@@ -130,17 +130,6 @@ cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows
                                           const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
                                           int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
 
-// The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
-// (csrc/include/mok/gemm/config.cuh says what each does).
-struct GemmBuildSwitches {
-  int tma_store, num_stages, multicast, group_m, trace, dynamic;
-};
-GemmBuildSwitches grouped_gemm_bf16_build_switches();
-// MOK_GEMM_TRACE builds: copies the per-task records since the last call (8 int64 each: GEMM kind, CTA, consumer
-// warpgroup, unit, whether the tile's rows 64.. are padding, SM clock at the task's start, after its mainloop,
-// after its epilogue; at most max_records) to host memory and clears them; returns the count (0 in other builds).
-int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records);
-
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):
 // y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk], int64 or int32; topk_weights fp32
