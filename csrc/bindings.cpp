@@ -1,9 +1,8 @@
 // The one file that sees both torch and mok's kernels: tensors in, raw pointers to the torch-free host
 // API (mok/api.h) out, on the current stream. Outputs are allocated and every argument is checked with
 // a clear message in mok/ops/; the TORCH_CHECKs here only guard against misuse of the raw bindings.
-// NOTE: their messages are strings only. On the H200 machine (torch 2.11.0+cu130, the extension built there) a
-// TORCH_CHECK whose message formats a number segfaulted the process instead of raising (copy_bytes' byte-count
-// check, 2026-12-03; not understood); string-only messages raise RuntimeError as they should.
+// NOTE: their messages are strings only: with torch 2.11.0+cu130 a TORCH_CHECK whose message formats a number
+// can segfault the process instead of raising (not understood); string-only messages raise RuntimeError.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -29,32 +28,32 @@ const int32_t* real_num_rows_ptr(const std::optional<at::Tensor>& counts) {
   return counts->data_ptr<int32_t>();
 }
 
-void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales, int64_t variant) {
+void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::mxfp8_quantize_rowwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), x.numel(),
-                                         static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_rowwise");
 }
 
-void quantize_colwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales, int64_t variant) {
+void quantize_colwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_colwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), rows, cols,
-                                         static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_colwise");
 }
 
 void quantize_dual(const at::Tensor& x, at::Tensor& data_row, at::Tensor& scales_row, at::Tensor& data_col,
-                   at::Tensor& scales_col, int64_t variant) {
+                   at::Tensor& scales_col) {
   check_arg(x, "x"), check_arg(data_row, "data_row"), check_arg(scales_row, "scales_row");
   check_arg(data_col, "data_col"), check_arg(scales_col, "scales_col");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_dual(x.data_ptr(), data_row.data_ptr(), scales_row.data_ptr(),
                                       data_col.data_ptr(), scales_col.data_ptr(), rows, cols,
-                                      static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                      c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_dual");
 }
 
@@ -94,16 +93,6 @@ void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token,
                                                        out.data_ptr(), out.size(0), x.size(0), x.size(1),
                                                        real_num_rows_ptr(counts), c10::cuda::getCurrentCUDAStream()),
              "mxfp8_fake_quantize_gathered");
-}
-
-void copy_bytes(const at::Tensor& src, at::Tensor& dst, int64_t variant) {
-  check_arg(src, "src"), check_arg(dst, "dst");
-  TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected as many bytes as src");
-  TORCH_CHECK(variant >= 0 && variant < mok::kNumCopyVariants, "variant: expected 0, 1, 2 or 3");
-  const c10::cuda::CUDAGuard guard(src.device());
-  check_cuda(mok::copy_bytes(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
-                             static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
-             "copy_bytes");
 }
 
 void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
@@ -426,9 +415,9 @@ void swap_leftovers(at::Tensor& idx, const at::Tensor& before, const at::Tensor&
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mxfp8_quantize_rowwise", &quantize_rowwise, "x, data, scales, variant");
-  m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales, variant");
-  m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
+  m.def("mxfp8_quantize_rowwise", &quantize_rowwise, "x, data, scales");
+  m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales");
+  m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col");
   m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
   m.def("mxfp8_fake_quantize", &fake_quantize,
         "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise, counts (None, or a "
@@ -436,8 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_fake_quantize_gathered", &fake_quantize_gathered,
         "x [T, H], row_to_token (int32 [R]), out [R, H], counts (None or as mxfp8_fake_quantize's): the column-wise "
         "round trip of x's rows in schedule order");
-  m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
-        py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
         "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
         "num_sms");

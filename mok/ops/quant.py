@@ -10,7 +10,6 @@ outputs in the logical layout.
 
 x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
 cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
-`variant` picks a kernel kept for the benchmark's record (docs/mxfp8_kernels.md); 0 is the default.
 `counts` (a schedule's Schedule.counts) stops a column-wise round trip over that schedule's row buffer at its
 real rows: the MXFP8 backward's operands, whose spare rows no GEMM reads (mok.fused).
 """
@@ -42,28 +41,28 @@ def _scales_shape(shape: tuple, dim: int) -> tuple:
     return tuple(out)
 
 
-def mxfp8_quantize_rowwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 32 along dim -1. Returns data float8_e4m3fn (x.shape), scales uint8 [..., cols // 32]."""
     check_cuda_tensor("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=False)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     scales = torch.empty(_scales_shape(tuple(x.shape), -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
-    load_extension().mxfp8_quantize_rowwise(x, data, scales, variant)
+    load_extension().mxfp8_quantize_rowwise(x, data, scales)
     return data, scales
 
 
-def mxfp8_quantize_colwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_colwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 32 along dim -2. Returns data float8_e4m3fn (x.shape), scales uint8 [..., rows // 32, cols]."""
     check_cuda_tensor("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=False, colwise=True)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     # [..., rows / 32, cols]
     scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)
-    load_extension().mxfp8_quantize_colwise(x, data, scales, variant)
+    load_extension().mxfp8_quantize_colwise(x, data, scales)
     return data, scales
 
 
-def mxfp8_quantize_dual(x: torch.Tensor, variant: int = 0):
+def mxfp8_quantize_dual(x: torch.Tensor):
     """Row-wise and column-wise quantization from one read of x:
     ((data_row, scales_row), (data_col, scales_col)), each equal to the single-direction op's output."""
     check_cuda_tensor("x", x, torch.bfloat16)
@@ -73,7 +72,7 @@ def mxfp8_quantize_dual(x: torch.Tensor, variant: int = 0):
     scales_row = torch.empty(_scales_shape(shape, -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
     data_col = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     scales_col = torch.empty(_scales_shape(shape, -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
-    load_extension().mxfp8_quantize_dual(x, data_row, scales_row, data_col, scales_col, variant)
+    load_extension().mxfp8_quantize_dual(x, data_row, scales_row, data_col, scales_col)
     return (data_row, scales_row), (data_col, scales_col)
 
 

@@ -13,13 +13,11 @@ namespace mok {
 // x: bf16, data: E4M3 bytes with x's shape; rows = numel / cols. Row-wise scales: [rows, cols / 32];
 // column-wise scales: [rows / 32, cols] (a leading experts dim folds into rows).
 
-cudaError_t mxfp8_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel, int variant,
-                                   cudaStream_t stream);
+cudaError_t mxfp8_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel, cudaStream_t stream);
 cudaError_t mxfp8_quantize_colwise(const void* x, void* data, void* scales, int64_t rows, int64_t cols,
-                                   int variant, cudaStream_t stream);
-cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col,
-                                void* scales_col, int64_t rows, int64_t cols, int variant,
-                                cudaStream_t stream);
+                                   cudaStream_t stream);
+cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col, void* scales_col,
+                                int64_t rows, int64_t cols, cudaStream_t stream);
 cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void* out, int64_t numel,
                                      cudaStream_t stream);
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
@@ -35,12 +33,6 @@ cudaError_t mxfp8_fake_quantize_tiled(const void* x, void* out_col, void* out_ro
 cudaError_t mxfp8_fake_quantize_gathered_colwise(const void* x, const int32_t* row_to_token, void* out, int64_t rows,
                                                  int64_t num_src_rows, int64_t cols, const int32_t* real_num_rows,
                                                  cudaStream_t stream);
-
-// The quantizers' bandwidth ceilings for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
-// plain kernel (a graph-capturable copy that is not a memcpy node). variant 0: the benchmark's same-size copy;
-// 1-3: the other access patterns of mok/quant/copy_bytes.cuh (3 writes two half-size streams into dst).
-constexpr int kNumCopyVariants = 4;
-cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream);
 
 // ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
 // Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
