@@ -287,7 +287,7 @@ def test_fake_quantize_stops_at_counts(real):
     ext = ops.load_extension()
     for dual in (True, False):
         out_col, out_row = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        ext.mxfp8_fake_quantize(x, out_col, out_row if dual else None, False, counts)
+        ext.mxfp8_fake_quantize(x=x, out=out_col, out_row=out_row if dual else None, rowwise=False, counts=counts)
         for what, out, want in [("col", out_col, want_col)] + ([("row", out_row, want_row)] if dual else []):
             what = f"{'dual' if dual else 'colwise'} {what}, counts[0] = {real} (seed {seed})"
             assert torch.equal(out[:written].view(torch.int16), want[:written].view(torch.int16)), what

@@ -1,4 +1,4 @@
-"""The JIT build of csrc/ and the precondition every kernel shares.
+"""The JIT build of csrc/ and the precondition every kernel shares (a Hopper GPU).
 
 `torch.utils.cpp_extension.load` compiles csrc/bindings.cpp and csrc/*.cu with an explicit
 `-gencode=arch=compute_90a,code=sm_90a`, into the git-ignored `.cache/torch_extensions/` inside the
@@ -14,8 +14,6 @@ import os
 from pathlib import Path
 
 import torch
-
-from mok.checks import fail
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CSRC = REPO / "csrc"
@@ -76,18 +74,3 @@ def load_extension():
         verbose=os.environ.get("MOK_VERBOSE_BUILD", "0") == "1",
     )
 
-
-def check_cuda_tensor(name: str, t, dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        fail(name, "a torch.Tensor", type(t).__name__)
-    if t.dtype != dtype:
-        fail(name, f"dtype {dtype}", t.dtype)
-    if t.dim() not in (2, 3):
-        fail(name, "a 2D [rows, cols] or 3D [experts, rows, cols] tensor", f"shape {tuple(t.shape)}")
-    if t.device.type != "cuda":
-        fail(name, "a CUDA tensor", f"device {t.device}")
-    if not t.is_contiguous():
-        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
-    if t.data_ptr() % 16 != 0:
-        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
-              f"address {t.data_ptr():#x}")

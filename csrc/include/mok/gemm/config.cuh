@@ -1,4 +1,5 @@
-// The grouped BF16 GEMMs' tiling constants, shared-memory layout and the 128-byte swizzle (the kernel: mok/gemm/grouped_gemm_bf16.cuh).
+// The grouped BF16 GEMMs' tiling constants, shared-memory layout and the 128-byte swizzle (the kernel:
+// mok/gemm/grouped_gemm_bf16.cuh).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -2,6 +2,7 @@
 // stages' addresses.
 #pragma once
 
+#include "mok/api.h"
 #include "mok/gemm/config.cuh"
 
 namespace mok::gemm {
@@ -44,19 +45,14 @@ MOK_HOST_DEVICE MxOut mx_of(uint16_t* buffer, const Params& p) {
   return {data, data + static_cast<int64_t>(p.num_rows) * p.n};
 }
 
-// The Params every kind over the schedule's rows (all but kWeightGrad) starts from: A (x for the gather kinds),
-// the schedule, the output, n and k; the entry points (csrc/gemm_*.cu) add what their kind needs.
-inline Params rows_params(const void* a, const int32_t* row_to_token, const int32_t* tile_to_expert,
-                          const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n, int64_t k) {
+// The Params every kind over the schedule's rows (all but kWeightGrad) starts from: the schedule's arrays, field by
+// field; the entry points (csrc/gemm_*.cu) add A, the output, n, k and what their kind needs.
+inline Params rows_params(const RowSchedule& sched) {
   Params p{};
-  p.a = static_cast<const uint16_t*>(a);
-  p.row_to_token = row_to_token;  // padding rows (-1) are written as zeros
-  p.tile_to_expert = tile_to_expert;
-  p.real_num_rows = real_num_rows;
-  p.out = static_cast<uint16_t*>(out);
-  p.num_rows = static_cast<int>(num_rows);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
+  p.row_to_token = sched.row_to_token;  // padding rows (-1) are written as zeros
+  p.tile_to_expert = sched.tile_to_expert;
+  p.real_num_rows = sched.real_num_rows;
+  p.num_rows = static_cast<int>(sched.num_rows);
   return p;
 }
 
@@ -100,8 +96,8 @@ MOK_HOST_DEVICE int num_k_blocks_of(int k) {
 }
 
 // Where a task's output tile sits and which K it runs. Row-wise kinds: tasks [0, num_tasks) are the real m-tiles ×
-// n-tiles, in groups of kGroupM m-tiles (the last group may be smaller), m fastest inside a group. kWeightGrad numbers (expert, m_tile, n_tile) and runs K over the expert's segment of rows
-// [k_row0, k_row0 + 64·num_k_blocks):
+// n-tiles, in groups of kGroupM m-tiles (the last group may be smaller), m fastest inside a group. kWeightGrad
+// numbers (expert, m_tile, n_tile) and runs K over the expert's segment of rows [k_row0, k_row0 + 64·num_k_blocks):
 // its real rows, then padding rows (zeros in both operands) up to the next multiple of 64, never all of the
 // segment's padding (dsv4pro pads its experts' 256 rows by 25% on average).
 struct Task {
@@ -125,8 +121,8 @@ MOK_DEVICE Task decode_task(const Params& p, int task, int num_k_blocks, int num
 
 // The tasks this launch runs. Row-wise kinds: the m tiles of the schedule's real rows, read once at kernel
 // start from device memory (the host sized the row buffers and the grid by a static bound without a sync;
-// decode_task groups only the real m-tiles, so the first real_tiles · num_n_tiles tasks are exactly theirs). kWeightGrad:
-// static, experts × m tiles × n tiles (each task's K comes from expert_offsets).
+// decode_task groups only the real m-tiles, so the first real_tiles · num_n_tiles tasks are exactly theirs).
+// kWeightGrad: static, experts × m tiles × n tiles (each task's K comes from expert_offsets).
 template <Gemm kGemm>
 MOK_DEVICE int num_tasks_of(const Params& p) {
   if (kGemm == Gemm::kWeightGrad || p.real_num_rows == nullptr) return p.num_tasks;
