@@ -365,7 +365,7 @@ int64_t* int64_ptr(const at::Tensor& t, const char* name) {
 }
 
 // The schedule's arrays are allocated here, not in mok.ops: carving one int64 and one int32 allocation into
-// 14 views saves ~40 us of Python per forward, on the path to GEMM1's launch (tools/host_time.py). Returned by
+// 14 views saves ~40 us of Python per forward, on the path to GEMM1's launch. Returned by
 // name (struct ScheduleOutputs' fields, mok/api.h): the 11 int64 arrays (route_to_row as [num_tokens, num_topk]),
 // then the int32 counts [2], row_to_token_i32 [max_num_rows] and, with `gemm`, the per-128-row
 // gemm_tile_to_expert (else an empty tensor). Every array starts 256-byte aligned. The chunk-count scratch comes

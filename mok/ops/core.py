@@ -44,7 +44,7 @@ def require_hopper() -> None:
     _require_hopper_device(torch.cuda.current_device())
 
 
-@functools.cache  # a device passes once per process (the query took ~10 us of host time in every fused pass)
+@functools.cache  # a device passes once per process (the query costs ~10 us of host time)
 def _require_hopper_device(index: int) -> None:
     capability = torch.cuda.get_device_capability(index)
     if capability != (9, 0):

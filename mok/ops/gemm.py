@@ -1,4 +1,4 @@
-"""Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/l2_fused.md).
+"""Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/gemm.md).
 
 Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
 multiple of the kernels' 128-row tile). Outputs stay in that row layout, `sched.num_rows` rows; the kernels

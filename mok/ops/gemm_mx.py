@@ -1,4 +1,4 @@
-"""Grouped GEMMs with MXFP8 weights dequantized in the mainloop (csrc/gemm_mxfp8.cu; docs/l2_fused.md).
+"""Grouped GEMMs with MXFP8 weights dequantized in the mainloop (csrc/gemm_mxfp8.cu; docs/gemm.md).
 
 GEMM1 and GEMM2 of the forward as in mok.ops.gemm, with each weight given as its MXFP8 quantization along
 K, `(data, scales)` as mxfp8_quantize_rowwise returns them: float8_e4m3fn [E, n, k] and uint8 [E, n, k / 32].

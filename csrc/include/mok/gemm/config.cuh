@@ -21,7 +21,7 @@ constexpr int WG_M = 64;                           // rows per consumer warpgrou
 constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
-constexpr int kNumStages = 4;                      // shared-memory ring depth (docs/gemm.md: 3 measured no faster)
+constexpr int kNumStages = 4;                      // shared-memory ring depth (docs/gemm.md, "Stages")
 // Row-wise tasks come in groups of kGroupM m-tiles, n-tile by n-tile inside a group (decode_task), so the m-tiles
 // that share a weight tile run on neighbouring CTAs at the same time (docs/gemm.md, "Task order").
 constexpr int kGroupM = 8;
@@ -32,8 +32,7 @@ constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
 constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
 // A CTA holds kNumThreads × (its launch registers) and setmaxnreg.inc only takes from that pool (it spins until
 // it can): with __launch_bounds__(384, 1) ptxas launches at 168 (65536 / 384 rounded down to 8), so the budgets
-// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch, in a first version of
-// the MXFP8 kinds).
+// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hangs every launch).
 constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 constexpr int kRowBytes = BLOCK_K * 2;
 constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB

@@ -35,8 +35,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
     // NOTE: one m64n256k16 over B0|B1 reads each A slice from shared memory once, where two m64n128k16 (one per B
-    // tile) read it twice: same fragments and bits, 0.98-0.99 of their time at the power cap (91c1861; the two
-    // were the build switch MOK_GEMM_N256=0, removed after b8e1473).
+    // tile) would read it twice: same fragments and bits, a little faster at the power cap (docs/gemm.md).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
     // B1 follows B0 in the stage: one descriptor spans both (MN-major: 64-column boxes 8 KiB apart throughout).
     const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0), kBTileBytes / 2)
@@ -77,27 +76,22 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
-  // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
-  // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
-  // slower (H200, parts against the build switch MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5;
-  // docs/l2_fused_log.md; the switch was removed after b8e1473).
+  // Only the weight gradients hold a tile into the next task's mainloop: their tasks are short (K = one expert's
+  // rows), so storing under the next wgmmas pays off there; the row-wise kinds gain nothing (docs/gemm.md).
   constexpr bool kDefer = kGemm == Gemm::kWeightGrad;
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
   for_each_task(num_tasks, [&](int task) {
     Task t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
-    // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
-    // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
-    // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
+    // The weight gradients' K comes from memory (expert_rows): broadcast from one lane, it stays warp-uniform, so
+    // the mainloop's wgmma descriptors live in uniform registers (no R2UR moves per k-block; docs/gemm.md).
     if constexpr (kGemm == Gemm::kWeightGrad) t.num_k_blocks = warp_uniform(t.num_k_blocks);
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
-    // Padding rows are multiplied too (the epilogue stores zeros there): skipping a tile's all-padding half made
-    // the GEMMs 1.03-1.35x slower, its tasks ending early and the CTAs falling out of step (docs/l2_fused_log.md,
-    // "The padding-half skip, measured"; the build switch MOK_GEMM_SKIP_PADDING_HALF was removed after b8e1473).
+    // Padding rows are multiplied too (the epilogue stores zeros there): skipping a tile's all-padding half ends
+    // its tasks early and lets the CTAs fall out of step, which costs more than it saves (docs/gemm.md).
     it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, kDefer ? Epi::kPieces : 0>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
         [&] { epilogue.store_next(p, outputs, staging, lane); });

@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers sat at the
-  // staging's first bytes before, where consumer warp 0's stmatrix wrote row 0 of every tile.
+  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers lie past the
+  // staging, where no stmatrix of a consumer warp can overwrite them.
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,

@@ -83,10 +83,8 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
     uint8_t* b_tile = stage_b(smem, stage, which);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
-      // NOTE: a cheaper-looking path (one cvt per two elements, then integer ops and a bf16 multiply by
-      // 2^(112+e), exact for scale bytes 10..142) measured slower: the mxfp8 forward took 10.7 / 14.5 / 3.8 /
-      // 39.8 ms on the four standard shapes against 8.8 / 11.2 / 3.0 / 30.3 with this one (H200, moe bench
-      // with MXFP8 weights in the mainloop at c8c131e and 70824c8; data/bench/mx_gemm_ab.csv has its GEMMs).
+      // NOTE: fp32 scale multiplies, as mxfp8_dequantize: a cheaper-looking path (one cvt per two elements, then
+      // integer ops and a bf16 multiply by 2^(112+e)) is slower in this producer (docs/gemm.md).
       const float s = mxfp8::scale_byte_to_f32((scale_bytes >> (8 * (c / 2))) & 0xFFu);
       const float scale[8] = {s, s, s, s, s, s, s, s};
       *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) =

@@ -35,8 +35,8 @@ struct Params {
 };
 
 // kGateUpMxOut's gate (or up) in MXFP8, one buffer at p.gate (p.up): E4M3 data [num_rows, n] (n % 32 == 0), then
-// the row-wise E8M0 scales [num_rows, n / 32]. NOTE: one pointer, not two: any field more in Params changed the
-// PTX of every kind (nvcc 13.0), and the other kinds are measured as they are.
+// the row-wise E8M0 scales [num_rows, n / 32]. NOTE: one pointer, not two: a field more in Params changes the
+// PTX of every kind (nvcc 13.0).
 struct MxOut {
   uint8_t *data, *scales;
 };

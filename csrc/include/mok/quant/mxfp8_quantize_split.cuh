@@ -1,6 +1,6 @@
 // BF16 -> MXFP8 dual quantization (row-wise + column-wise from one read of x), warp-specialized. In each
-// CTA a producer warp streams 32 x 256 or 32 x 512 tiles of x into a ring of shared-memory stages with the bulk
-// copy engine; consumer warps come in groups, one group per tile: row warps write the row-wise half, column
+// CTA a producer warp streams 32 x 512 tiles of x into a ring of shared-memory stages with the bulk copy engine;
+// consumer warps come in groups, one group per tile: row warps write the row-wise half, column
 // warps the column-wise half, all from the same shared tile. Same numerics helpers as the other quantizers
 // (mxfp8.cuh), so the same bits as L0. Why this layout, and the measurements: docs/mxfp8_kernels.md, "Dual,
 // warp-specialized" and "Tiles of 512 columns".
