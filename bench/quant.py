@@ -6,11 +6,10 @@ output byte written once (bf16 x: 2 B/element; E4M3 data: 1 B/element; E8M0 scal
 Two ceilings, both measured in the same run:
 - `copy_gbps`: a device-to-device copy (`dst.copy_(src)`, 4 GiB, read + write), eager (its launch is
   nothing next to 2 ms); `frac_of_copy` = gbps / copy_gbps.
-- `copy_same_size_gbps`: a copy kernel (mok's `copy_bytes`) moving the SAME bytes as the row's kernel
-  (half read, half written), timed exactly like the kernel: `graph_time_ms`, same calls per graph,
-  replays and median, inputs rotated the same way; `frac_of_same_size_copy` = gbps / it. At 14 us a
-  call, launch, ramp-up and drain are a large part of any kernel; this column says how much of the gap
-  to the 4 GiB copy a copy of that size shares.
+- `copy_same_size_gbps`: a copy (`dst.copy_(src)`) moving the SAME bytes as the row's kernel (half read,
+  half written), timed like the kernel: `graph_time_ms`, same calls per graph, replays and median, sources
+  rotated the same way; `frac_of_same_size_copy` = gbps / it. At 14 us a call, launch, ramp-up and drain are
+  a large part of any kernel; this column says how much of the gap to the 4 GiB copy a copy of that size shares.
 Kernel times are CUDA-event medians over CUDA-graph replays (no Python overhead inside the timed
 region). L2 (60 MB, DESIGN §2): no flush; instead inputs smaller than L2_ROTATE_BYTES rotate among
 several copies (each with its own outputs), so that a call's input was last touched >= 240 MB of reads
@@ -18,8 +17,7 @@ ago and comes from HBM; the same-size copy rotates its sources by the same rule.
 into L2 and written back by the hardware, for both alike.
 
     python -m bench quant                    # writes data/bench/quant.csv
-    python -m bench quant --ops dual --variants 0,11,13,14,15,16 --out data/bench/quant_dual.csv
-                                                 # some ops and variants only, side by side
+    python -m bench quant --ops dual,rowwise --no-l0 --out data/bench/quant_dual.csv   # some ops only
     python -m bench quant --ops dual --shapes 147456x7168,258048x4096 --out data/bench/quant_geometry.csv
                                                  # other shapes (here: the same bytes in other row lengths)
 """
@@ -39,14 +37,6 @@ from mok.config import STANDARD_SHAPES
 
 L2_ROTATE_BYTES = 4 * 60 * 2**20  # inputs are rotated until this many bytes are touched per round
 OPS = ("rowwise", "colwise", "dual", "dequant_rowwise", "dequant_colwise", "fake_rowwise", "fake_colwise", "fake_dual")
-# docs/mxfp8_kernels.md. Variant 0 is an alias of 8 (one warp tile per warp, straight from global);
-# the alias target is left out. Dual 9-16, 22-23: warp-specialized (row and column warps share a shared-memory
-# tile; 22-23 with tiles of 512 columns).
-VARIANTS = {"rowwise": (0, 1, 2, 3, 4), "colwise": (0, 1, 2, 3, 4, 5, 6, 7),
-            "dual": (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 22, 23)}
-# The copy kernels (mok/quant/copy_bytes.cuh): 0 the same-size ceiling, 1 twice the bytes in flight, 2 bulk
-# copies both ways, 3 one read stream into two half-size write streams.
-COPY_VARIANTS = (0, 1, 2, 3)
 
 
 def quant_shapes() -> list[tuple[str, tuple]]:
@@ -92,7 +82,7 @@ def rotation_copies(input_bytes: int) -> int:
 
 def same_size_copy_bytes(nbytes: int) -> int:
     """Bytes of the same-size copy's source (and destination): half of `nbytes` (read + written),
-    rounded up to the copy kernel's 16-byte chunks."""
+    rounded up to 16-byte chunks."""
     return 16 * math.ceil(nbytes / 2 / 16)
 
 
@@ -115,41 +105,44 @@ def copy_bandwidth_gbps(nbytes: int = 2**32) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def same_size_copy_gbps(nbytes: int, variant: int = 0) -> float:
-    """Read + written GB/s of copy kernel `variant` (mok/quant/copy_bytes.cuh; 0: the same-size ceiling)
-    moving `nbytes` in all (half each way), timed as the quantizers are (graph_time_ms over rotated sources)."""
+def same_size_copy_gbps(nbytes: int) -> float:
+    """Read + written GB/s of a copy moving `nbytes` in all (half each way), timed as the quantizers are
+    (graph_time_ms over rotated sources)."""
     half = same_size_copy_bytes(nbytes)
-    ext = ops.load_extension()
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255),  # [half] source
               torch.empty(half, dtype=torch.uint8, device="cuda"))  # [half] destination
              for _ in range(rotation_copies(half))]
-    ms = graph_time_ms([lambda p=p: ext.copy_bytes(*p, variant) for p in pairs])
+    ms = graph_time_ms([lambda p=p: p[1].copy_(p[0]) for p in pairs])
     return 2 * half / ms / 1e6
 
 
 # ---- one shape ----------------------------------------------------------------------------------
 
 
-def _kernel_calls(op: str, xs: list, variant: int) -> tuple[list, object]:
+def _kernel_calls(op: str, xs: list) -> tuple[list, object]:
     """Closures that run `op` on each input with preallocated outputs, and the first call's outputs."""
     ext = ops.load_extension()
     if op.startswith("dequant"):
         rowwise = op == "dequant_rowwise"
         outs = [(torch.empty(d.shape, dtype=torch.bfloat16, device="cuda"), d, s) for d, s in xs]
-        return [lambda o=o: ext.mxfp8_dequantize(o[1], o[2], o[0], rowwise) for o in outs], outs[0][0]
+        return [lambda o=o: ext.mxfp8_dequantize(data=o[1], scales=o[2], out=o[0], rowwise=rowwise) for o in outs], \
+            outs[0][0]
     if op.startswith("fake"):
         dual, rowwise = op == "fake_dual", op == "fake_rowwise"
         outs = [(torch.empty_like(x), torch.empty_like(x) if dual else None) for x in xs]  # (col or row, row)
-        calls = [lambda x=x, o=o: ext.mxfp8_fake_quantize(x, o[0], o[1], rowwise) for x, o in zip(xs, outs)]
+        calls = [lambda x=x, o=o: ext.mxfp8_fake_quantize(x=x, out=o[0], out_row=o[1], rowwise=rowwise, counts=None)
+                 for x, o in zip(xs, outs)]
         return calls, (outs[0][1], outs[0][0]) if dual else outs[0][0]
     fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
           "dual": ops.mxfp8_quantize_dual}[op]
-    outs = [fn(x, variant) for x in xs]  # allocate once; the graph re-runs the raw binding into them
+    outs = [fn(x) for x in xs]  # allocate once; the graph re-runs the raw binding into them
     if op == "dual":
-        calls = [lambda x=x, o=o: ext.mxfp8_quantize_dual(x, *o[0], *o[1], variant) for x, o in zip(xs, outs)]
+        calls = [lambda x=x, o=o: ext.mxfp8_quantize_dual(x=x, data_row=o[0][0], scales_row=o[0][1],
+                                                          data_col=o[1][0], scales_col=o[1][1])
+                 for x, o in zip(xs, outs)]
     else:
         raw = getattr(ext, f"mxfp8_quantize_{op}")
-        calls = [lambda x=x, o=o: raw(x, *o, variant) for x, o in zip(xs, outs)]
+        calls = [lambda x=x, o=o: raw(x=x, data=o[0], scales=o[1]) for x, o in zip(xs, outs)]
     return calls, outs[0]
 
 
@@ -177,18 +170,7 @@ def _same_bits(got, want) -> bool:
     return all(_same_bits(g, w) for g, w in zip(got, want))
 
 
-def variants_of(op: str, variants) -> tuple:
-    """The variants of `op` to time: all of VARIANTS[op] (variants=True), the default only (False), or
-    those of a tuple of variant numbers that `op` has (0 is every op's default)."""
-    if variants is True:
-        return VARIANTS.get(op, (0,))
-    if variants is False:
-        return (0,)
-    return tuple(v for v in variants if v in VARIANTS.get(op, (0,)))
-
-
-def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, variants=True,
-                ops_list: tuple = OPS) -> list[dict]:
+def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, ops_list: tuple = OPS) -> list[dict]:
     numel = math.prod(shape)
     copies = rotation_copies(2 * numel)
     xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]  # shape, each
@@ -204,19 +186,17 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
             l0_fn = _l0_fn(op, xs[0], {d: q[0] for d, q in quantized.items()})
             want = l0_fn()
             l0_ms = time_ms(l0_fn, iters=3, warmup=1)  # the slow L0 reference
-        for variant in variants_of(op, variants):
-            calls, first_out = _kernel_calls(op, inputs, variant)
-            ms = graph_time_ms(calls)
-            if l0:
-                calls[0]()
-                exact = _same_bits(first_out, want)
-            nbytes = bytes_moved(op, numel)
-            if nbytes not in same_size:
-                same_size[nbytes] = same_size_copy_gbps(nbytes)
-            rows.append({"shape_name": name, "shape": "x".join(map(str, shape)), "op": op,
-                         "variant": variant, "time_ms": ms,
-                         **bandwidth_columns(nbytes, ms, copy_gbps, same_size[nbytes]),
-                         "l0_time_ms": l0_ms, "speedup_vs_l0": l0_ms / ms, "bitexact_vs_l0": exact})
+        calls, first_out = _kernel_calls(op, inputs)
+        ms = graph_time_ms(calls)
+        if l0:
+            calls[0]()
+            exact = _same_bits(first_out, want)
+        nbytes = bytes_moved(op, numel)
+        if nbytes not in same_size:
+            same_size[nbytes] = same_size_copy_gbps(nbytes)
+        rows.append({"shape_name": name, "shape": "x".join(map(str, shape)), "op": op, "time_ms": ms,
+                     **bandwidth_columns(nbytes, ms, copy_gbps, same_size[nbytes]),
+                     "l0_time_ms": l0_ms, "speedup_vs_l0": l0_ms / ms, "bitexact_vs_l0": exact})
         del want
     return rows
 
@@ -224,24 +204,18 @@ def bench_shape(name: str, shape: tuple, copy_gbps: float, l0: bool = True, vari
 # ---- provenance and main ------------------------------------------------------------------------
 
 
-def bench_quant(shapes: list | None = None, l0: bool = True, variants=True, ops_list: tuple = OPS) -> list[dict]:
-    """Tidy rows, one per (shape, op, variant), provenance columns included. `variants`: see variants_of."""
+def bench_quant(shapes: list | None = None, l0: bool = True, ops_list: tuple = OPS) -> list[dict]:
+    """Tidy rows, one per (shape, op), provenance columns included."""
     ops.require_hopper()
     copy_gbps = copy_bandwidth_gbps()
     meta = provenance()
-    none = {"variant": 0, "l0_time_ms": float("nan"), "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}
-    # The eager 4 GiB copy, and the copy kernels at 4 GiB timed as the kernels are: variant 0's row says
-    # whether the kernel the same-size columns use is itself a full-speed copy; 1-3 are other access patterns
-    # (3: one read stream and two write streams, dual's mix without its arithmetic).
-    kernel_gbps = [same_size_copy_gbps(2 * 2**32, v) for v in COPY_VARIANTS]
+    none = {"l0_time_ms": float("nan"), "speedup_vs_l0": float("nan"), "bitexact_vs_l0": None}
+    # The eager 4 GiB copy's row, against the same copy timed as the kernels are (from a CUDA graph)
+    graph_gbps = same_size_copy_gbps(2 * 2**32)
     rows = [{"shape_name": "copy-4GiB", "shape": str(2**32), "op": "copy", "time_ms": 2 * 2**32 / copy_gbps / 1e6,
-             **bandwidth_columns(2 * 2**32, 2 * 2**32 / copy_gbps / 1e6, copy_gbps, kernel_gbps[0]), **none}]
-    rows += [{"shape_name": "copy-kernel-4GiB", "shape": str(2**32), "op": "copy_kernel",
-              "time_ms": 2 * 2**32 / gbps / 1e6,
-              **bandwidth_columns(2 * 2**32, 2 * 2**32 / gbps / 1e6, copy_gbps, kernel_gbps[0]), **none,
-              "variant": v} for v, gbps in zip(COPY_VARIANTS, kernel_gbps)]
+             **bandwidth_columns(2 * 2**32, 2 * 2**32 / copy_gbps / 1e6, copy_gbps, graph_gbps), **none}]
     for name, shape in shapes or quant_shapes():
-        rows += bench_shape(name, shape, copy_gbps, l0=l0, variants=variants, ops_list=ops_list)
+        rows += bench_shape(name, shape, copy_gbps, l0=l0, ops_list=ops_list)
         torch.cuda.empty_cache()
     return [{**row, **meta} for row in rows]
 
@@ -251,8 +225,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(DATA / "quant.csv"))
     parser.add_argument("--no-l0", action="store_true", help="skip the L0 reference (no speed-up column)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated variant numbers (each op times those it has); default: all")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated ROWSxCOLS or EXPERTSxROWSxCOLS; default: 16384x7168 and each standard "
                              "shape's activations and weights")
@@ -265,13 +237,12 @@ def main(argv=None) -> int:
     unknown = [op for op in ops_list if op not in OPS]
     if unknown:
         parser.error(f"--ops: expected a subset of {','.join(OPS)}, got {','.join(unknown)}")
-    variants = True if args.variants is None else tuple(int(v) for v in args.variants.split(","))
     import pandas as pd
 
-    df = pd.DataFrame(bench_quant(shapes, l0=not args.no_l0, variants=variants, ops_list=ops_list))
+    df = pd.DataFrame(bench_quant(shapes, l0=not args.no_l0, ops_list=ops_list))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
-    cols = ["shape_name", "op", "variant", "time_ms", "gbps", "frac_of_copy", "frac_of_same_size_copy",
+    cols = ["shape_name", "op", "time_ms", "gbps", "frac_of_copy", "frac_of_same_size_copy",
             "speedup_vs_l0", "bitexact_vs_l0"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"wrote {args.out}")

@@ -1,12 +1,14 @@
 // The one file that sees both torch and mok's kernels: tensors in, raw pointers to the torch-free host
 // API (mok/api.h) out, on the current stream. Outputs are allocated and every argument is checked with
 // a clear message in mok/ops/; the TORCH_CHECKs here only guard against misuse of the raw bindings.
-// NOTE: their messages are strings only. On the H200 machine (torch 2.11.0+cu130, the extension built there) a
-// TORCH_CHECK whose message formats a number segfaulted the process instead of raising (copy_bytes' byte-count
-// check, 2026-12-03; not understood); string-only messages raise RuntimeError as they should.
+// NOTE: their messages are strings only: with torch 2.11.0+cu130 a TORCH_CHECK whose message formats a number
+// can segfault the process instead of raising (not understood); string-only messages raise RuntimeError.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 
 #include "mok/api.h"
 
@@ -29,32 +31,32 @@ const int32_t* real_num_rows_ptr(const std::optional<at::Tensor>& counts) {
   return counts->data_ptr<int32_t>();
 }
 
-void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales, int64_t variant) {
+void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(mok::mxfp8_quantize_rowwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), x.numel(),
-                                         static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_rowwise");
 }
 
-void quantize_colwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales, int64_t variant) {
+void quantize_colwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_colwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), rows, cols,
-                                         static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_colwise");
 }
 
 void quantize_dual(const at::Tensor& x, at::Tensor& data_row, at::Tensor& scales_row, at::Tensor& data_col,
-                   at::Tensor& scales_col, int64_t variant) {
+                   at::Tensor& scales_col) {
   check_arg(x, "x"), check_arg(data_row, "data_row"), check_arg(scales_row, "scales_row");
   check_arg(data_col, "data_col"), check_arg(scales_col, "scales_col");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_dual(x.data_ptr(), data_row.data_ptr(), scales_row.data_ptr(),
                                       data_col.data_ptr(), scales_col.data_ptr(), rows, cols,
-                                      static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
+                                      c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_dual");
 }
 
@@ -96,32 +98,64 @@ void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token,
              "mxfp8_fake_quantize_gathered");
 }
 
-void copy_bytes(const at::Tensor& src, at::Tensor& dst, int64_t variant) {
-  check_arg(src, "src"), check_arg(dst, "dst");
-  TORCH_CHECK(src.nbytes() == dst.nbytes(), "dst: expected as many bytes as src");
-  TORCH_CHECK(variant >= 0 && variant < mok::kNumCopyVariants, "variant: expected 0, 1, 2 or 3");
-  const c10::cuda::CUDAGuard guard(src.device());
-  check_cuda(mok::copy_bytes(src.data_ptr(), dst.data_ptr(), static_cast<int64_t>(src.nbytes()),
-                             static_cast<int>(variant), c10::cuda::getCurrentCUDAStream()),
-             "copy_bytes");
+// ---- grouped GEMMs (mok.ops.gemm, mok.ops.gemm_mx): operands and schedule by field name ------------------------
+
+// The schedule as the row-wise GEMMs read it (mok.ops.gemm.gemm_schedule_kwargs: row_to_token, tile_to_expert,
+// counts).
+mok::RowSchedule row_schedule(const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                              const std::optional<at::Tensor>& counts) {
+  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
+  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
+              "row_to_token, tile_to_expert: expected int32");
+  mok::RowSchedule sched{};
+  sched.row_to_token = row_to_token.data_ptr<int32_t>();
+  sched.tile_to_expert = tile_to_expert.data_ptr<int32_t>();
+  sched.real_num_rows = real_num_rows_ptr(counts);
+  sched.num_rows = row_to_token.numel();
+  return sched;
+}
+
+mok::SwiGLULimit swiglu_limit_of(double swiglu_limit, bool has_limit) {
+  mok::SwiGLULimit limit{};
+  limit.limit = static_cast<float>(swiglu_limit);
+  limit.has_limit = has_limit;
+  return limit;
+}
+
+// GEMM1's operands: w_gate_scales, w_up_scales only with MXFP8 weights (`mx`).
+mok::GateUpGemm gate_up_gemm(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                             const std::optional<at::Tensor>& w_gate_scales,
+                             const std::optional<at::Tensor>& w_up_scales, at::Tensor& h, at::Tensor& gate,
+                             at::Tensor& up, double swiglu_limit, bool has_limit) {
+  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
+  check_arg(gate, "gate"), check_arg(up, "up");
+  if (w_gate_scales) check_arg(*w_gate_scales, "w_gate_scales");
+  if (w_up_scales) check_arg(*w_up_scales, "w_up_scales");
+  mok::GateUpGemm args{};
+  args.x = x.data_ptr();
+  args.w_gate = w_gate.data_ptr();
+  args.w_up = w_up.data_ptr();
+  args.w_gate_scales = w_gate_scales ? w_gate_scales->data_ptr() : nullptr;
+  args.w_up_scales = w_up_scales ? w_up_scales->data_ptr() : nullptr;
+  args.h = h.data_ptr();
+  args.gate = gate.data_ptr();
+  args.up = up.data_ptr();
+  args.hidden = x.size(1);
+  args.intermediate = w_gate.size(1);
+  args.num_experts = w_gate.size(0);
+  args.swiglu = swiglu_limit_of(swiglu_limit, has_limit);
+  return args;
 }
 
 void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                         const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                         const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
                         double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(gate, "gate"), check_arg(up, "up");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::GateUpGemm args = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate, up, swiglu_limit, has_limit);
   const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_bf16_swiglu_gather(
-                 x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate.data_ptr(),
-                 up.data_ptr(),
-                 row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0), static_cast<float>(swiglu_limit),
-                 has_limit, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_swiglu_gather(args, sched, static_cast<int>(num_sms),
+                                                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_swiglu_gather");
 }
 
@@ -129,91 +163,104 @@ void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate,
                                   const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                                   const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate_mx,
                                   at::Tensor& up_mx, double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(gate_mx, "gate_mx"), check_arg(up_mx, "up_mx");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::GateUpGemm args = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate_mx, up_mx, swiglu_limit, has_limit);
   const int64_t mx_bytes = h.numel() + h.numel() / 32;  // E4M3 data, then one scale byte per 32
   TORCH_CHECK(gate_mx.nbytes() == mx_bytes && up_mx.nbytes() == mx_bytes,
               "gate_mx, up_mx: expected the data and scales of h's shape in one buffer");
   const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out(
-                 x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), h.data_ptr(), gate_mx.data_ptr(),
-                 up_mx.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1), w_gate.size(0),
-                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
-                 c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out(args, sched, static_cast<int>(num_sms),
+                                                            c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_swiglu_gather_mxfp8_out");
-}
-
-void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
-                        const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
-                        int64_t num_sms) {
-  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(out, "out");
-  check_arg(row_to_token, "row_to_token");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
-  const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                                                  tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
-                                                  out.data_ptr(), a_rows.size(0), w.size(1), w.size(2), w.size(0),
-                                                  static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_nt_contiguous");
 }
 
 void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_gate_scales,
                            const at::Tensor& w_up, const at::Tensor& w_up_scales, const at::Tensor& row_to_token,
                            const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& h,
                            at::Tensor& gate, at::Tensor& up, double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(x, "x"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up"), check_arg(h, "h");
-  check_arg(w_gate_scales, "w_gate_scales"), check_arg(w_up_scales, "w_up_scales");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(gate, "gate"), check_arg(up, "up");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::GateUpGemm args =
+      gate_up_gemm(x, w_gate, w_up, w_gate_scales, w_up_scales, h, gate, up, swiglu_limit, has_limit);
   const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_mxfp8_swiglu_gather(
-                 x.data_ptr(), w_gate.data_ptr(), w_gate_scales.data_ptr(), w_up.data_ptr(), w_up_scales.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
-                 h.data_ptr(), gate.data_ptr(), up.data_ptr(), row_to_token.numel(), x.size(1), w_gate.size(1),
-                 w_gate.size(0), static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
-                 c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_mxfp8_swiglu_gather(args, sched, static_cast<int>(num_sms),
+                                                   c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_mxfp8_swiglu_gather");
+}
+
+// GEMM2's operands: w_scales only with MXFP8 weights.
+mok::DownGemm down_gemm(const at::Tensor& a_rows, const at::Tensor& w, const std::optional<at::Tensor>& w_scales,
+                        at::Tensor& out) {
+  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(out, "out");
+  if (w_scales) check_arg(*w_scales, "w_scales");
+  mok::DownGemm args{};
+  args.a_rows = a_rows.data_ptr();
+  args.w = w.data_ptr();
+  args.w_scales = w_scales ? w_scales->data_ptr() : nullptr;
+  args.out = out.data_ptr();
+  args.n = w.size(1);
+  args.k = w.size(2);
+  args.num_experts = w.size(0);
+  return args;
+}
+
+void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& row_to_token,
+                        const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts, at::Tensor& out,
+                        int64_t num_sms) {
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::DownGemm args = down_gemm(a_rows, w, {}, out);
+  const c10::cuda::CUDAGuard guard(a_rows.device());
+  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(args, sched, static_cast<int>(num_sms),
+                                                  c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_nt_contiguous");
 }
 
 void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& w_scales,
                            const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                            const std::optional<at::Tensor>& counts, at::Tensor& out, int64_t num_sms) {
-  check_arg(a_rows, "a_rows"), check_arg(w, "w"), check_arg(w_scales, "w_scales"), check_arg(out, "out");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::DownGemm args = down_gemm(a_rows, w, w_scales, out);
   const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_mxfp8_nt_contiguous(a_rows.data_ptr(), w.data_ptr(), w_scales.data_ptr(),
-                                                   row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(),
-                                                   real_num_rows_ptr(counts), out.data_ptr(), a_rows.size(0), w.size(1),
-                                                   w.size(2), w.size(0), static_cast<int>(num_sms),
+  check_cuda(mok::grouped_gemm_mxfp8_nt_contiguous(args, sched, static_cast<int>(num_sms),
                                                    c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_mxfp8_nt_contiguous");
+}
+
+// The down dgrad's operands: gate_scales, up_scales only with MXFP8 gate/up.
+mok::DownDgradSwiGLU down_dgrad(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
+                                const at::Tensor& up, const std::optional<at::Tensor>& gate_scales,
+                                const std::optional<at::Tensor>& up_scales, at::Tensor& d_gate, at::Tensor& d_up,
+                                at::Tensor& h, double swiglu_limit, bool has_limit) {
+  check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
+  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
+  if (gate_scales) check_arg(*gate_scales, "gate_scales");
+  if (up_scales) check_arg(*up_scales, "up_scales");
+  mok::DownDgradSwiGLU args{};
+  args.dy_rows = dy_rows.data_ptr();
+  args.w_down = w_down.data_ptr();
+  args.gate = gate.data_ptr();
+  args.up = up.data_ptr();
+  args.gate_scales = gate_scales ? gate_scales->data_ptr() : nullptr;
+  args.up_scales = up_scales ? up_scales->data_ptr() : nullptr;
+  args.d_gate = d_gate.data_ptr();
+  args.d_up = d_up.data_ptr();
+  args.h = h.data_ptr();
+  args.hidden = w_down.size(1);
+  args.intermediate = w_down.size(2);
+  args.num_experts = w_down.size(0);
+  args.swiglu = swiglu_limit_of(swiglu_limit, has_limit);
+  return args;
 }
 
 void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate,
                        const at::Tensor& up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                        const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h,
                        double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate, "gate"), check_arg(up, "up");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::DownDgradSwiGLU args =
+      down_dgrad(dy_rows, w_down, gate, up, {}, {}, d_gate, d_up, h, swiglu_limit, has_limit);
   const c10::cuda::CUDAGuard guard(dy_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(
-                 dy_rows.data_ptr(), w_down.data_ptr(), gate.data_ptr(), up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
-                 d_gate.data_ptr(), d_up.data_ptr(), h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
-                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
-                 c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(args, sched, static_cast<int>(num_sms),
+                                                 c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_swiglu");
 }
 
@@ -222,37 +269,33 @@ void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down
                              const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                              const std::optional<at::Tensor>& counts, at::Tensor& d_gate, at::Tensor& d_up,
                              at::Tensor& h, double swiglu_limit, bool has_limit, int64_t num_sms) {
-  check_arg(dy_rows, "dy_rows"), check_arg(w_down, "w_down"), check_arg(gate_data, "gate_data");
-  check_arg(gate_scales, "gate_scales"), check_arg(up_data, "up_data"), check_arg(up_scales, "up_scales");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert");
-  check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(h, "h");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  const mok::DownDgradSwiGLU args = down_dgrad(dy_rows, w_down, gate_data, up_data, gate_scales, up_scales, d_gate,
+                                               d_up, h, swiglu_limit, has_limit);
   const c10::cuda::CUDAGuard guard(dy_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8(
-                 dy_rows.data_ptr(), w_down.data_ptr(), gate_data.data_ptr(), gate_scales.data_ptr(),
-                 up_data.data_ptr(), up_scales.data_ptr(), row_to_token.data_ptr<int32_t>(),
-                 tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts), d_gate.data_ptr(), d_up.data_ptr(),
-                 h.data_ptr(), dy_rows.size(0), w_down.size(1), w_down.size(2), w_down.size(0),
-                 static_cast<float>(swiglu_limit), has_limit, static_cast<int>(num_sms),
-                 c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8(args, sched, static_cast<int>(num_sms),
+                                                       c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_swiglu_mxfp8");
 }
 
 void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const at::Tensor& w_gate,
                         const at::Tensor& w_up, const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                         const std::optional<at::Tensor>& counts, at::Tensor& dx_rows, int64_t num_sms) {
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   check_arg(d_gate, "d_gate"), check_arg(d_up, "d_up"), check_arg(w_gate, "w_gate"), check_arg(w_up, "w_up");
-  check_arg(row_to_token, "row_to_token"), check_arg(tile_to_expert, "tile_to_expert"), check_arg(dx_rows, "dx_rows");
-  TORCH_CHECK(row_to_token.scalar_type() == at::kInt && tile_to_expert.scalar_type() == at::kInt,
-              "row_to_token, tile_to_expert: expected int32");
+  check_arg(dx_rows, "dx_rows");
+  mok::GateUpDgrad args{};
+  args.d_gate = d_gate.data_ptr();
+  args.d_up = d_up.data_ptr();
+  args.w_gate = w_gate.data_ptr();
+  args.w_up = w_up.data_ptr();
+  args.dx_rows = dx_rows.data_ptr();
+  args.hidden = w_gate.size(2);
+  args.intermediate = w_gate.size(1);
+  args.num_experts = w_gate.size(0);
   const c10::cuda::CUDAGuard guard(d_gate.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(
-                 d_gate.data_ptr(), d_up.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(),
-                 row_to_token.data_ptr<int32_t>(), tile_to_expert.data_ptr<int32_t>(), real_num_rows_ptr(counts),
-                 dx_rows.data_ptr(),
-                 d_gate.size(0), w_gate.size(2), w_gate.size(1), w_gate.size(0), static_cast<int>(num_sms),
-                 c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(args, sched, static_cast<int>(num_sms),
+                                                  c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_dgrad_gate_up");
 }
 
@@ -262,35 +305,19 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   check_arg(expert_rows, "expert_rows"), check_arg(d_w, "d_w");
   TORCH_CHECK(expert_offsets.scalar_type() == at::kInt, "expert_offsets: expected int32");
   TORCH_CHECK(expert_rows.scalar_type() == at::kInt, "expert_rows: expected int32");
+  mok::WeightGrad args{};
+  args.a_rows = a_rows.data_ptr();
+  args.b_rows = b_rows.data_ptr();
+  args.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  args.expert_rows = expert_rows.data_ptr<int32_t>();
+  args.d_w = d_w.data_ptr();
+  args.num_rows = a_rows.size(0);
+  args.m = a_rows.size(1);
+  args.n = b_rows.size(1);
+  args.num_experts = d_w.size(0);
   const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_weight_grad(a_rows.data_ptr(), b_rows.data_ptr(), expert_offsets.data_ptr<int32_t>(),
-                                                expert_rows.data_ptr<int32_t>(), d_w.data_ptr(), a_rows.size(0),
-                                                a_rows.size(1), b_rows.size(1), d_w.size(0), static_cast<int>(num_sms),
-                                                c10::cuda::getCurrentCUDAStream()),
+  check_cuda(mok::grouped_gemm_bf16_weight_grad(args, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_weight_grad");
-}
-
-// What this build's GEMMs were compiled with (a variant loaded beside the default build must report its own).
-pybind11::dict gemm_build_switches() {
-  const mok::GemmBuildSwitches built = mok::grouped_gemm_bf16_build_switches();
-  pybind11::dict switches;
-  switches["MOK_GEMM_TMA_STORE"] = built.tma_store;
-  switches["MOK_GEMM_NUM_STAGES"] = built.num_stages;
-  switches["MOK_GEMM_MULTICAST"] = built.multicast;
-  switches["MOK_GEMM_GROUP_M"] = built.group_m;
-  switches["MOK_GEMM_TRACE"] = built.trace;
-  switches["MOK_GEMM_DYNAMIC"] = built.dynamic;
-  return switches;
-}
-
-// MOK_GEMM_TRACE builds: fills `records` (CPU int64 [n, 8]) with the per-task records since the last call.
-int64_t gemm_trace(at::Tensor& records) {
-  TORCH_CHECK(!records.is_cuda() && records.is_contiguous() && records.scalar_type() == at::kLong &&
-                  records.dim() == 2 && records.size(1) == 8,
-              "records: expected a contiguous CPU int64 tensor [n, 8]");
-  const int64_t n = mok::grouped_gemm_bf16_trace(records.data_ptr<int64_t>(), records.size(0));
-  TORCH_CHECK(n >= 0, "grouped_gemm_bf16_trace: a copy from the device failed");
-  return n;
 }
 
 void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std::optional<at::Tensor>& topk_weights,
@@ -338,36 +365,52 @@ int64_t* int64_ptr(const at::Tensor& t, const char* name) {
 }
 
 // The schedule's arrays are allocated here, not in mok.ops: carving one int64 and one int32 allocation into
-// 14 views cost ~40 us of Python per forward, on the path to GEMM1's launch (tools/host_time.py). Returned in
-// the order of mok.ops.moe._SCHEDULE_ARRAYS: the 11 int64 arrays (route_to_row as [num_tokens, num_topk]),
-// then the int32 counts [2], row_to_token [max_num_rows] and, with `gemm`, the per-128-row tile_to_expert
-// (else an empty tensor). Every array starts 256-byte aligned. The chunk-count scratch comes from the same
-// caching allocator, on the current stream.
-std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_experts, int64_t block_m,
-                                      int64_t max_num_rows, bool gemm) {
+// 14 views saves ~40 us of Python per forward, on the path to GEMM1's launch. Returned by
+// name (struct ScheduleOutputs' fields, mok/api.h): the 11 int64 arrays (route_to_row as [num_tokens, num_topk]),
+// then the int32 counts [2], row_to_token_i32 [max_num_rows] and, with `gemm`, the per-128-row
+// gemm_tile_to_expert (else an empty tensor). Every array starts 256-byte aligned. The chunk-count scratch comes
+// from the same caching allocator, on the current stream.
+pybind11::dict make_schedule(const at::Tensor& topk_idx, int64_t num_experts, int64_t block_m, int64_t max_num_rows,
+                             bool gemm) {
   TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected [num_tokens, num_topk]");
   const int64_t num_routes = topk_idx.numel(), tiles = max_num_rows / block_m, rows = max_num_rows;
-  const auto carve = [&](at::ScalarType type, std::initializer_list<int64_t> sizes, std::vector<at::Tensor>& out) {
+  // name -> view of one allocation per dtype, each view 256-byte aligned
+  const auto carve = [&](at::ScalarType type, std::initializer_list<std::pair<const char*, int64_t>> sizes,
+                         std::map<std::string, at::Tensor>& out) {
     const int64_t step = 256 / static_cast<int64_t>(c10::elementSize(type));
     int64_t total = 0;
-    for (const int64_t n : sizes) total += (n + step - 1) / step * step;
+    for (const auto& [name, n] : sizes) total += (n + step - 1) / step * step;
     const at::Tensor buf = at::empty({total}, topk_idx.options().dtype(type));
     int64_t start = 0;
-    for (const int64_t n : sizes) {
-      out.push_back(buf.narrow(0, start, n));
+    for (const auto& [name, n] : sizes) {
+      out[name] = buf.narrow(0, start, n);
       start += (n + step - 1) / step * step;
     }
   };
-  std::vector<at::Tensor> v;
-  carve(at::kLong, {num_experts, num_experts, num_experts + 1, num_experts + 1, num_routes, rows, rows, rows, rows,
-                    tiles, tiles}, v);
-  carve(at::kInt, {2, rows, gemm ? max_num_rows / 128 : 0}, v);
-  const mok::ScheduleOutputs out{
-      v[0].data_ptr<int64_t>(), v[1].data_ptr<int64_t>(), v[2].data_ptr<int64_t>(),  v[3].data_ptr<int64_t>(),
-      v[4].data_ptr<int64_t>(), v[5].data_ptr<int64_t>(), v[6].data_ptr<int64_t>(),  v[7].data_ptr<int64_t>(),
-      v[8].data_ptr<int64_t>(), v[9].data_ptr<int64_t>(), v[10].data_ptr<int64_t>(), v[11].data_ptr<int32_t>(),
-      v[12].data_ptr<int32_t>(), gemm ? v[13].data_ptr<int32_t>() : nullptr};
-  v[4] = v[4].view({topk_idx.size(0), topk_idx.size(1)});  // route_to_row
+  std::map<std::string, at::Tensor> v;
+  carve(at::kLong, {{"tokens_per_expert", num_experts}, {"padded_per_expert", num_experts},
+                    {"expert_offsets", num_experts + 1}, {"tile_offsets", num_experts + 1},
+                    {"route_to_row", num_routes}, {"row_to_token", rows}, {"row_to_k", rows},
+                    {"row_to_route", rows}, {"row_to_expert", rows}, {"tile_to_expert", tiles},
+                    {"tile_num_rows", tiles}}, v);
+  carve(at::kInt, {{"counts", 2}, {"row_to_token_i32", rows}, {"gemm_tile_to_expert", gemm ? max_num_rows / 128 : 0}},
+        v);
+  mok::ScheduleOutputs out{};
+  out.tokens_per_expert = v["tokens_per_expert"].data_ptr<int64_t>();
+  out.padded_per_expert = v["padded_per_expert"].data_ptr<int64_t>();
+  out.expert_offsets = v["expert_offsets"].data_ptr<int64_t>();
+  out.tile_offsets = v["tile_offsets"].data_ptr<int64_t>();
+  out.route_to_row = v["route_to_row"].data_ptr<int64_t>();
+  out.row_to_token = v["row_to_token"].data_ptr<int64_t>();
+  out.row_to_k = v["row_to_k"].data_ptr<int64_t>();
+  out.row_to_route = v["row_to_route"].data_ptr<int64_t>();
+  out.row_to_expert = v["row_to_expert"].data_ptr<int64_t>();
+  out.tile_to_expert = v["tile_to_expert"].data_ptr<int64_t>();
+  out.tile_num_rows = v["tile_num_rows"].data_ptr<int64_t>();
+  out.counts = v["counts"].data_ptr<int32_t>();
+  out.row_to_token_i32 = v["row_to_token_i32"].data_ptr<int32_t>();
+  out.gemm_tile_to_expert = gemm ? v["gemm_tile_to_expert"].data_ptr<int32_t>() : nullptr;
+  v["route_to_row"] = v["route_to_row"].view({topk_idx.size(0), topk_idx.size(1)});
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const int64_t num_chunks = (num_routes + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
   at::Tensor chunk_counts = at::empty({num_chunks * (num_experts + 1)}, topk_idx.options().dtype(at::kInt));
@@ -375,7 +418,9 @@ std::vector<at::Tensor> make_schedule(const at::Tensor& topk_idx, int64_t num_ex
                                 block_m, max_num_rows, out, chunk_counts.data_ptr<int32_t>(),
                                 c10::cuda::getCurrentCUDAStream()),
              "make_schedule_cuda");
-  return v;
+  pybind11::dict arrays;
+  for (const auto& [name, t] : v) arrays[pybind11::str(name)] = t;
+  return arrays;
 }
 
 void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const at::Tensor& y_rows,
@@ -387,8 +432,8 @@ void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const 
   const c10::cuda::CUDAGuard guard(d_out.device());
   check_cuda(mok::route_grads_prep(d_out.data_ptr(), topk_weights.data_ptr<float>(), y_rows.data_ptr(),
                                    int64_ptr(route_to_row, "route_to_row"), int64_ptr(tile_num_rows, "tile_num_rows"),
-                                   real_num_rows_ptr(counts), dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(), route_to_row.size(0),
-                                   route_to_row.size(1), y_rows.size(0), y_rows.size(1), block_m,
+                                   real_num_rows_ptr(counts), dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(),
+                                   route_to_row.size(0), route_to_row.size(1), y_rows.size(0), y_rows.size(1), block_m,
                                    c10::cuda::getCurrentCUDAStream()),
              "route_grads_prep");
 }
@@ -408,13 +453,29 @@ void round_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, a
               "counts, chosen, slots: expected int32");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
   const c10::cuda::CUDAGuard guard(idx.device());
-  const mok::RouteRound args{int64_ptr(idx, "idx"), scores.data_ptr<float>(), counts.data_ptr<int32_t>(),
-                             int64_ptr(plan, "plan"),
-                             int64_ptr(keys, "keys"), int64_ptr(by_expert, "by_expert"), chosen.data_ptr<int32_t>(),
-                             slots.data_ptr<int32_t>(), int64_ptr(pool, "pool"), int64_ptr(num_real, "num_real"),
-                             int64_ptr(inv, "inv"), may.data_ptr<uint8_t>(), pool_scores.data_ptr<float>(),
-                             int64_ptr(assign, "assign"), int64_ptr(routes, "routes"), int64_ptr(left, "left"),
-                             int64_ptr(out, "out"), idx.size(0), idx.size(1), scores.size(1), pool.size(0), tile};
+  mok::RouteRound args{};
+  args.idx = int64_ptr(idx, "idx");
+  args.scores = scores.data_ptr<float>();
+  args.counts = counts.data_ptr<int32_t>();
+  args.plan = int64_ptr(plan, "plan");
+  args.keys = int64_ptr(keys, "keys");
+  args.by_expert = int64_ptr(by_expert, "by_expert");
+  args.chosen = chosen.data_ptr<int32_t>();
+  args.slots = slots.data_ptr<int32_t>();
+  args.pool = int64_ptr(pool, "pool");
+  args.num_real = int64_ptr(num_real, "num_real");
+  args.inv = int64_ptr(inv, "inv");
+  args.may = may.data_ptr<uint8_t>();
+  args.pool_scores = pool_scores.data_ptr<float>();
+  args.assign = int64_ptr(assign, "assign");
+  args.routes = int64_ptr(routes, "routes");
+  args.left = int64_ptr(left, "left");
+  args.out = int64_ptr(out, "out");
+  args.num_tokens = idx.size(0);
+  args.num_topk = idx.size(1);
+  args.num_experts = scores.size(1);
+  args.num_pool = pool.size(0);
+  args.tile = tile;
   check_cuda(mok::route_round_step(args, static_cast<int>(step), c10::cuda::getCurrentCUDAStream()),
              "route_round_step");
 }
@@ -448,59 +509,106 @@ void swap_leftovers(at::Tensor& idx, const at::Tensor& before, const at::Tensor&
 
 }  // namespace
 
+// Every op takes keyword arguments only: the Python wrappers (mok/ops/) pass each tensor by its name, so that no
+// reorder of a signature here can bind one pointer in another's place.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mxfp8_quantize_rowwise", &quantize_rowwise, "x, data, scales, variant");
-  m.def("mxfp8_quantize_colwise", &quantize_colwise, "x, data, scales, variant");
-  m.def("mxfp8_quantize_dual", &quantize_dual, "x, data_row, scales_row, data_col, scales_col, variant");
-  m.def("mxfp8_dequantize", &dequantize, "data, scales, out, rowwise");
+  m.def("mxfp8_quantize_rowwise", &quantize_rowwise,
+        "row-wise MXFP8 of x into data, scales",
+        py::kw_only(), py::arg("x"), py::arg("data"), py::arg("scales"));
+  m.def("mxfp8_quantize_colwise", &quantize_colwise,
+        "column-wise MXFP8 of x into data, scales",
+        py::kw_only(), py::arg("x"), py::arg("data"), py::arg("scales"));
+  m.def("mxfp8_quantize_dual", &quantize_dual,
+        "both directions from one read of x",
+        py::kw_only(), py::arg("x"), py::arg("data_row"), py::arg("scales_row"), py::arg("data_col"),
+        py::arg("scales_col"));
+  m.def("mxfp8_dequantize", &dequantize,
+        "data, scales (row-wise if rowwise, else column-wise) into bf16 out",
+        py::kw_only(), py::arg("data"), py::arg("scales"), py::arg("out"), py::arg("rowwise"));
   m.def("mxfp8_fake_quantize", &fake_quantize,
-        "x, out (row-wise, or column-wise), out_row (None, or dual's row-wise output), rowwise, counts (None, or a "
-        "schedule's int32 counts: the 32-row blocks from counts[0] on are left alone; tiled only)");
+        "the round trip of x into out (row-wise if rowwise, else column-wise), and into out_row too (None, or dual's "
+        "row-wise output); counts: None, or a schedule's int32 counts (the 32-row blocks from counts[0] on are left "
+        "alone; tiled only)",
+        py::kw_only(), py::arg("x"), py::arg("out"), py::arg("out_row"), py::arg("rowwise"), py::arg("counts"));
   m.def("mxfp8_fake_quantize_gathered", &fake_quantize_gathered,
-        "x [T, H], row_to_token (int32 [R]), out [R, H], counts (None or as mxfp8_fake_quantize's): the column-wise "
-        "round trip of x's rows in schedule order");
-  m.def("copy_bytes", &copy_bytes, "src, dst (same byte count, % 16 == 0), variant: the benchmark's copy kernels",
-        py::arg("src"), py::arg("dst"), py::arg("variant") = 0);
+        "the column-wise round trip of x's rows [T, H] in schedule order (row_to_token int32 [R]) into out [R, H]; "
+        "counts as mxfp8_fake_quantize's",
+        py::kw_only(), py::arg("x"), py::arg("row_to_token"), py::arg("out"), py::arg("counts"));
   m.def("grouped_gemm_bf16_swiglu_gather", &gemm_swiglu_gather,
-        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate, up, swiglu_limit, has_limit, "
-        "num_sms");
+        "GEMM1: h, gate, up from x gathered by the schedule (row_to_token, tile_to_expert, counts or None)",
+        py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"),
+        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_swiglu_gather_mxfp8_out", &gemm_swiglu_gather_mxfp8_out,
-        "x, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), h, gate_mx, up_mx (uint8: E4M3 data "
-        "then scales), swiglu_limit, has_limit, num_sms");
+        "GEMM1 for the MXFP8 forward: gate_mx, up_mx uint8 buffers of E4M3 data then scales",
+        py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate_mx"), py::arg("up_mx"),
+        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_nt_contiguous", &gemm_nt_contiguous,
-        "a_rows, w, row_to_token, tile_to_expert, counts (or None), out, num_sms");
+        "GEMM2: out = a_rows · w[e]ᵀ over the schedule",
+        py::kw_only(), py::arg("a_rows"), py::arg("w"), py::arg("row_to_token"), py::arg("tile_to_expert"),
+        py::arg("counts"), py::arg("out"), py::arg("num_sms"));
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
-        "x, w_gate, w_gate_scales, w_up, w_up_scales, row_to_token, tile_to_expert, counts (or None), h, gate, up, "
-        "swiglu_limit, has_limit, num_sms");
+        "GEMM1 with MXFP8 weights",
+        py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),
+        py::arg("w_up_scales"), py::arg("row_to_token"), py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"),
+        py::arg("gate"), py::arg("up"), py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_mxfp8_nt_contiguous", &gemm_mx_nt_contiguous,
-        "a_rows, w, w_scales, row_to_token, tile_to_expert, counts (or None), out, num_sms");
+        "GEMM2 with MXFP8 weights",
+        py::kw_only(), py::arg("a_rows"), py::arg("w"), py::arg("w_scales"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("out"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_dgrad_swiglu", &gemm_dgrad_swiglu,
-        "dy_rows, w_down, gate, up, row_to_token, tile_to_expert, counts (or None), d_gate, d_up, h, swiglu_limit, "
-        "has_limit, num_sms");
+        "the down dgrad, then the SwiGLU backward",
+        py::kw_only(), py::arg("dy_rows"), py::arg("w_down"), py::arg("gate"), py::arg("up"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("d_gate"), py::arg("d_up"), py::arg("h"),
+        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_dgrad_swiglu_mxfp8", &gemm_dgrad_swiglu_mxfp8,
-        "dy_rows, w_down, gate_data, gate_scales, up_data, up_scales, row_to_token, tile_to_expert, counts (or None), "
-        "d_gate, d_up, h, swiglu_limit, has_limit, num_sms");
+        "the same from row-wise MXFP8 gate and up",
+        py::kw_only(), py::arg("dy_rows"), py::arg("w_down"), py::arg("gate_data"), py::arg("gate_scales"),
+        py::arg("up_data"), py::arg("up_scales"), py::arg("row_to_token"), py::arg("tile_to_expert"),
+        py::arg("counts"), py::arg("d_gate"), py::arg("d_up"), py::arg("h"), py::arg("swiglu_limit"),
+        py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_dgrad_gate_up", &gemm_dgrad_gate_up,
-        "d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, counts (or None), dx_rows, num_sms");
+        "dx_rows = d_gate · w_gate[e] + d_up · w_up[e]",
+        py::kw_only(), py::arg("d_gate"), py::arg("d_up"), py::arg("w_gate"), py::arg("w_up"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("dx_rows"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
-        "a_rows, b_rows, expert_offsets, expert_rows, d_w, num_sms");
-  m.def("grouped_gemm_bf16_build_switches", &gemm_build_switches, "the GEMMs' compile-time switches");
-  m.def("grouped_gemm_bf16_trace", &gemm_trace, "records (CPU int64 [n, 8]) -> count: MOK_GEMM_TRACE builds");
-  m.def("combine_rows", &combine, "y_rows, route_to_row, topk_weights (or None), shared (or None), out");
+        "d_w[e] = Σ a_rowsᵀ · b_rows over expert e's segment",
+        py::kw_only(), py::arg("a_rows"), py::arg("b_rows"), py::arg("expert_offsets"), py::arg("expert_rows"),
+        py::arg("d_w"), py::arg("num_sms"));
+  m.def("combine_rows", &combine,
+        "out[t] = Σ_k topk_weights[t, k] · y_rows[route_to_row[t, k]] + shared[t] (topk_weights, shared: or None)",
+        py::kw_only(), py::arg("y_rows"), py::arg("route_to_row"), py::arg("topk_weights"), py::arg("shared"),
+        py::arg("out"));
   m.def("gather_rows", &gather,
-        "x, row_to_token (int32), row_to_k (int64), route_to_row (int64 [T, K]), out, counts (None, or a schedule's "
-        "int32 counts: rows from counts[0] on are left alone)");
+        "out[r] = x[row_to_token[r]] (int32), checked against row_to_k (int64) and route_to_row (int64 [T, K]); "
+        "counts: None, or a schedule's int32 counts (rows from counts[0] on are left alone)",
+        py::kw_only(), py::arg("x"), py::arg("row_to_token"), py::arg("row_to_k"), py::arg("route_to_row"),
+        py::arg("out"), py::arg("counts"));
   m.def("make_schedule", &make_schedule,
-        "topk_idx, num_experts, block_m, max_num_rows, gemm -> the schedule's arrays (mok.ops.moe._SCHEDULE_ARRAYS)");
+        "the schedule's arrays by name (struct ScheduleOutputs' fields; mok.ops.moe)",
+        py::kw_only(), py::arg("topk_idx"), py::arg("num_experts"), py::arg("block_m"), py::arg("max_num_rows"),
+        py::arg("gemm"));
   m.def("route_grads_prep", &route_grads,
-        "d_out, topk_weights, y_rows, route_to_row, tile_num_rows, counts (or None), dy_rows, d_topk_weights, block_m");
+        "dy_rows, d_topk_weights from d_out, topk_weights, y_rows over the schedule (route_to_row, tile_num_rows, "
+        "counts or None)",
+        py::kw_only(), py::arg("d_out"), py::arg("topk_weights"), py::arg("y_rows"), py::arg("route_to_row"),
+        py::arg("tile_num_rows"), py::arg("counts"), py::arg("dy_rows"), py::arg("d_topk_weights"),
+        py::arg("block_m"));
   m.def("route_round_step", &round_step,
-        "step (RouteRoundStep), idx, scores, counts, plan, keys, by_expert, chosen, slots, pool, num_real, inv, may, "
-        "pool_scores, assign, routes, left, out, tile: one map step of round_to_tiles (struct RouteRound, mok/api.h)");
+        "one map step (RouteRoundStep) of round_to_tiles over its buffers (struct RouteRound, mok/api.h)",
+        py::kw_only(), py::arg("step"), py::arg("idx"), py::arg("scores"), py::arg("counts"), py::arg("plan"),
+        py::arg("keys"), py::arg("by_expert"), py::arg("chosen"), py::arg("slots"), py::arg("pool"),
+        py::arg("num_real"), py::arg("inv"), py::arg("may"), py::arg("pool_scores"), py::arg("assign"),
+        py::arg("routes"), py::arg("left"), py::arg("out"), py::arg("tile"));
   m.def("route_fill_rounds", &fill_rounds,
-        "order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 [R], in/out), assign (int64 "
-        "[P], out), first (int32 [U]), pick (int32 [P]), num_real (int64 [1] or None): round_to_tiles' rounds");
+        "round_to_tiles' rounds: order (int64 [R, P]), may (uint8 [U, R], changed), inv (int64 [P]), need (int64 "
+        "[R], in/out), assign (int64 [P], out), first (int32 [U]), pick (int32 [P]), num_real (int64 [1] or None)",
+        py::kw_only(), py::arg("order"), py::arg("may"), py::arg("inv"), py::arg("need"), py::arg("assign"),
+        py::arg("first"), py::arg("pick"), py::arg("num_real"));
   m.def("route_swap_leftovers", &swap_leftovers,
-        "idx (int64 [T, K], changed), before (int64 [T, K]), allowed (uint8 [T, E]), left (int64 [P]), need (int64 "
-        "[E], in/out), waiting (int32 [P]), moved (int32 [T·K + P]): round_to_tiles' end game");
+        "round_to_tiles' end game: idx (int64 [T, K], changed), before (int64 [T, K]), allowed (uint8 [T, E]), left "
+        "(int64 [P]), need (int64 [E], in/out), waiting (int32 [P]), moved (int32 [T·K + P])",
+        py::kw_only(), py::arg("idx"), py::arg("before"), py::arg("allowed"), py::arg("left"), py::arg("need"),
+        py::arg("waiting"), py::arg("moved"));
 }

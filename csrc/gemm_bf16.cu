@@ -6,128 +6,103 @@
 
 namespace mok {
 
-cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                            const int32_t* real_num_rows, void* h, void* gate, void* up,
-                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
-                                            cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
-  p.gate = static_cast<uint16_t*>(gate);
-  p.up = static_cast<uint16_t*>(up);
-  p.swiglu_limit = swiglu_limit;
-  p.has_limit = has_limit ? 1 : 0;
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(w_gate, w_up, num_experts, p, num_sms, stream);
+namespace {
+
+// GEMM1's Params: x gathered, h out, n = intermediate, k = hidden, gate and up (bf16, or MXFP8 buffers: mx_of).
+gemm::Params gate_up_params(const GateUpGemm& args, const RowSchedule& sched) {
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.x);
+  p.out = static_cast<uint16_t*>(args.h);
+  p.n = static_cast<int>(args.intermediate);
+  p.k = static_cast<int>(args.hidden);
+  p.gate = static_cast<uint16_t*>(args.gate);
+  p.up = static_cast<uint16_t*>(args.up);
+  p.swiglu_limit = args.swiglu.limit;
+  p.has_limit = args.swiglu.has_limit ? 1 : 0;
+  return p;
 }
 
-cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
-    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* tile_to_expert,
-    const int32_t* real_num_rows, void* h, void* gate_mx, void* up_mx,
-    int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit,
-    int num_sms, cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
-  p.gate = static_cast<uint16_t*>(gate_mx);  // mx_of: data, then scales
-  p.up = static_cast<uint16_t*>(up_mx);
-  p.swiglu_limit = swiglu_limit;
-  p.has_limit = has_limit ? 1 : 0;
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMxOut>(w_gate, w_up, num_experts, p, num_sms, stream);
+}  // namespace
+
+cudaError_t grouped_gemm_bf16_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
+                                            cudaStream_t stream) {
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(args.w_gate, args.w_up, args.num_experts,
+                                                             gate_up_params(args, sched), num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
-                                            const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
-                                            int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
+cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
+                                                      cudaStream_t stream) {
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMxOut>(args.w_gate, args.w_up, args.num_experts,
+                                                                  gate_up_params(args, sched), num_sms, stream);
+}
+
+cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream) {
-  const gemm::Params p = gemm::rows_params(a_rows, row_to_token, tile_to_expert, real_num_rows, out, num_rows, n, k);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(w, w, num_experts, p, num_sms, stream);
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.a_rows);
+  p.out = static_cast<uint16_t*>(args.out);
+  p.n = static_cast<int>(args.n);
+  p.k = static_cast<int>(args.k);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(args.w, args.w, args.num_experts, p, num_sms, stream);
 }
 
 namespace {
 
 // The down dgrad writes d_h into d_gate's buffer; the SwiGLU backward overwrites it in place with d_gate and
-// writes d_up and h. gate/up: bf16, or row-wise MXFP8 data with these scales (null: bf16).
-cudaError_t dgrad_then_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                              const void* gate_scales, const void* up_scales, const int32_t* row_to_token,
-                              const int32_t* tile_to_expert, const int32_t* real_num_rows, void* d_gate, void* d_up,
-                              void* h, int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts,
-                              float swiglu_limit, bool has_limit, int num_sms, cudaStream_t stream) {
-  const gemm::Params p =
-      gemm::rows_params(dy_rows, row_to_token, tile_to_expert, real_num_rows, d_gate, num_rows, intermediate, hidden);
-  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(w_down, w_down, num_experts, p, num_sms,
-                                                                            stream);
+// writes d_up and h. gate/up: bf16, or row-wise MXFP8 data with args' scales (null: bf16).
+cudaError_t dgrad_then_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
+                              cudaStream_t stream) {
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.dy_rows);
+  p.out = static_cast<uint16_t*>(args.d_gate);
+  p.n = static_cast<int>(args.intermediate);
+  p.k = static_cast<int>(args.hidden);
+  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(args.w_down, args.w_down,
+                                                                            args.num_experts, p, num_sms, stream);
   if (err) return err;
-  return moe::launch_swiglu_backward_rows(d_gate, gate, up, row_to_token, real_num_rows, d_gate, d_up, h, num_rows,
-                                          intermediate, swiglu_limit, has_limit, stream, gate_scales, up_scales);
+  return moe::launch_swiglu_backward_rows(args.d_gate, args.gate, args.up, sched.row_to_token, sched.real_num_rows,
+                                          args.d_gate, args.d_up, args.h, sched.num_rows, args.intermediate,
+                                          args.swiglu.limit, args.swiglu.has_limit, stream, args.gate_scales,
+                                          args.up_scales);
 }
 
 }  // namespace
 
-cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
-                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+cudaError_t grouped_gemm_bf16_dgrad_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                            cudaStream_t stream) {
-  return dgrad_then_swiglu(dy_rows, w_down, gate, up, nullptr, nullptr, row_to_token, tile_to_expert, real_num_rows,
-                           d_gate, d_up, h, num_rows, hidden, intermediate, num_experts, swiglu_limit, has_limit,
-                           num_sms, stream);
+  if (args.gate_scales != nullptr || args.up_scales != nullptr) return cudaErrorInvalidValue;  // bf16 gate/up
+  return dgrad_then_swiglu(args, sched, num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
-                                                 const void* gate_scales, const void* up_data, const void* up_scales,
-                                                 const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                                 const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
-                                                 int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                                 int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                                  cudaStream_t stream) {
-  return dgrad_then_swiglu(dy_rows, w_down, gate_data, up_data, gate_scales, up_scales, row_to_token, tile_to_expert,
-                           real_num_rows, d_gate, d_up, h, num_rows, hidden, intermediate, num_experts, swiglu_limit,
-                           has_limit, num_sms, stream);
+  if (args.gate_scales == nullptr || args.up_scales == nullptr) return cudaErrorInvalidValue;  // MXFP8 gate/up
+  return dgrad_then_swiglu(args, sched, num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                            const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
-                                            int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
+cudaError_t grouped_gemm_bf16_dgrad_gate_up(const GateUpDgrad& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p =
-      gemm::rows_params(d_gate, row_to_token, tile_to_expert, real_num_rows, dx_rows, num_rows, hidden, intermediate);
-  p.a2 = static_cast<const uint16_t*>(d_up);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(w_gate, w_up, num_experts, p, num_sms, stream);
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.d_gate);
+  p.a2 = static_cast<const uint16_t*>(args.d_up);
+  p.out = static_cast<uint16_t*>(args.dx_rows);
+  p.n = static_cast<int>(args.hidden);
+  p.k = static_cast<int>(args.intermediate);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(args.w_gate, args.w_up, args.num_experts, p,
+                                                                  num_sms, stream);
 }
 
-cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows, const int32_t* expert_offsets,
-                                          const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
-                                          int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream) {
+cudaError_t grouped_gemm_bf16_weight_grad(const WeightGrad& args, int num_sms, cudaStream_t stream) {
   gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(a_rows);
-  p.expert_offsets = expert_offsets;
-  p.expert_rows = expert_rows;
-  p.out = static_cast<uint16_t*>(d_w);
-  p.num_rows = static_cast<int>(num_rows);
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(b_rows, b_rows, num_experts, p, num_sms, stream);
-}
-
-int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records) {
-#if MOK_GEMM_TRACE
-  int count = 0;
-  if (cudaMemcpyFromSymbol(&count, gemm::g_trace_count, sizeof(count)) != cudaSuccess) return -1;
-  const int64_t n = std::min<int64_t>({count, max_records, gemm::kTraceRecords});
-  if (n > 0 && cudaMemcpyFromSymbol(records, gemm::g_trace, n * gemm::kTraceWords * sizeof(int64_t)) != cudaSuccess)
-    return -1;
-  const int zero = 0;
-  if (cudaMemcpyToSymbol(gemm::g_trace_count, &zero, sizeof(zero)) != cudaSuccess) return -1;
-  return n;
-#else
-  (void)records, (void)max_records;
-  return 0;
-#endif
-}
-
-GemmBuildSwitches grouped_gemm_bf16_build_switches() {
-  return {MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST, MOK_GEMM_GROUP_M, MOK_GEMM_TRACE,
-          MOK_GEMM_DYNAMIC};
+  p.a = static_cast<const uint16_t*>(args.a_rows);
+  p.expert_offsets = args.expert_offsets;
+  p.expert_rows = args.expert_rows;
+  p.out = static_cast<uint16_t*>(args.d_w);
+  p.num_rows = static_cast<int>(args.num_rows);
+  p.m = static_cast<int>(args.m);
+  p.n = static_cast<int>(args.n);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(args.b_rows, args.b_rows, args.num_experts, p,
+                                                                 num_sms, stream);
 }
 
 }  // namespace mok

@@ -5,28 +5,36 @@
 
 namespace mok {
 
-cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, const void* w_gate_scales,
-                                             const void* w_up, const void* w_up_scales, const int32_t* row_to_token,
-                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* h,
-                                             void* gate, void* up, int64_t num_rows, int64_t hidden,
-                                             int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                             bool has_limit, int num_sms, cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(x, row_to_token, tile_to_expert, real_num_rows, h, num_rows, intermediate, hidden);
-  p.gate = static_cast<uint16_t*>(gate);
-  p.up = static_cast<uint16_t*>(up);
-  p.swiglu_limit = swiglu_limit;
-  p.has_limit = has_limit ? 1 : 0;
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMx>(w_gate, w_up, num_experts, p, num_sms, stream,
-                                                               {w_gate_scales, w_up_scales});
+cudaError_t grouped_gemm_mxfp8_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
+                                             cudaStream_t stream) {
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.x);
+  p.out = static_cast<uint16_t*>(args.h);
+  p.n = static_cast<int>(args.intermediate);
+  p.k = static_cast<int>(args.hidden);
+  p.gate = static_cast<uint16_t*>(args.gate);
+  p.up = static_cast<uint16_t*>(args.up);
+  p.swiglu_limit = args.swiglu.limit;
+  p.has_limit = args.swiglu.has_limit ? 1 : 0;
+  gemm::MxScales scales{};
+  scales.s0 = args.w_gate_scales;
+  scales.s1 = args.w_up_scales;
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMx>(args.w_gate, args.w_up, args.num_experts, p, num_sms,
+                                                               stream, scales);
 }
 
-cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, const void* w_scales,
-                                             const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                             const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
-                                             int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream) {
-  const gemm::Params p = gemm::rows_params(a_rows, row_to_token, tile_to_expert, real_num_rows, out, num_rows, n, k);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownMx>(w, w, num_experts, p, num_sms, stream,
-                                                             {w_scales, w_scales});
+cudaError_t grouped_gemm_mxfp8_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
+                                             cudaStream_t stream) {
+  gemm::Params p = gemm::rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.a_rows);
+  p.out = static_cast<uint16_t*>(args.out);
+  p.n = static_cast<int>(args.n);
+  p.k = static_cast<int>(args.k);
+  gemm::MxScales scales{};
+  scales.s0 = args.w_scales;
+  scales.s1 = args.w_scales;
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownMx>(args.w, args.w, args.num_experts, p, num_sms, stream,
+                                                             scales);
 }
 
 }  // namespace mok

@@ -112,3 +112,37 @@ def check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down,
         for name, size in (("hidden", H), ("intermediate", I)):
             if size % 32:
                 fail(name, "a multiple of 32 in mxfp8 mode (MX blocks of 32 along K)", size)
+
+
+def check_layout(name: str, t, dtype, shape: tuple, what: str) -> None:
+    """A tensor of `dtype` (or of one of a tuple of dtypes) and `shape` (entries None: any size; `what` names the
+    dims, e.g. "[num_rows, hidden]"), on any device: the checks before any device check, so CPU-testable."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        fail(name, "dtype " + " or ".join(str(d) for d in dtypes), t.dtype)
+    if t.dim() != len(shape) or any(e is not None and s != e for s, e in zip(t.shape, shape)):
+        want = ", ".join("*" if e is None else str(e) for e in shape)
+        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
+
+
+def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None, owner: str = "",
+               contiguous: bool = True, aligned: bool = False) -> None:
+    """A CUDA tensor; on `device` (whose tensor `owner` names, e.g. "x's"), contiguous, and with `aligned` a 16-byte
+    aligned data pointer (kernels that read rows in 16-byte pieces)."""
+    if t.device.type != "cuda":
+        fail(name, "a CUDA tensor", f"device {t.device}")
+    if device is not None and t.device != device:
+        fail(name, f"device {device} ({owner})", t.device)
+    if contiguous and not t.is_contiguous():
+        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
+    if aligned and t.data_ptr() % 16 != 0:
+        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)", f"address {t.data_ptr():#x}")
+
+
+def check_optional_int(name: str, value, low: int) -> int | None:
+    """None, or an int >= low (not a bool)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        fail(name, f"None or an int >= {low}", repr(value))
+    return value

@@ -150,17 +150,17 @@ def route_grads_prep(d_out, topk_weights, y_rows, sched):
 
 # ---- MXFP8 (mok.ops.quant): the kernels are bit-exact with mok.mxfp8 (tests/test_ops_quant.py) -------------------
 
-def mxfp8_quantize_rowwise(x, variant=0):
+def mxfp8_quantize_rowwise(x):
     """(data e4m3 x.shape, scales uint8 [..., cols / 32]): blocks of 32 along dim -1."""
     return mxfp8.quantize(x, dim=-1)
 
 
-def mxfp8_quantize_colwise(x, variant=0):
+def mxfp8_quantize_colwise(x):
     """(data e4m3 x.shape, scales uint8 [..., rows / 32, cols]): blocks of 32 along dim -2."""
     return mxfp8.quantize(x, dim=-2)
 
 
-def mxfp8_quantize_dual(x, variant=0):
+def mxfp8_quantize_dual(x):
     """((data_row, scales_row), (data_col, scales_col)): both directions, each from x (BF16) independently."""
     return mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2)
 

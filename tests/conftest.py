@@ -2,10 +2,8 @@
 with at least BIGMEM_GIB of memory).
 
 A test asks for hardware with a mark; it never checks for it itself. Skips are listed by -ra. On a Hopper GPU the
-kernels' builds that the selected tests load are made side by side before the first test runs.
+kernels' one build is made on first use.
 """
-
-import warnings
 
 import pytest
 import torch
@@ -35,24 +33,6 @@ def pytest_collection_modifyitems(config, items):
             if reason and mark in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
-
-
-def pytest_collection_finish(session):
-    """On a Hopper GPU, build every set of build switches the selected tests load (their `switches` parameter, beside
-    the default build and the environment's) side by side before the first test runs: a build takes about a
-    minute, nearly all of it on one core (mok.ops.core.prebuild)."""
-    if _hardware()["sm90"] is not None:
-        return
-    sets = [item.callspec.params["switches"] for item in session.items
-            if "switches" in getattr(getattr(item, "callspec", None), "params", {})
-            and not item.get_closest_marker("skip")]
-    if sets:
-        from mok.ops import core
-
-        try:
-            core.prebuild([{}, dict(core.build_switches()), *sets])
-        except RuntimeError as err:  # the tests then build one at a time on first use, each failing on its own
-            warnings.warn(str(err), stacklevel=1)
 
 
 @pytest.fixture

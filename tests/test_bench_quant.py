@@ -53,13 +53,6 @@ def test_bandwidth_columns():
     assert row["frac_of_same_size_copy"] > row["frac_of_copy"]
 
 
-def test_variants_of_includes_the_persistent_rowwise_variants():
-    assert bench_quant.variants_of("rowwise", True) == (0, 1, 2, 3, 4)
-    assert bench_quant.variants_of("rowwise", (0, 3, 4, 16)) == (0, 3, 4)
-    assert bench_quant.variants_of("dual", (0, 3, 4, 16)) == (0, 3, 4, 16)
-    assert bench_quant.variants_of("dequant_rowwise", (3,)) == ()
-
-
 def test_parse_shapes():
     assert bench_quant.parse_shapes("147456x7168,3x64x96") == [("147456x7168", (147456, 7168)),
                                                                 ("3x64x96", (3, 64, 96))]

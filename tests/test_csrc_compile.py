@@ -110,26 +110,14 @@ def test_bindings_type_check_against_torch_headers(tmp_path):
     assert result.returncode == 0, "bindings.cpp does not type-check:\n" + "\n".join(errors[:20])
 
 
-# The GEMMs' build switches other than the defaults (mok.ops.core.BUILD_SWITCHES): every path the lead can
-# A/B on the GPU compiles, without spills.
 GEMM_UNIT = CSRC / "gemm_bf16.cu"
-GEMM_SWITCHES = [["-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_NUM_STAGES=3"],
-                 ["-DMOK_GEMM_NUM_STAGES=3", "-DMOK_GEMM_TMA_STORE=0"], ["-DMOK_GEMM_MULTICAST=1"],
-                 ["-DMOK_GEMM_GROUP_M=1"], ["-DMOK_GEMM_TRACE=1"], ["-DMOK_GEMM_DYNAMIC=1"],
-                 ["-DMOK_GEMM_DYNAMIC=1", "-DMOK_GEMM_TRACE=1"]]
 
 
-@pytest.mark.parametrize("defines", GEMM_SWITCHES, ids=[" ".join(d) for d in GEMM_SWITCHES])
-def test_gemm_build_switches_compile_without_spills(defines, tmp_path):
-    _check_compiles_without_spills(GEMM_UNIT, tmp_path, defines)
-
-
-def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
+def _gemm_kernels_ptx(tmp_path) -> list[str]:
     """The PTX of the six GEMM kinds of gemm_bf16.cu (Gemm enum order: gate/up, down, down dgrad, gate/up dgrad,
     wgrad, then gate/up with MXFP8 outputs)."""
     out = tmp_path / "gemm.ptx"
-    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", define, "-ptx", str(GEMM_UNIT),
-           "-o", str(out)]
+    cmd = [NVCC, "-arch=compute_90a", "-std=c++17", "-O3", f"-I{INCLUDE}", "-ptx", str(GEMM_UNIT), "-o", str(out)]
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"nvcc -ptx failed:\n{result.stderr}"
     kernels = re.split(r"\.entry ", out.read_text())[1:]
@@ -138,23 +126,14 @@ def _gemm_kernels_ptx(tmp_path, define: str) -> list[str]:
     return gemms
 
 
-@pytest.mark.parametrize("tma_store", [1, 0])
-def test_gemm_epilogues_store_by_tma_only_when_switched_on(tma_store, tmp_path):
-    """Every GEMM kernel's PTX has bulk tensor stores with MOK_GEMM_TMA_STORE=1, none with 0 (the switch
-    really selects the path; ptxas turns them into UTMASTG)."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_TMA_STORE={tma_store}")
+def test_gemm_epilogues_store_by_tma_and_load_without_multicast(tmp_path):
+    """Every GEMM kernel's PTX has bulk tensor stores (ptxas turns them into UTMASTG), and no kind loads by
+    cluster multicast: one CTA per task."""
+    gemms = _gemm_kernels_ptx(tmp_path)
     stores = [k.count("cp.async.bulk.tensor.3d.global.shared::cta") for k in gemms]
-    assert all(stores) if tma_store else not any(stores), f"TMA stores per GEMM kernel: {stores}"
-
-
-@pytest.mark.parametrize("multicast", [1, 0])
-def test_gemm_multicast_loads_only_where_switched_on(multicast, tmp_path):
-    """MOK_GEMM_MULTICAST=1: GEMM2 and both dgrads load B by cluster multicast; the gathered GEMM1s and the
-    weight gradients never do (measured slower / different K per task). 0: no kind does."""
-    gemms = _gemm_kernels_ptx(tmp_path, f"-DMOK_GEMM_MULTICAST={multicast}")
+    assert all(stores), f"TMA stores per GEMM kernel: {stores}"
     loads = [k.count("multicast::cluster") > 0 for k in gemms]
-    assert loads == [False, bool(multicast), bool(multicast), bool(multicast), False, False], \
-        f"multicast per kind: {loads}"
+    assert not any(loads), f"multicast per kind: {loads}"
 
 
 def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):
@@ -177,3 +156,73 @@ def test_only_the_gathered_round_trip_carries_l2_hints(tmp_path):
             assert "L2::evict_last" in ptx and "L2::evict_first" in ptx, name
         else:
             assert not hinted, f"{name}: {len(hinted)} hinted accesses"
+
+
+# ---- the boundary by name: bindings.cpp's keyword arguments, mok/ops' calls, api.h's structs ---------------------
+
+def _binding_keywords() -> dict[str, list[str]]:
+    """op name -> its keyword arguments, in order (every m.def of csrc/bindings.cpp takes keywords only)."""
+    text = (CSRC / "bindings.cpp").read_text()
+    module = text[text.index("PYBIND11_MODULE"):]
+    defs = re.split(r"\bm\.def\(", module)[1:]
+    return {re.match(r'\s*"(\w+)"', d).group(1): re.findall(r'py::arg\("(\w+)"\)', d) for d in defs}
+
+
+def _extension_calls() -> list[tuple[str, str, list[str], int, bool]]:
+    """Every `load_extension().NAME(...)` in mok/ops/*.py: (file:line, NAME, keywords, positional count, **)."""
+    import ast
+
+    calls = []
+    for path in sorted((CSRC.parent / "mok" / "ops").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", "")
+                    == "load_extension"):
+                names = [k.arg for k in node.keywords if k.arg is not None]
+                splat = any(k.arg is None for k in node.keywords)
+                calls.append((f"{path.name}:{node.lineno}", node.func.attr, names, len(node.args), splat))
+    return calls
+
+
+def test_every_binding_takes_keywords_only_and_mok_ops_passes_them_by_name():
+    """A reorder of a binding's arguments must not bind one tensor in another's place: every op is declared with
+    py::kw_only() and a py::arg per parameter, and every call in mok/ops names its arguments (those a ** supplies:
+    the schedule's, the SwiGLU limit, num_sms, round_to_tiles' buffers) with the binding's names."""
+    from mok.ops.moe import ROUND_BUFFERS
+
+    text = (CSRC / "bindings.cpp").read_text()
+    module = text[text.index("PYBIND11_MODULE"):]
+    keywords = _binding_keywords()
+    assert module.count("m.def(") == len(keywords) == module.count("py::kw_only()"), "a binding without kw_only"
+    for name, args in keywords.items():
+        assert args and len(set(args)) == len(args), f"{name}: py::arg names {args}"
+    splattable = {"row_to_token", "tile_to_expert", "counts", "swiglu_limit", "has_limit", "num_sms", *ROUND_BUFFERS}
+    calls = _extension_calls()
+    assert len(calls) >= 20, calls
+    for where, name, names, positional, splat in calls:
+        assert name in keywords, f"{where}: no binding {name}"
+        assert positional == 0, f"{where}: {name} called with {positional} positional arguments"
+        unknown = set(names) - set(keywords[name])
+        assert not unknown, f"{where}: {name} has no arguments {sorted(unknown)}"
+        missing = set(keywords[name]) - set(names)
+        assert not (missing - splattable if splat else missing), f"{where}: {name} misses {sorted(missing)}"
+
+
+def _struct_fields(struct: str) -> list[str]:
+    """The field names of `struct NAME { ... };` in mok/api.h, in order."""
+    text = (INCLUDE / "mok" / "api.h").read_text()
+    body = re.search(rf"struct {struct} {{(.*?)\n}};", text, re.S).group(1)
+    declarations = (line.split("//")[0].strip().rstrip(";") for line in body.splitlines())
+    return [re.findall(r"\w+", piece)[-1] for decl in declarations if decl for piece in decl.split(",")]
+
+
+def test_the_python_names_of_the_device_structs_are_their_fields():
+    """round_to_tiles' buffers (mok.ops.moe.ROUND_BUFFERS: the binding's keywords and tests/test_round_steps.py's
+    ctypes mirror of struct RouteRound) are RouteRound's pointer fields in order; make_schedule's arrays by name are
+    struct ScheduleOutputs' fields."""
+    from mok.ops.moe import _SCHEDULE_ARRAYS, ROUND_BUFFERS
+
+    route_round = _struct_fields("RouteRound")
+    assert tuple(route_round[:len(ROUND_BUFFERS)]) == ROUND_BUFFERS
+    assert route_round[len(ROUND_BUFFERS):] == ["num_tokens", "num_topk", "num_experts", "num_pool", "tile"]
+    assert sorted(_struct_fields("ScheduleOutputs")) == sorted(_SCHEDULE_ARRAYS)

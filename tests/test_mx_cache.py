@@ -41,9 +41,9 @@ def quantizer_calls(monkeypatch) -> list:
         log.append(("fake_quantize_dual", x.dim(), None))
         return twins.mxfp8_fake_quantize_dual(x, counts)
 
-    def quantize_rowwise(x, variant=0):
+    def quantize_rowwise(x):
         log.append(("quantize_rowwise", x.dim(), -1))
-        return twins.mxfp8_quantize_rowwise(x, variant)
+        return twins.mxfp8_quantize_rowwise(x)
 
     monkeypatch.setattr(ops, "mxfp8_fake_quantize", fake_quantize)
     monkeypatch.setattr(ops, "mxfp8_fake_quantize_dual", fake_quantize_dual)

@@ -270,25 +270,30 @@ def _raw_row_kernels(sched, x, w_gate, w_up, w_down, d_out, weights, sentinel):
 
     H, I = x.shape[1], w_gate.shape[1]
     h, gate, up, y = buf(I), buf(I), buf(I), buf(H)
-    ext.grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, row_to_token, tile_to_expert, sched.counts, h, gate, up,
-                                        0.0, False, 0)
-    ext.grouped_gemm_bf16_nt_contiguous(h, w_down, row_to_token, tile_to_expert, sched.counts, y, 0)
+    schedule = {"row_to_token": row_to_token, "tile_to_expert": tile_to_expert, "counts": sched.counts}
+    ext.grouped_gemm_bf16_swiglu_gather(x=x, w_gate=w_gate, w_up=w_up, h=h, gate=gate, up=up, swiglu_limit=0.0,
+                                        has_limit=False, num_sms=0, **schedule)
+    ext.grouped_gemm_bf16_nt_contiguous(a_rows=h, w=w_down, out=y, num_sms=0, **schedule)
     y_real = torch.where(torch.isnan(y), 0.0, y)  # route_grads_prep reads y's real rows only; keep them finite
     dy = buf(H)
     d_tw = torch.empty(sched.num_tokens, sched.num_topk, device=x.device)  # [T, K]
-    ext.route_grads_prep(d_out, weights, y_real, sched.route_to_row, sched.tile_num_rows, sched.counts, dy, d_tw,
-                         sched.block_m)
+    ext.route_grads_prep(d_out=d_out, topk_weights=weights, y_rows=y_real, route_to_row=sched.route_to_row,
+                         tile_num_rows=sched.tile_num_rows, counts=sched.counts, dy_rows=dy, d_topk_weights=d_tw,
+                         block_m=sched.block_m)
     d_gate, d_up, h2, dx = buf(I), buf(I), buf(I), buf(H)
-    ext.grouped_gemm_bf16_dgrad_swiglu(torch.where(torch.isnan(dy), 0.0, dy), w_down, gate, up, row_to_token,
-                                       tile_to_expert, sched.counts, d_gate, d_up, h2, 0.0, False, 0)
-    ext.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert, sched.counts, dx, 0)
+    ext.grouped_gemm_bf16_dgrad_swiglu(dy_rows=torch.where(torch.isnan(dy), 0.0, dy), w_down=w_down, gate=gate, up=up,
+                                       d_gate=d_gate, d_up=d_up, h=h2, swiglu_limit=0.0, has_limit=False, num_sms=0,
+                                       **schedule)
+    ext.grouped_gemm_bf16_dgrad_gate_up(d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up, dx_rows=dx, num_sms=0,
+                                        **schedule)
     # the MXFP8 backward's round trips over row buffers (their inputs' spare rows hold the sentinel too)
     dy_row, dy_col, h_col, x_col = buf(H), buf(H), buf(I), buf(H)
-    ext.mxfp8_fake_quantize(dy, dy_col, dy_row, False, sched.counts)
-    ext.mxfp8_fake_quantize(h2, h_col, None, False, sched.counts)
-    ext.mxfp8_fake_quantize_gathered(x, row_to_token, x_col, sched.counts)
+    ext.mxfp8_fake_quantize(x=dy, out=dy_col, out_row=dy_row, rowwise=False, counts=sched.counts)
+    ext.mxfp8_fake_quantize(x=h2, out=h_col, out_row=None, rowwise=False, counts=sched.counts)
+    ext.mxfp8_fake_quantize_gathered(x=x, row_to_token=row_to_token, out=x_col, counts=sched.counts)
     x_rows = buf(H)  # the BF16 backward's x rows for the weight gradients
-    ext.gather_rows(x, row_to_token, sched.row_to_k, sched.route_to_row, x_rows, sched.counts)
+    ext.gather_rows(x=x, row_to_token=row_to_token, row_to_k=sched.row_to_k, route_to_row=sched.route_to_row,
+                    out=x_rows, counts=sched.counts)
     return {"h": h, "gate": gate, "up": up, "y": y, "dy": dy, "d_gate": d_gate, "d_up": d_up, "h_bwd": h2, "dx": dx,
             "dy_row_mx": dy_row, "dy_col_mx": dy_col, "h_col_mx": h_col, "x_col_mx": x_col, "x_rows": x_rows}
 

@@ -16,8 +16,6 @@ import torch
 
 from mok import ops, routing, twins
 from mok.config import TINY_SHAPES, MoEConfig
-from mok.ops import core
-from mok.ops import gemm as gemm_ops
 from mok.reference import BF16, moe_forward
 from mok.schedule import make_schedule, scatter_routes
 from mok.testing import TOLERANCES, bitwise_equal, fresh_seed, make_inputs, poison_allocator, rel_err, routing_of
@@ -137,26 +135,6 @@ def test_gemm_bad_inputs_name_the_argument():
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
             call()
-
-
-def test_build_switches_from_env_and_arguments(monkeypatch):
-    """The GEMMs' compile-time switches (MOK_GEMM_TMA_STORE, MOK_GEMM_NUM_STAGES, MOK_GEMM_MULTICAST): checked,
-    and part of the extension's name, so each variant is its own build."""
-    for name in core.BUILD_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
-    assert core.build_switches() == ()
-    assert core.extension_name(()) == f"mok_ext_{core.csrc_hash()}"
-    monkeypatch.setenv("MOK_GEMM_TMA_STORE", "0")
-    monkeypatch.setenv("MOK_GEMM_NUM_STAGES", " 3")
-    switches = core.build_switches()
-    assert switches == (("MOK_GEMM_NUM_STAGES", 3), ("MOK_GEMM_TMA_STORE", 0))
-    assert core.extension_name(switches).endswith("_gemm_num_stages3_gemm_tma_store0")
-    assert core.build_switches({"MOK_GEMM_TMA_STORE": 1}) == (("MOK_GEMM_TMA_STORE", 1),)  # the env is not read
-    monkeypatch.setenv("MOK_GEMM_TMA_STORE", "off")
-    with pytest.raises(ValueError, match=r"MOK_GEMM_TMA_STORE: expected one of \(0, 1\)"):
-        core.build_switches()
-    with pytest.raises(ValueError, match="switches: expected names from"):
-        core.build_switches({"MOK_TMA_STORE": 0})
 
 
 def test_wide_tails_give_each_expert_a_full_tile_and_a_short_tail():
@@ -452,52 +430,30 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     return {name: t.cpu().view(torch.uint8) for name, t in outs.items()}
 
 
-# The build switches' other values against the default build (TMA stores, 4 stages, one CTA per task, tasks in
-# groups of 8 m-tiles from a static stride), each variant its own extension (built here on first use, about a
-# minute each): the st.global epilogue (every tile stored at once: no weight-gradient tile held into the next
-# task), 3 stages (5 staging boxes per warp instead of 2), B multicast over 2-CTA clusters, the row-wise tasks
-# m-major or in groups of 4 m-tiles (a last group smaller than the rest where the m-tiles are not a multiple), and
-# tasks taken from a device counter must store the same bits in the same places.
-SWITCH_VARIANTS = [{"MOK_GEMM_TMA_STORE": 0}, {"MOK_GEMM_NUM_STAGES": 3}, {"MOK_GEMM_MULTICAST": 1},
-                   {"MOK_GEMM_GROUP_M": 1}, {"MOK_GEMM_GROUP_M": 4}, {"MOK_GEMM_DYNAMIC": 1}]
-
-
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("switches", SWITCH_VARIANTS, ids=[str(v) for v in SWITCH_VARIANTS])
 @pytest.mark.parametrize("case", ["deep-k", "tiny-top1", "hot-expert", "pairs", "short-tails", "wide-tails"])
-def test_gemm_build_switches_store_the_same_bits(case, switches, monkeypatch):
-    """Epilogue edges of the TMA path: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
+def test_gemm_epilogue_edges_store_the_same_bits_on_any_grid(case):
+    """Epilogue edges of the TMA stores: n = 200, 520 (boxes cut by the map), 32 and 192 (a box skipped);
     kWeightGrad's m = 520, 200, 32, 192 (rows past m clipped, whole warps skipped); num_sms = 3: several tasks
-    per CTA, so staging boxes are rewritten while the previous task's stores may still read them."""
+    per CTA, so staging boxes are rewritten while the previous task's stores may still read them. Every kind stores
+    the same bits as on the full grid."""
     seed = fresh_seed()
     inputs, sched = _problem(case, seed)
     sched = sched.to("cuda")
-    default, variant = core.load_extension({}), core.load_extension(switches)  # whatever the environment says
-    # each module runs its own kernels (not the first one's symbols): else this test would pass trivially
-    defaults = {"MOK_GEMM_TMA_STORE": 1, "MOK_GEMM_NUM_STAGES": 4, "MOK_GEMM_MULTICAST": 0, "MOK_GEMM_GROUP_M": 8,
-                "MOK_GEMM_TRACE": 0, "MOK_GEMM_DYNAMIC": 0}
-    assert default.grouped_gemm_bf16_build_switches() == defaults
-    assert variant.grouped_gemm_bf16_build_switches() == {**defaults, **switches}
-    for num_sms in (3, None):  # multicast: one cluster walking every pair unit, then as many as fit
-        monkeypatch.setattr(gemm_ops, "load_extension", lambda: default)
-        expected = _every_kind(inputs, sched, num_sms, f"{case} default build (seed {seed})")
-        monkeypatch.setattr(gemm_ops, "load_extension", lambda: variant)
-        got = _every_kind(inputs, sched, num_sms, f"{case} {switches} (seed {seed})")
-        for name, a in expected.items():
-            assert torch.equal(a, got[name]), f"{case} {name}: {switches}, num_sms={num_sms} changes bits (seed {seed})"
+    expected = _every_kind(inputs, sched, None, f"{case} full grid (seed {seed})")
+    got = _every_kind(inputs, sched, 3, f"{case} num_sms=3 (seed {seed})")
+    for name, a in expected.items():
+        assert torch.equal(a, got[name]), f"{case} {name}: num_sms=3 changes bits (seed {seed})"
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(monkeypatch):
-    """MOK_GEMM_DYNAMIC: GEMM2 launched eight times over two streams, all queued behind one gate so that each stream's
-    launches start together with the other's, each on half the SMs, stores what one launch alone stores, every time:
-    each launch takes its tasks from a counter of its own (one counter per kind, as the switch had at first, would
-    hand one launch's tasks to the other)."""
+def test_gemm_launches_overlapping_on_two_streams_store_their_own_bits():
+    """GEMM2 launched eight times over two streams, all queued behind one gate so that each stream's launches start
+    together with the other's, each on half the SMs, stores what one launch alone stores, every time: launches
+    share no device state."""
     seed = fresh_seed()
-    ext = core.load_extension({"MOK_GEMM_DYNAMIC": 1})
-    monkeypatch.setattr(gemm_ops, "load_extension", lambda: ext)
     cfg = MoEConfig("two-streams", 4096, 1024, 512, 16, 4)
     inputs = make_inputs(cfg, seed=seed)
     sched = make_schedule(inputs["topk_idx"], cfg.num_experts).to("cuda")
@@ -534,18 +490,15 @@ def test_gemm_dynamic_launches_overlapping_on_two_streams_store_their_own_bits(m
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_gemm_dynamic_launch_replays_from_a_cuda_graph(monkeypatch):
-    """MOK_GEMM_DYNAMIC: a launch's counter is allocated, zeroed and freed in stream order, so GEMM2 captured in a
-    CUDA graph (allocation, memset, kernel and free nodes) replays to one eager launch's bits, twice."""
+def test_gemm_launch_replays_from_a_cuda_graph():
+    """GEMM2 captured in a CUDA graph replays to one eager launch's bits, twice."""
     seed = fresh_seed()
-    ext = core.load_extension({"MOK_GEMM_DYNAMIC": 1})
-    monkeypatch.setattr(gemm_ops, "load_extension", lambda: ext)
     inputs, sched = _problem("deep-k", seed)
     sched = sched.to("cuda")
     cfg = CASES["deep-k"][0]
     a_rows = torch.randn(sched.num_rows, cfg.intermediate, generator=torch.Generator().manual_seed(seed))
     a_rows, w = a_rows.to(BF16).cuda(), inputs["w_down"].cuda()
-    expected = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched)  # also the first launch: the pool is made
+    expected = ops.grouped_gemm_bf16_nt_contiguous(a_rows, w, sched)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):

@@ -40,8 +40,8 @@ def _assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str,
                              f"first at {first}: got {got}, L0 {want}")
 
 
-def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", "dual"), variant: int = 0) -> None:
-    """Runs each op (kernel `variant`) on x (CPU bf16) on the GPU and compares it with L0 bit for bit."""
+def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", "dual")) -> None:
+    """Runs each op on x (CPU bf16) on the GPU and compares it with L0 bit for bit."""
     rows, cols = x.shape[-2], x.shape[-1]
     xg = x.cuda()
     ref_row = mxfp8.quantize(x, dim=-1) if cols % 32 == 0 else None
@@ -49,12 +49,12 @@ def _check_quantize(x: torch.Tensor, seed: int, ops_list=("rowwise", "colwise", 
     for op in ops_list:
         poison_allocator(4 * x.numel() * 2, byte=0x55)
         if op == "rowwise":
-            outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg, variant), ref_row)]
+            outs = [("rowwise", ops.mxfp8_quantize_rowwise(xg), ref_row)]
         elif op == "colwise":
-            outs = [("colwise", ops.mxfp8_quantize_colwise(xg, variant), ref_col)]
+            outs = [("colwise", ops.mxfp8_quantize_colwise(xg), ref_col)]
         else:
-            got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
-            outs = [(f"dual/row v{variant}", got_row, ref_row), (f"dual/col v{variant}", got_col, ref_col)]
+            got_row, got_col = ops.mxfp8_quantize_dual(xg)
+            outs = [("dual/row", got_row, ref_row), ("dual/col", got_col, ref_col)]
         for name, (data, scales), (ref_data, ref_scales) in outs:
             _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {tuple(x.shape)}", seed)
             _assert_bytes_equal(data, ref_data, f"{name} data, x {tuple(x.shape)}", seed)
@@ -89,94 +89,42 @@ def test_quantize_matches_l0(op, shape):
     _check_quantize(_random_bf16(shape, seed), seed, [op])
 
 
+# Column-wise and dual at shapes that stress their tiling: 24576 x 544 has many tiles per resident warp and
+# 544 = 512 + 32 columns leaves a partial last column tile (of dual's 512-column tiles: a second span of 32 valid
+# columns); 3D folds experts into rows (1056 = 2 x 512 + 32); 1064 columns (column-wise only: not a multiple of
+# 32) leaves a partial warp tile of 40 columns; 65536 x 288: 2048 dual tiles, so every stage of dual's persistent
+# CTAs is filled several times; 32 x 32 is one partial tile (dual: a second span wholly past the end); 64 x 7168
+# has fewer dual tiles than CTAs.
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("op,variant", [("rowwise", 1), ("rowwise", 2)] + [(op, v) for op in ("colwise", "dual")
-                                                                           for v in (1, 2, 3, 4)])
-def test_benchmark_variants_match_l0(op, variant):
-    """The kernel variants kept for the benchmark record compute the same bits."""
-    seed = fresh_seed()
-    x = _random_bf16((192, 1056), seed)  # [rows, cols]
-    fn = {"rowwise": ops.mxfp8_quantize_rowwise, "colwise": ops.mxfp8_quantize_colwise,
-          "dual": lambda t, v: ops.mxfp8_quantize_dual(t, v)[1]}[op]
-    data, scales = fn(x.cuda(), variant)
-    ref_data, ref_scales = mxfp8.quantize(x, dim=-1 if op == "rowwise" else -2)
-    _assert_bytes_equal(scales, ref_scales, f"{op} v{variant} scales", seed)
-    _assert_bytes_equal(data, ref_data, f"{op} v{variant} data", seed)
-
-
-# Variants 5-7 stage tiles through shared memory on a persistent grid (one CTA per resident slot, each
-# walking tiles b, b + G, ...; docs/mxfp8_kernels.md); 8 is the previous default, straight from global.
-# 24576 x 544: more tiles than resident CTAs x stages for every pipelined variant (so each stage's
-# mbarrier wraps its phase parity several times), and 544 = 512 + 32 columns leaves a partial last
-# column tile (32 of 512 or of 256 columns). 3D folds experts into rows; 1064 columns (column-wise
-# only: not a multiple of 32) leaves a partial tile of 40 columns (80-byte bulk copies).
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("shape", [(24576, 544), (3, 96, 1056), (64, 1064)], ids=str)
-def test_pipelined_variants_match_l0(shape):
+@pytest.mark.parametrize("shape", [(24576, 544), (3, 96, 1056), (64, 1064), (65536, 288), (32, 32), (64, 7168)],
+                         ids=str)
+def test_colwise_and_dual_tilings_match_l0(shape):
     seed = fresh_seed()
     x = _random_bf16(shape, seed)  # shape
     ref_row = mxfp8.quantize(x, dim=-1) if shape[-1] % 32 == 0 else None
     ref_col = mxfp8.quantize(x, dim=-2)
     xg = x.cuda()  # shape
-    for variant in (5, 6, 7, 8):
-        poison_allocator(4 * x.numel() * 2, byte=0x55)
-        outs = [(f"colwise v{variant}", ops.mxfp8_quantize_colwise(xg, variant), ref_col)]
-        if ref_row is not None:
-            got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
-            outs += [(f"dual/row v{variant}", got_row, ref_row), (f"dual/col v{variant}", got_col, ref_col)]
-        for name, (data, scales), (ref_data, ref_scales) in outs:
-            _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
-            _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
-
-
-# Variants 9-16, 22-23: dual only, warp-specialized (a producer warp streams 32 x 256 tiles, 32 x 512 in 22-23,
-# into shared-memory stages, row and column warps quantize them; docs/mxfp8_kernels.md). 65536 x 288: 4096
-# tiles (2048 of 512 columns), so every stage is filled at least twice in every variant (>= 2.6 fills per stage
-# on 132 SMs: 31 tiles per CTA over 12 stages for variant 10, 5 over 2 for 14 and 16, 5 over 2 for 22-23 at 3
-# CTAs per SM), and 288 = 256 + 32 leaves a partial last column tile (32 of 256 columns; in 22-23 a second
-# span of 32 valid columns); 3D folds experts into rows (1056 = 4 x 256 + 32 = 2 x 512 + 32); 32 x 32 is one
-# partial tile (22-23: a second span wholly past the end); 64 x 7168 has fewer tiles than CTAs.
-SPLIT_DUAL_VARIANTS = (9, 10, 11, 12, 13, 14, 15, 16, 22, 23)
+    poison_allocator(4 * x.numel() * 2, byte=0x55)
+    outs = [("colwise", ops.mxfp8_quantize_colwise(xg), ref_col)]
+    if ref_row is not None:
+        got_row, got_col = ops.mxfp8_quantize_dual(xg)
+        outs += [("dual/row", got_row, ref_row), ("dual/col", got_col, ref_col)]
+    for name, (data, scales), (ref_data, ref_scales) in outs:
+        _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
+        _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("shape", [(65536, 288), (3, 96, 1056), (32, 32), (64, 7168)], ids=str)
-def test_split_dual_variants_match_l0(shape):
-    seed = fresh_seed()
-    x = _random_bf16(shape, seed)  # shape
-    ref_row, ref_col = mxfp8.quantize(x, dim=-1), mxfp8.quantize(x, dim=-2)
-    xg = x.cuda()  # shape
-    for variant in SPLIT_DUAL_VARIANTS:
-        poison_allocator(4 * x.numel() * 2, byte=0x55)
-        got_row, got_col = ops.mxfp8_quantize_dual(xg, variant)
-        for name, (data, scales), (ref_data, ref_scales) in [(f"dual/row v{variant}", got_row, ref_row),
-                                                             (f"dual/col v{variant}", got_col, ref_col)]:
-            _assert_bytes_equal(scales, ref_scales, f"{name} scales, x {shape}", seed)
-            _assert_bytes_equal(data, ref_data, f"{name} data, x {shape}", seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("variant", SPLIT_DUAL_VARIANTS)
-def test_split_dual_edge_cases_match_l0(variant):
-    """Every bf16 amax and the special-value blocks through the row warps ([n, 32]: one partial tile
-    per row block) and the column warps ([32, n])."""
+def test_dual_edge_cases_match_l0():
+    """Every bf16 amax and the special-value blocks through dual's row warps ([n, 32]: one partial tile per row
+    block) and column warps ([32, n])."""
     seed = fresh_seed()
     every = _every_bf16_as_block_amax(seed)  # [65536, 32]
     special = _special_blocks(seed)  # [32 * n, 32]
     for x in (every, every.T.contiguous(), special, special.T.contiguous(), torch.stack([special, -special])):
-        _check_quantize(x, seed, ["dual"], variant)
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-def test_split_variants_are_dual_only():
-    x = torch.randn(64, 256, device="cuda").bfloat16()  # [rows, cols]
-    with pytest.raises(RuntimeError, match="mxfp8_quantize_colwise: kernel launch failed"):
-        ops.mxfp8_quantize_colwise(x, SPLIT_DUAL_VARIANTS[0])
+        _check_quantize(x, seed, ["dual"])
 
 
 # ---- quantization: edge cases ---------------------------------------------------------------------
@@ -339,7 +287,7 @@ def test_fake_quantize_stops_at_counts(real):
     ext = ops.load_extension()
     for dual in (True, False):
         out_col, out_row = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        ext.mxfp8_fake_quantize(x, out_col, out_row if dual else None, False, counts)
+        ext.mxfp8_fake_quantize(x=x, out=out_col, out_row=out_row if dual else None, rowwise=False, counts=counts)
         for what, out, want in [("col", out_col, want_col)] + ([("row", out_row, want_row)] if dual else []):
             what = f"{'dual' if dual else 'colwise'} {what}, counts[0] = {real} (seed {seed})"
             assert torch.equal(out[:written].view(torch.int16), want[:written].view(torch.int16)), what
@@ -401,26 +349,3 @@ def test_bad_inputs_raise_clear_errors():
         ops.mxfp8_fake_quantize(x, -1, counts=counts)
     with pytest.raises(ValueError, match=r"counts: expected None for x of rank 3"):
         ops.mxfp8_fake_quantize(x.view(2, 32, 96), -2, counts=counts)
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("nbytes", [16, 48 * 1024 + 16, 5 * 2**20 + 4096 * 16 + 32], ids=str)
-def test_copy_kernels_copy_every_byte(nbytes):
-    """The benchmark's copy ceilings (mok/quant/copy_bytes.cuh) move what they claim: variants 0-2 copy, 3 splits
-    every 16-byte chunk into its even bytes (dst's first half) and odd bytes (second half)."""
-    seed = fresh_seed()
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    chunks = src.view(-1, 16)  # [nbytes / 16, 16]
-    split = torch.cat([chunks[:, 0::2].flatten(), chunks[:, 1::2].flatten()])  # [nbytes]
-    ext = ops.load_extension()
-    for variant, want in [(0, src), (1, src), (2, src), (3, split)]:
-        poison_allocator(2 * nbytes, byte=0x55)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        ext.copy_bytes(src.cuda(), dst, variant)
-        torch.cuda.synchronize()
-        _assert_bytes_equal(dst, want, f"copy_bytes variant {variant}, {nbytes} bytes", seed)
-    with pytest.raises(RuntimeError, match=r"variant: expected 0, 1, 2 or 3"):
-        ext.copy_bytes(src.cuda(), dst, 4)
-    with pytest.raises(RuntimeError, match=r"dst: expected as many bytes as src"):
-        ext.copy_bytes(src.cuda(), dst[:-16])

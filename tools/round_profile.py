@@ -4,7 +4,7 @@ logits, seed 0, tile 128), as `bench route` calls it.
     python tools/round_profile.py [SHAPE ...] [--device cuda|cpu] [--iters 20]
 
 Per shape: the aten calls of one rounding (views included: the host's work per call), its eager time (queued calls,
-bench.time_ms); on a GPU also its time replayed from a CUDA graph (bench.graph_time_ms, as `bench route`'s
+bench.timing.time_ms); on a GPU also its time replayed from a CUDA graph (graph_time_ms, as `bench route`'s
 round_graph_ms: its GPU time alone), the GPU ops of one eager call and their busy time (torch.profiler), and the
 kernels of most GPU time. These are what docs/routing.md's predictions are made of.
 """
@@ -16,7 +16,8 @@ import argparse
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mok import bench, rounding, routing
+from bench.timing import graph_time_ms, time_ms
+from mok import rounding, routing
 from mok.config import STANDARD_SHAPES, get_shape
 
 TILE = 128
@@ -59,12 +60,12 @@ def profile_shape(name: str, device: str, iters: int = 20, top: int = 8) -> list
     rounded = fn()  # builds and loads the kernels
     with _CountCalls() as calls:
         fn()
-    eager = bench.time_ms(fn, iters)
+    eager = time_ms(fn, iters)
     moved = float(routing.moved_routes(idx, rounded).float().mean())
     lines = [f"== {name} (tile {tile}, {device}): {calls.count} aten calls, eager {eager:.3f} ms, "
              f"{moved:.2%} of the routes moved"]
     if device == "cuda":
-        graph = bench.graph_time_ms([fn], 5, iters)  # as bench route's round_graph_ms
+        graph = graph_time_ms([fn], 5, iters)  # as bench route's round_graph_ms
         num_ops, busy, kernels = _gpu_ops(fn, top)
         lines.append(f"   graph replay {graph:.3f} ms; {num_ops} GPU ops, busy {busy:.3f} ms")
         lines += [f"   {key[:80]:80s} {ms:.3f} ms  x{count}" for key, ms, count in kernels]

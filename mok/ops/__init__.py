@@ -2,7 +2,7 @@
 
 One module per family, everything re-exported here (call them as `mok.ops.<name>`):
 
-    core   the JIT build (csrc_hash, require_hopper, load_extension) and the shared tensor checks
+    core   the JIT build (csrc_hash, require_hopper, load_extension)
     quant  MXFP8 quantizers, dequantization and the one-pass round trip (mxfp8_*)
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
@@ -11,8 +11,10 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
            routing.round_to_tiles (route_round_to_tiles; its pieces route_round_prep, route_fill_rounds,
            route_swap_leftovers)
 
-Every op checks its arguments first (errors name the argument, the expectation and the actual value),
-then needs a Hopper GPU; `mok.twins` holds an L0 twin of every L2 kernel.
+Every op checks its arguments first with mok.checks (errors name the argument, the expectation and the actual
+value), then needs a Hopper GPU, and passes every tensor to its binding by name (keyword-only arguments of
+csrc/bindings.cpp, filled into mok/api.h's structs field by field); `mok.twins` holds an L0 twin of every L2
+kernel.
 """
 
 from mok.ops.core import ARCH_FLAGS, CACHE, CSRC, REPO, csrc_hash, load_extension, require_hopper

@@ -1,4 +1,4 @@
-"""Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/l2_fused.md).
+"""Grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu; L2 building blocks, docs/gemm.md).
 
 Rows follow mok.schedule (expert-major segments padded to the schedule's block_m, which must be a
 multiple of the kernels' 128-row tile). Outputs stay in that row layout, `sched.num_rows` rows; the kernels
@@ -10,10 +10,12 @@ persistent grid size; None = the device's SM count).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from mok.checks import fail
-from mok.ops.core import check_cuda_tensor, load_extension
+from mok.checks import check_cuda, check_layout, check_optional_int, fail
+from mok.ops.core import load_extension
 from mok.ops.quant import BLOCK_SIZE
 
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/config.cuh
@@ -21,7 +23,14 @@ GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is e
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
 
 
-def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
+class GemmSchedule(NamedTuple):
+    """The schedule as the GEMM kernels read it (struct RowSchedule, mok/api.h)."""
+
+    row_to_token: torch.Tensor  # int32 [num_rows], -1 = padding
+    tile_to_expert: torch.Tensor  # int32 [num_rows / 128], one entry per 128-row kernel tile
+
+
+def gemm_schedule_tensors(sched, device) -> GemmSchedule:
     """The schedule as the GEMM kernels read it, on `device`: (row_to_token int32 [num_rows],
     tile_to_expert int32 [num_rows / 128], one entry per 128-row kernel tile)."""
     if sched.block_m % GEMM_BLOCK_M:
@@ -29,11 +38,17 @@ def gemm_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
               f"block_m={sched.block_m}")
     ready = getattr(sched, "gemm_tensors", None)  # written by make_schedule_cuda's own launches
     if ready is not None and ready[0].device == torch.device(device):
-        return ready
+        return GemmSchedule(*ready)
     row_to_token = sched.row_to_token.to(device=device, dtype=torch.int32).contiguous()  # [num_rows]
     tile_to_expert = sched.tile_to_expert.to(device=device, dtype=torch.int32)  # [num_tiles]
     tile_to_expert = tile_to_expert.repeat_interleave(sched.block_m // GEMM_BLOCK_M)  # [num_rows / 128]
-    return row_to_token, tile_to_expert.contiguous()
+    return GemmSchedule(row_to_token, tile_to_expert.contiguous())
+
+
+def gemm_schedule_kwargs(sched, device) -> dict:
+    """The schedule's arguments of a row-wise GEMM binding, by name: row_to_token, tile_to_expert, counts."""
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, device)
+    return {"row_to_token": row_to_token, "tile_to_expert": tile_to_expert, "counts": real_num_rows(sched, device)}
 
 
 def weight_grad_schedule_tensors(sched, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,28 +76,14 @@ def real_num_rows(sched, device) -> torch.Tensor | None:
     return counts
 
 
-def _check_shape(name: str, t, expected: tuple, what: str) -> None:
-    """dtype bf16 and shape `expected` (None = any size), before any device check (CPU-testable)."""
-    if not isinstance(t, torch.Tensor):
-        fail(name, "a torch.Tensor", type(t).__name__)
-    if t.dtype != torch.bfloat16:
-        fail(name, "dtype torch.bfloat16", t.dtype)
-    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
-        want = ", ".join("*" if e is None else str(e) for e in expected)
-        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
-
-
 def _check_gemm_dim(name: str, size: int, what: str) -> None:
     if size < GEMM_K_ALIGN or size % GEMM_K_ALIGN:
         fail(name, f"{what} a positive multiple of {GEMM_K_ALIGN}", size)
 
 
 def _check_num_sms(num_sms) -> int:
-    if num_sms is None:
-        return 0
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
-        fail("num_sms", "None or an int >= 1", repr(num_sms))
-    return num_sms
+    """The kernels' num_sms: None (0: the device's SM count) or an int >= 1."""
+    return check_optional_int("num_sms", num_sms, 1) or 0
 
 
 def _check_limit(swiglu_limit) -> None:
@@ -91,31 +92,34 @@ def _check_limit(swiglu_limit) -> None:
 
 
 def _check_devices(device: torch.device, **tensors) -> None:
+    """Operands already checked by check_layout: CUDA, on the first operand's device, contiguous, 16-byte aligned."""
     for name, t in tensors.items():
-        check_cuda_tensor(name, t, torch.bfloat16)
-        if t.device != device:
-            fail(name, f"device {device} (the first operand's)", t.device)
+        check_cuda(name, t, device, "the first operand's", aligned=True)
 
 
 def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=GEMM_K_ALIGN) -> tuple:
-    """GEMM1's argument checks; returns what its kernels take besides the tensors and outputs:
-    (intermediate, schedule args (row_to_token, tile_to_expert, counts), limit, has_limit, sms)."""
-    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
+    """GEMM1's argument checks; returns (intermediate, the binding's keyword arguments besides the operands and
+    outputs: the schedule's (gemm_schedule_kwargs), swiglu_limit, has_limit, num_sms)."""
+    check_layout("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
     hidden = x.shape[1]
     _check_gemm_dim("x", hidden, "hidden (dim 1)")
-    _check_shape("w_gate", w_gate, (sched.num_experts, None, hidden), "[num_experts, intermediate, hidden]")
+    check_layout("w_gate", w_gate, torch.bfloat16, (sched.num_experts, None, hidden),
+                 "[num_experts, intermediate, hidden]")
     intermediate = w_gate.shape[1]
     _check_gemm_dim("w_gate", intermediate, "intermediate (dim 1)")
     if intermediate % intermediate_multiple:
         fail("w_gate", f"intermediate (dim 1) a multiple of {intermediate_multiple} (row-wise MXFP8 blocks)",
              intermediate)
-    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    check_layout("w_up", w_up, torch.bfloat16, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x, w_gate=w_gate, w_up=w_up)
-    schedule = (*gemm_schedule_tensors(sched, x.device), real_num_rows(sched, x.device))  # [R], [R / 128], counts
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    return intermediate, schedule, limit, swiglu_limit is not None, sms
+    return intermediate, {**gemm_schedule_kwargs(sched, x.device), **_limit_kwargs(swiglu_limit), "num_sms": sms}
+
+
+def _limit_kwargs(swiglu_limit) -> dict:
+    return {"swiglu_limit": 0.0 if swiglu_limit is None else float(swiglu_limit),
+            "has_limit": swiglu_limit is not None}
 
 
 def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sched,
@@ -125,10 +129,10 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     up[r] = bf16(x[t]·w_up[e]ᵀ), h[r] = bf16(swiglu(gate[r], up[r], swiglu_limit)) (mok.reference);
     padding rows are zeros. x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate, hidden];
     hidden and intermediate multiples of 8. Returns (h, gate, up), bf16 [num_rows, intermediate] each."""
-    intermediate, schedule, limit, has_limit, sms = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms)
+    intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms)
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
-    load_extension().grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, *schedule, h, gate, up, limit, has_limit, sms)
+    load_extension().grouped_gemm_bf16_swiglu_gather(x=x, w_gate=w_gate, w_up=w_up, h=h, gate=gate, up=up, **kwargs)
     return h, gate, up
 
 
@@ -148,13 +152,12 @@ def grouped_gemm_bf16_swiglu_gather_mxfp8_out(x: torch.Tensor, w_gate: torch.Ten
     GEMM2's operand) and gate, up quantized row-wise (each = mxfp8_quantize_rowwise(gate): (data, scales), what
     the backward saves). intermediate a multiple of 32. Returns (h bf16 [num_rows, intermediate], gate_mx,
     up_mx); in padding rows h and the data are zeros (the scales those of zeros)."""
-    intermediate, schedule, limit, has_limit, sms = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
-                                                                intermediate_multiple=BLOCK_SIZE)
+    intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=BLOCK_SIZE)
     h = torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)  # [num_rows, I]
     (gate_buffer, gate_mx), (up_buffer, up_mx) = (_rowwise_mx_buffer(sched.num_rows, intermediate, x.device)
                                                   for _ in range(2))
-    load_extension().grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, w_gate, w_up, *schedule, h, gate_buffer, up_buffer,
-                                                               limit, has_limit, sms)
+    load_extension().grouped_gemm_bf16_swiglu_gather_mxfp8_out(x=x, w_gate=w_gate, w_up=w_up, h=h, gate_mx=gate_buffer,
+                                                               up_mx=up_buffer, **kwargs)
     return h, gate_mx, up_mx
 
 
@@ -163,17 +166,16 @@ def grouped_gemm_bf16_nt_contiguous(a_rows: torch.Tensor, w: torch.Tensor, sched
     """GEMM2 of the routed experts, a plain grouped GEMM over the schedule's rows (no gather):
     out_rows[r] = bf16(a_rows[r]·w[e]ᵀ), e = the expert of row r's segment; padding rows are zeros.
     a_rows [num_rows, k]; w [num_experts, n, k]; k and n multiples of 8. Returns bf16 [num_rows, n]."""
-    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, k]")
+    check_layout("a_rows", a_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, k]")
     k = a_rows.shape[1]
     _check_gemm_dim("a_rows", k, "k (dim 1)")
-    _check_shape("w", w, (sched.num_experts, None, k), "[num_experts, n, k]")
+    check_layout("w", w, torch.bfloat16, (sched.num_experts, None, k), "[num_experts, n, k]")
     _check_gemm_dim("w", w.shape[1], "n (dim 1)")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows, w=w)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
     out_rows = torch.empty(sched.num_rows, w.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [num_rows, n]
-    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows, w, row_to_token, tile_to_expert,
-                                                     real_num_rows(sched, a_rows.device), out_rows, sms)
+    load_extension().grouped_gemm_bf16_nt_contiguous(a_rows=a_rows, w=w, out=out_rows, num_sms=sms,
+                                                     **gemm_schedule_kwargs(sched, a_rows.device))
     return out_rows
 
 
@@ -188,34 +190,35 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     padding rows are zeros. dy_rows [num_rows, hidden]; w_down [num_experts, hidden, intermediate] (read
     transposed, no copy); gate, up [num_rows, intermediate] as the forward saved them. Returns
     (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
-    intermediate, limit, has_limit, sms = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
-    _check_shape("gate", gate, (sched.num_rows, intermediate), "[num_rows, intermediate]")
-    _check_shape("up", up, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    intermediate, kwargs = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
+    check_layout("gate", gate, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    check_layout("up", up, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
     _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down, gate=gate, up=up)
-    schedule = (*gemm_schedule_tensors(sched, dy_rows.device), real_num_rows(sched, dy_rows.device))
     d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
-    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, gate, up, *schedule, d_gate, d_up, h, limit,
-                                                    has_limit, sms)
+    load_extension().grouped_gemm_bf16_dgrad_swiglu(dy_rows=dy_rows, w_down=w_down, gate=gate, up=up, d_gate=d_gate,
+                                                    d_up=d_up, h=h, **gemm_schedule_kwargs(sched, dy_rows.device),
+                                                    **kwargs)
     return d_gate, d_up, h
 
 
 def _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms) -> tuple:
-    """The down dgrad's argument checks but gate/up's and the devices: (intermediate, limit, has_limit, sms)."""
-    _check_shape("dy_rows", dy_rows, (sched.num_rows, None), "[num_rows, hidden]")
+    """The down dgrad's argument checks but gate/up's and the devices: (intermediate, the binding's swiglu_limit,
+    has_limit and num_sms by name)."""
+    check_layout("dy_rows", dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
-    _check_shape("w_down", w_down, (sched.num_experts, hidden, None), "[num_experts, hidden, intermediate]")
+    check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, None),
+                 "[num_experts, hidden, intermediate]")
     intermediate = w_down.shape[2]
     _check_gemm_dim("w_down", intermediate, "intermediate (dim 2)")
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    return intermediate, limit, swiglu_limit is not None, sms
+    return intermediate, {**_limit_kwargs(swiglu_limit), "num_sms": sms}
 
 
 def _check_rowwise_mx(name: str, mx, rows: int, cols: int) -> None:
     """(data float8_e4m3fn [rows, cols], scales uint8 [rows, cols / 32]), as mxfp8_quantize_rowwise returns them
-    (devices are checked after every shape, as _check_shape's)."""
+    (devices are checked after every shape, as check_layout's)."""
     if not (isinstance(mx, tuple) and len(mx) == 2 and all(isinstance(t, torch.Tensor) for t in mx)):
         fail(name, "a (data, scales) pair of tensors (mxfp8_quantize_rowwise's)", type(mx).__name__)
     data, scales = mx
@@ -231,21 +234,19 @@ def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows: torch.Tensor, w_down: torch.Te
     (data, scales) as the forward's GEMM1 wrote them, and the SwiGLU kernel dequantizes them as it reads them
     (no bf16 copy in memory): the bits of the BF16 op on mxfp8_dequantize(*gate_mx), mxfp8_dequantize(*up_mx).
     intermediate a multiple of 32. Returns (d_gate, d_up, h), bf16 [num_rows, intermediate] each."""
-    intermediate, limit, has_limit, sms = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
+    intermediate, kwargs = _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms)
     if intermediate % BLOCK_SIZE:
         fail("w_down", f"intermediate (dim 2) a multiple of {BLOCK_SIZE} (MXFP8 blocks)", intermediate)
     _check_rowwise_mx("gate_mx", gate_mx, sched.num_rows, intermediate)
     _check_rowwise_mx("up_mx", up_mx, sched.num_rows, intermediate)
     _check_devices(dy_rows.device, dy_rows=dy_rows, w_down=w_down)
     for name, t in (("gate_mx", gate_mx[0]), ("gate_mx", gate_mx[1]), ("up_mx", up_mx[0]), ("up_mx", up_mx[1])):
-        check_cuda_tensor(name, t, t.dtype)
-        if t.device != dy_rows.device:
-            fail(name, f"device {dy_rows.device} (dy_rows')", t.device)
-    schedule = (*gemm_schedule_tensors(sched, dy_rows.device), real_num_rows(sched, dy_rows.device))
+        check_cuda(name, t, dy_rows.device, "dy_rows'", aligned=True)
     d_gate, d_up, h = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=dy_rows.device)
                        for _ in range(3))  # [num_rows, intermediate] each
-    load_extension().grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, *gate_mx, *up_mx, *schedule, d_gate, d_up,
-                                                          h, limit, has_limit, sms)
+    load_extension().grouped_gemm_bf16_dgrad_swiglu_mxfp8(
+        dy_rows=dy_rows, w_down=w_down, gate_data=gate_mx[0], gate_scales=gate_mx[1], up_data=up_mx[0],
+        up_scales=up_mx[1], d_gate=d_gate, d_up=d_up, h=h, **gemm_schedule_kwargs(sched, dy_rows.device), **kwargs)
     return d_gate, d_up, h
 
 
@@ -255,19 +256,20 @@ def grouped_gemm_bf16_dgrad_gate_up(d_gate: torch.Tensor, d_up: torch.Tensor, w_
     bf16(d_gate[r]·w_gate[e] + d_up[r]·w_up[e]), one fp32 sum over K = 2·intermediate (L0 rounds once too);
     padding rows are zeros. d_gate, d_up [num_rows, intermediate]; w_gate, w_up [num_experts, intermediate,
     hidden] (read transposed, no copy). Returns dx_rows bf16 [num_rows, hidden]."""
-    _check_shape("d_gate", d_gate, (sched.num_rows, None), "[num_rows, intermediate]")
+    check_layout("d_gate", d_gate, torch.bfloat16, (sched.num_rows, None), "[num_rows, intermediate]")
     intermediate = d_gate.shape[1]
     _check_gemm_dim("d_gate", intermediate, "intermediate (dim 1)")
-    _check_shape("d_up", d_up, tuple(d_gate.shape), "[num_rows, intermediate] (d_gate's)")
-    _check_shape("w_gate", w_gate, (sched.num_experts, intermediate, None), "[num_experts, intermediate, hidden]")
+    check_layout("d_up", d_up, torch.bfloat16, tuple(d_gate.shape), "[num_rows, intermediate] (d_gate's)")
+    check_layout("w_gate", w_gate, torch.bfloat16, (sched.num_experts, intermediate, None),
+                 "[num_experts, intermediate, hidden]")
     _check_gemm_dim("w_gate", w_gate.shape[2], "hidden (dim 2)")
-    _check_shape("w_up", w_up, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
+    check_layout("w_up", w_up, torch.bfloat16, tuple(w_gate.shape), "[num_experts, intermediate, hidden] (w_gate's)")
     sms = _check_num_sms(num_sms)
     _check_devices(d_gate.device, d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, d_gate.device)  # [num_rows], [num_rows / 128]
     dx_rows = torch.empty(sched.num_rows, w_gate.shape[2], dtype=torch.bfloat16, device=d_gate.device)
-    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, row_to_token, tile_to_expert,
-                                                     real_num_rows(sched, d_gate.device), dx_rows, sms)
+    load_extension().grouped_gemm_bf16_dgrad_gate_up(d_gate=d_gate, d_up=d_up, w_gate=w_gate, w_up=w_up,
+                                                     dx_rows=dx_rows, num_sms=sms,
+                                                     **gemm_schedule_kwargs(sched, d_gate.device))
     return dx_rows
 
 
@@ -278,9 +280,9 @@ def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sc
     b_rows [num_rows, n] with zeros in padding rows (as the forward and the dgrad kernels write them); m and n
     multiples of 8. d_w_down = (dy_rows, h); d_w_gate = (d_gate, x_rows); d_w_up = (d_up, x_rows).
     Returns bf16 [num_experts, m, n]."""
-    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, m]")
+    check_layout("a_rows", a_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, m]")
     _check_gemm_dim("a_rows", a_rows.shape[1], "m (dim 1)")
-    _check_shape("b_rows", b_rows, (sched.num_rows, None), "[num_rows, n]")
+    check_layout("b_rows", b_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, n]")
     _check_gemm_dim("b_rows", b_rows.shape[1], "n (dim 1)")
     if sched.block_m % GEMM_BLOCK_M:
         fail("sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
@@ -289,5 +291,6 @@ def grouped_gemm_bf16_weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sc
     offsets, expert_rows = weight_grad_schedule_tensors(sched, a_rows.device)  # [E + 1], [E]
     d_w = torch.empty(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.bfloat16,
                       device=a_rows.device)  # [E, m, n]
-    load_extension().grouped_gemm_bf16_weight_grad(a_rows, b_rows, offsets, expert_rows, d_w, sms)
+    load_extension().grouped_gemm_bf16_weight_grad(a_rows=a_rows, b_rows=b_rows, expert_offsets=offsets,
+                                                   expert_rows=expert_rows, d_w=d_w, num_sms=sms)
     return d_w

@@ -1,4 +1,4 @@
-"""Grouped GEMMs with MXFP8 weights dequantized in the mainloop (csrc/gemm_mxfp8.cu; docs/l2_fused.md).
+"""Grouped GEMMs with MXFP8 weights dequantized in the mainloop (csrc/gemm_mxfp8.cu; docs/gemm.md).
 
 GEMM1 and GEMM2 of the forward as in mok.ops.gemm, with each weight given as its MXFP8 quantization along
 K, `(data, scales)` as mxfp8_quantize_rowwise returns them: float8_e4m3fn [E, n, k] and uint8 [E, n, k / 32].
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from mok.checks import fail
-from mok.ops.core import check_cuda_tensor, load_extension
+from mok.checks import check_cuda, check_layout, fail
+from mok.ops.core import load_extension
 from mok.ops.gemm import (
     _check_devices,
     _check_gemm_dim,
     _check_limit,
     _check_num_sms,
-    _check_shape,
-    gemm_schedule_tensors,
-    real_num_rows,
+    _limit_kwargs,
+    gemm_schedule_kwargs,
 )
 from mok.ops.quant import BLOCK_SIZE
 
@@ -64,19 +63,12 @@ def _check_mx_weight(name: str, w, num_experts: int, k: int, what: str) -> tuple
     return data, scales
 
 
-def _check_on(device: torch.device, name: str, t: torch.Tensor) -> None:
-    """A weight part for the kernels (its dtype checked already): CUDA, contiguous, aligned, on `device`."""
-    check_cuda_tensor(name, t, t.dtype)
-    if t.device != device:
-        fail(name, f"device {device} (the first operand's)", t.device)
-
-
 def grouped_gemm_mxfp8_swiglu_gather(x: torch.Tensor, w_gate, w_up, sched, swiglu_limit: float | None = None,
                                      num_sms: int | None = None):
     """mok.ops.grouped_gemm_bf16_swiglu_gather with MXFP8 weights: w_gate, w_up = (data, scales) of
     [num_experts, intermediate, hidden] quantized along hidden. Returns (h, gate, up), bf16 [num_rows,
     intermediate] each, the BF16 kernel's bits on the dequantized weights."""
-    _check_shape("x", x, (sched.num_tokens, None), "[num_tokens, hidden]")
+    check_layout("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
     hidden = x.shape[1]
     _check_gemm_dim("x", hidden, "hidden (dim 1)")
     what = "[num_experts, intermediate, hidden]"
@@ -89,31 +81,29 @@ def grouped_gemm_mxfp8_swiglu_gather(x: torch.Tensor, w_gate, w_up, sched, swigl
     sms = _check_num_sms(num_sms)
     _check_devices(x.device, x=x)
     for name, t in (("w_gate[0]", gate_w), ("w_gate[1]", gate_s), ("w_up[0]", up_w), ("w_up[1]", up_s)):
-        _check_on(x.device, name, t)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, x.device)  # [num_rows], [num_rows / 128]
+        check_cuda(name, t, x.device, "the first operand's", aligned=True)
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     load_extension().grouped_gemm_mxfp8_swiglu_gather(
-        x, gate_w, mx_scales_by_k_block(gate_s), up_w, mx_scales_by_k_block(up_s), row_to_token, tile_to_expert,
-        real_num_rows(sched, x.device), h, gate, up, limit, swiglu_limit is not None, sms)
+        x=x, w_gate=gate_w, w_gate_scales=mx_scales_by_k_block(gate_s), w_up=up_w,
+        w_up_scales=mx_scales_by_k_block(up_s), h=h, gate=gate, up=up, num_sms=sms,
+        **gemm_schedule_kwargs(sched, x.device), **_limit_kwargs(swiglu_limit))
     return h, gate, up
 
 
 def grouped_gemm_mxfp8_nt_contiguous(a_rows: torch.Tensor, w, sched, num_sms: int | None = None) -> torch.Tensor:
     """mok.ops.grouped_gemm_bf16_nt_contiguous with an MXFP8 weight: w = (data, scales) of [num_experts, n, k]
     quantized along k. Returns bf16 [num_rows, n], the BF16 kernel's bits on the dequantized weight."""
-    _check_shape("a_rows", a_rows, (sched.num_rows, None), "[num_rows, k]")
+    check_layout("a_rows", a_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, k]")
     k = a_rows.shape[1]
     _check_gemm_dim("a_rows", k, "k (dim 1)")
     data, scales = _check_mx_weight("w", w, sched.num_experts, k, "[num_experts, n, k]")
     sms = _check_num_sms(num_sms)
     _check_devices(a_rows.device, a_rows=a_rows)
-    _check_on(a_rows.device, "w[0]", data)
-    _check_on(a_rows.device, "w[1]", scales)
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, a_rows.device)  # [num_rows], [num_rows / 128]
+    check_cuda("w[0]", data, a_rows.device, "the first operand's", aligned=True)
+    check_cuda("w[1]", scales, a_rows.device, "the first operand's", aligned=True)
     out_rows = torch.empty(sched.num_rows, data.shape[1], dtype=torch.bfloat16, device=a_rows.device)  # [R, n]
-    load_extension().grouped_gemm_mxfp8_nt_contiguous(a_rows, data, mx_scales_by_k_block(scales), row_to_token,
-                                                      tile_to_expert, real_num_rows(sched, a_rows.device), out_rows,
-                                                      sms)
+    load_extension().grouped_gemm_mxfp8_nt_contiguous(a_rows=a_rows, w=data, w_scales=mx_scales_by_k_block(scales),
+                                                      out=out_rows, num_sms=sms,
+                                                      **gemm_schedule_kwargs(sched, a_rows.device))
     return out_rows

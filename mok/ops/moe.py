@@ -5,40 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from mok.checks import check_int, check_topk_idx, fail
+from mok.checks import check_cuda, check_int, check_layout, check_topk_idx, fail
 from mok.ops.core import load_extension
-from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, gemm_schedule_tensors, real_num_rows
+from mok.ops.gemm import GEMM_BLOCK_M, GEMM_K_ALIGN, GemmSchedule, gemm_schedule_tensors, real_num_rows
 from mok.schedule import Schedule, make_schedule, max_num_rows
 
 # ---- fixed-order combine (L2; csrc/include/mok/moe/combine.cuh) ----------------------------------------
 # out[t] = bf16(Σ_k w[t,k]·y_rows[route_to_row[t,k]] + shared[t]): fp32, increasing k, then shared; each
 # product and sum rounded on its own, so the bits equal mok.reference.combine's (and, without weights, the
 # d_x sum of mok.reference.moe_backward). One thread per output element: no atomics, no grid dependence.
-
-
-def _check_combine_operand(name: str, t, dtype: torch.dtype, expected: tuple, what: str) -> None:
-    """dtype(s) and shape, before any device check (CPU-testable); `dtype` may be a tuple of choices."""
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if not isinstance(t, torch.Tensor):
-        fail(name, "a torch.Tensor", type(t).__name__)
-    if t.dtype not in dtypes:
-        fail(name, "dtype " + " or ".join(str(d) for d in dtypes), t.dtype)
-    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
-        want = ", ".join("*" if e is None else str(e) for e in expected)
-        fail(name, f"shape {what} = [{want}]", f"shape {tuple(t.shape)}")
-
-
-def _check_on_device(name: str, t: torch.Tensor, device: torch.device, vector_rows: bool) -> None:
-    """CUDA, on `device`, contiguous; vector_rows: 16-byte aligned (the kernel reads rows in 16 bytes)."""
-    if t.device.type != "cuda":
-        fail(name, "a CUDA tensor", f"device {t.device}")
-    if t.device != device:
-        fail(name, f"device {device} (y_rows')", t.device)
-    if not t.is_contiguous():
-        fail(name, "a contiguous tensor (call .contiguous())", f"strides {t.stride()}")
-    if vector_rows and t.data_ptr() % 16 != 0:
-        fail(name, "a 16-byte aligned data pointer (a view with a storage offset is not)",
-              f"address {t.data_ptr():#x}")
 
 
 def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights: torch.Tensor | None = None,
@@ -50,29 +25,30 @@ def combine_rows(y_rows: torch.Tensor, route_to_row: torch.Tensor, topk_weights:
     (a schedule's `route_to_row`); topk_weights fp32 [num_tokens, num_topk] or None (weights 1: the d_x sum
     of the backward); shared bf16 [num_tokens, hidden] or None. check_rows: verify every row id is in
     [0, num_rows) (one host sync); without the check, a bad id gives NaN for its token, never a stray read."""
-    _check_combine_operand("y_rows", y_rows, torch.bfloat16, (None, None), "[num_rows, hidden]")
+    check_layout("y_rows", y_rows, torch.bfloat16, (None, None), "[num_rows, hidden]")
     num_rows, hidden = y_rows.shape
     if hidden % GEMM_K_ALIGN:
         fail("y_rows", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
-    _check_combine_operand("route_to_row", route_to_row, (torch.int64, torch.int32), (None, None),
+    check_layout("route_to_row", route_to_row, (torch.int64, torch.int32), (None, None),
                            "[num_tokens, num_topk]")
     num_tokens, num_topk = route_to_row.shape
     if topk_weights is not None:
-        _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
+        check_layout("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
                                "[num_tokens, num_topk] (route_to_row's)")
     if shared is not None:
-        _check_combine_operand("shared", shared, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
+        check_layout("shared", shared, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
     operands = {"y_rows": (y_rows, True), "route_to_row": (route_to_row, False),
                 "topk_weights": (topk_weights, False), "shared": (shared, True)}
     for name, (t, vector_rows) in operands.items():
         if t is not None:
-            _check_on_device(name, t, y_rows.device, vector_rows)
+            check_cuda(name, t, y_rows.device, "y_rows'", aligned=vector_rows)
     if check_rows and route_to_row.numel():
         low, high = int(route_to_row.min()), int(route_to_row.max())  # host sync
         if low < 0 or high >= num_rows:
             fail("route_to_row", f"row ids in [0, {num_rows}) (y_rows has {num_rows} rows)", f"ids in [{low}, {high}]")
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_tokens, hidden]
-    load_extension().combine_rows(y_rows, route_to_row, topk_weights, shared, out)
+    load_extension().combine_rows(y_rows=y_rows, route_to_row=route_to_row, topk_weights=topk_weights, shared=shared,
+                                  out=out)
     return out
 
 
@@ -83,11 +59,11 @@ def _check_x_and_schedule(x: torch.Tensor, sched: Schedule) -> int:
     """The checks of a kernel that reads x's rows through a schedule; x's hidden."""
     if not isinstance(sched, Schedule):
         fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
-    _check_combine_operand("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
+    check_layout("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
     hidden = x.shape[1]
     if hidden % GEMM_K_ALIGN:
         fail("x", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
-    _check_on_device("x", x, x.device, True)
+    check_cuda("x", x, aligned=True)
     return hidden
 
 
@@ -103,7 +79,8 @@ def gather_rows_cuda(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     row_to_k = sched.row_to_k.to(x.device).contiguous()  # int64 [num_rows]
     route_to_row = sched.route_to_row.to(x.device).contiguous()  # int64 [num_tokens, num_topk]
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    load_extension().gather_rows(x, row_to_token, row_to_k, route_to_row, out, real_num_rows(sched, x.device))
+    load_extension().gather_rows(x=x, row_to_token=row_to_token, row_to_k=row_to_k, route_to_row=route_to_row, out=out,
+                                 counts=real_num_rows(sched, x.device))
     return out
 
 
@@ -117,7 +94,8 @@ def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tens
     hidden = _check_x_and_schedule(x, sched)
     row_to_token, _ = gemm_schedule_tensors(sched, x.device)  # int32 [num_rows], num_rows % 128 == 0
     out = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    load_extension().mxfp8_fake_quantize_gathered(x, row_to_token, out, real_num_rows(sched, x.device))
+    load_extension().mxfp8_fake_quantize_gathered(x=x, row_to_token=row_to_token, out=out,
+                                                  counts=real_num_rows(sched, x.device))
     return out
 
 
@@ -130,11 +108,11 @@ def mxfp8_fake_quantize_gathered(x: torch.Tensor, sched: Schedule) -> torch.Tens
 # which the kernels never touch) and the bad-id check is the caller's (mok.fused defers it).
 
 SCHEDULE_MAX_EXPERTS = 4096  # kScheduleMaxExperts (mok/api.h): per-warp expert cursors in shared memory
-# What the binding returns, in order (csrc/bindings.cpp, make_schedule): int64 arrays, then the int32 ones
-# ("gemm_" = the GEMM kernels' int32 row_to_token and per-128-row tile_to_expert).
+# The arrays the binding returns, by name (struct ScheduleOutputs, mok/api.h; csrc/bindings.cpp, make_schedule):
+# int64 ones, then the int32 counts and the GEMM kernels' row_to_token and per-128-row tile_to_expert.
 _SCHEDULE_ARRAYS = ("tokens_per_expert", "padded_per_expert", "expert_offsets", "tile_offsets", "route_to_row",
                     "row_to_token", "row_to_k", "row_to_route", "row_to_expert", "tile_to_expert", "tile_num_rows",
-                    "counts", "gemm_row_to_token", "gemm_tile_to_expert")
+                    "counts", "row_to_token_i32", "gemm_tile_to_expert")
 
 
 def _check_topk_idx_layout(topk_idx, num_experts: int) -> None:
@@ -168,8 +146,8 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
     if num_experts > SCHEDULE_MAX_EXPERTS or rows >= 2**31:  # beyond the kernels' int32 rows / smem cursors
         return make_schedule(topk_idx, num_experts, block_m)  # the same bits from torch ops
     gemm = block_m % GEMM_BLOCK_M == 0
-    v = dict(zip(_SCHEDULE_ARRAYS, load_extension().make_schedule(topk_idx.contiguous(), num_experts, block_m,
-                                                                   rows, gemm)))  # views sized for `rows`
+    v = load_extension().make_schedule(topk_idx=topk_idx.contiguous(), num_experts=num_experts, block_m=block_m,
+                                       max_num_rows=rows, gemm=gemm)  # name -> view sized for `rows`
     num_rows = rows  # row arrays of max_num_rows entries, spare rows included
     if sync:
         num_rows, num_bad = v["counts"].tolist()  # the one host sync
@@ -181,7 +159,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
         for name, n in (("row_to_token", num_rows), ("row_to_k", num_rows), ("row_to_route", num_rows),
                         ("row_to_expert", num_rows), ("tile_to_expert", tiles), ("tile_num_rows", tiles)):
             v[name] = v[name][:n]
-        v["gemm_row_to_token"] = v["gemm_row_to_token"][:num_rows]
+        v["row_to_token_i32"] = v["row_to_token_i32"][:num_rows]
         v["gemm_tile_to_expert"] = v["gemm_tile_to_expert"][:num_rows // GEMM_BLOCK_M]
     sched = Schedule(
         num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
@@ -191,7 +169,7 @@ def make_schedule_cuda(topk_idx: torch.Tensor, num_experts: int, block_m: int = 
         route_to_row=v["route_to_row"], tile_offsets=v["tile_offsets"], tile_to_expert=v["tile_to_expert"],
         tile_num_rows=v["tile_num_rows"], counts=v["counts"])
     if gemm:
-        sched.gemm_tensors = (v["gemm_row_to_token"], v["gemm_tile_to_expert"])
+        sched.gemm_tensors = GemmSchedule(row_to_token=v["row_to_token_i32"], tile_to_expert=v["gemm_tile_to_expert"])
     return sched
 
 
@@ -213,23 +191,25 @@ def route_grads_prep(d_out: torch.Tensor, topk_weights: torch.Tensor, y_rows: to
     if not isinstance(sched, Schedule):
         fail("sched", "a mok.schedule.Schedule", type(sched).__name__)
     num_tokens, num_topk = sched.num_tokens, sched.num_topk
-    _check_combine_operand("y_rows", y_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
+    check_layout("y_rows", y_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = y_rows.shape[1]
     if hidden % GEMM_K_ALIGN:
         fail("y_rows", f"hidden (dim 1) a multiple of {GEMM_K_ALIGN} (16-byte rows)", hidden)
-    _check_combine_operand("d_out", d_out, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
-    _check_combine_operand("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
+    check_layout("d_out", d_out, torch.bfloat16, (num_tokens, hidden), "[num_tokens, hidden]")
+    check_layout("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk),
                            "[num_tokens, num_topk]")
     if num_topk > ROUTE_GRADS_MAX_TOPK:
         fail("sched", f"num_topk <= {ROUTE_GRADS_MAX_TOPK}", num_topk)
     operands = {"y_rows": (y_rows, True), "d_out": (d_out, True), "topk_weights": (topk_weights, False),
                 "sched.route_to_row": (sched.route_to_row, False), "sched.tile_num_rows": (sched.tile_num_rows, False)}
     for name, (t, vector_rows) in operands.items():
-        _check_on_device(name, t, y_rows.device, vector_rows)
+        check_cuda(name, t, y_rows.device, "y_rows'", aligned=vector_rows)
     dy_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=y_rows.device)  # [num_rows, hidden]
     d_topk_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y_rows.device)  # [T, K]
-    load_extension().route_grads_prep(d_out, topk_weights, y_rows, sched.route_to_row, sched.tile_num_rows,
-                                      real_num_rows(sched, y_rows.device), dy_rows, d_topk_weights, sched.block_m)
+    load_extension().route_grads_prep(d_out=d_out, topk_weights=topk_weights, y_rows=y_rows,
+                                      route_to_row=sched.route_to_row, tile_num_rows=sched.tile_num_rows,
+                                      counts=real_num_rows(sched, y_rows.device), dy_rows=dy_rows,
+                                      d_topk_weights=d_topk_weights, block_m=sched.block_m)
     return dy_rows, d_topk_weights
 
 
@@ -243,12 +223,8 @@ def _check_on_one_gpu(tensors: dict, like: str) -> None:
     """Every tensor of `tensors` (name -> tensor or None) a CUDA tensor on the device of tensors[like]."""
     device = tensors[like].device
     for name, t in tensors.items():
-        if t is None:
-            continue
-        if t.device.type != "cuda":
-            fail(name, "a CUDA tensor", f"device {t.device}")
-        if t.device != device:
-            fail(name, f"device {device} ({like}'s)", t.device)
+        if t is not None:
+            check_cuda(name, t, device, f"{like}'s", contiguous=False)
 
 
 def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor, need: torch.Tensor,
@@ -257,17 +233,17 @@ def route_fill_rounds(order: torch.Tensor, may: torch.Tensor, inv: torch.Tensor,
     rounding.fill_rounds: order int64 [P, R], may bool [U, R], inv int64 [P] (nondecreasing), need int [R], num_real
     None or an int64 scalar (read on the device: the padding entries from it on are never walked), all on one GPU;
     returns (assign int64 [P], need int64 [R]). The inputs are not changed."""
-    _check_combine_operand("order", order, torch.int64, (None, None), "[num_pool, num_receivers]")
+    check_layout("order", order, torch.int64, (None, None), "[num_pool, num_receivers]")
     num_pool, num_receivers = order.shape
-    _check_combine_operand("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
-    _check_combine_operand("inv", inv, torch.int64, (num_pool,), "[num_pool]")
-    _check_combine_operand("need", need, _INTEGERS, (num_receivers,), "[num_receivers]")
+    check_layout("may", may, torch.bool, (None, num_receivers), "[num_tokens, num_receivers]")
+    check_layout("inv", inv, torch.int64, (num_pool,), "[num_pool]")
+    check_layout("need", need, _INTEGERS, (num_receivers,), "[num_receivers]")
     if num_receivers > FILL_MAX_RECEIVERS:
         fail("order", f"at most {FILL_MAX_RECEIVERS} receivers (dim 1)", num_receivers)
     if num_pool > 2**31 - 1 - 1024:
         fail("order", "fewer than 2^31 - 1024 entries (dim 0)", num_pool)
     if num_real is not None:
-        _check_combine_operand("num_real", num_real, torch.int64, (), "a scalar")
+        check_layout("num_real", num_real, torch.int64, (), "a scalar")
     _check_on_one_gpu({"order": order, "may": may, "inv": inv, "need": need, "num_real": num_real}, "order")
     # receiver-major copies: a warp walks a receiver's row of order; the kernel clears what the tokens take in may
     may_rows = torch.empty(num_receivers, may.shape[0], dtype=torch.uint8, device=order.device).copy_(may.t())
@@ -285,8 +261,8 @@ def _fill_rounds_receiver_major(order: torch.Tensor, may: torch.Tensor, inv: tor
     if num_pool and num_receivers:
         first = torch.empty(may.shape[1], dtype=torch.int32, device=order.device)  # [U] scratch
         pick = torch.empty(num_pool, dtype=torch.int32, device=order.device)  # [P] scratch
-        load_extension().route_fill_rounds(order, may, inv, need, assign, first, pick,
-                                           None if num_real is None else num_real.reshape(1))
+        load_extension().route_fill_rounds(order=order, may=may, inv=inv, need=need, assign=assign, first=first,
+                                           pick=pick, num_real=None if num_real is None else num_real.reshape(1))
     return assign, need
 
 
@@ -296,13 +272,13 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     rounding.swap_leftovers: idx, before int64 [T, K], allowed bool [T, E], left int64 [P], need int [E], all on one
     GPU; returns (idx, need) after the swaps, reading nothing on the host (the kernel returns at once when no expert
     lacks routes). The inputs are not changed."""
-    _check_combine_operand("idx", idx, torch.int64, (None, None), "[num_tokens, num_topk]")
+    check_layout("idx", idx, torch.int64, (None, None), "[num_tokens, num_topk]")
     num_tokens, num_topk = idx.shape
-    _check_combine_operand("before", before, torch.int64, (num_tokens, num_topk), "[num_tokens, num_topk]")
-    _check_combine_operand("allowed", allowed, torch.bool, (num_tokens, None), "[num_tokens, num_experts]")
+    check_layout("before", before, torch.int64, (num_tokens, num_topk), "[num_tokens, num_topk]")
+    check_layout("allowed", allowed, torch.bool, (num_tokens, None), "[num_tokens, num_experts]")
     num_experts = allowed.shape[1]
-    _check_combine_operand("left", left, torch.int64, (None,), "[num_left]")
-    _check_combine_operand("need", need, _INTEGERS, (num_experts,), "[num_experts]")
+    check_layout("left", left, torch.int64, (None,), "[num_left]")
+    check_layout("need", need, _INTEGERS, (num_experts,), "[num_experts]")
     if idx.numel() + left.numel() > 2**31 - 1 - 1024:
         fail("idx", "fewer than 2^31 - 1024 routes and leftovers in all", idx.numel() + left.numel())
     _check_on_one_gpu({"idx": idx, "before": before, "allowed": allowed, "left": left, "need": need}, "idx")
@@ -311,14 +287,15 @@ def route_swap_leftovers(idx: torch.Tensor, before: torch.Tensor, allowed: torch
     need = need.to(torch.int64, copy=True)  # [E] in, then out
     waiting = torch.empty(left.numel(), dtype=torch.int32, device=device)  # [P] scratch
     moved = torch.empty(idx.numel() + left.numel(), dtype=torch.int32, device=device)  # [T·K + P] scratch
-    load_extension().route_swap_leftovers(idx, before.contiguous(), allowed.to(torch.uint8).contiguous(),
-                                          left.contiguous(), need, waiting, moved)
+    load_extension().route_swap_leftovers(idx=idx, before=before.contiguous(),
+                                          allowed=allowed.to(torch.uint8).contiguous(), left=left.contiguous(),
+                                          need=need, waiting=waiting, moved=moved)
     return idx, need
 
 
 # RouteRoundStep (mok/api.h), in the order they run
 ROUND_STEPS = ("count", "plan", "keys", "choose", "pool", "cells", "apply", "order")
-# the buffers in the order of the binding's arguments (struct RouteRound, mok/api.h)
+# the buffers, by the names of struct RouteRound's pointer fields (mok/api.h) and of the binding's arguments
 ROUND_BUFFERS = ("idx", "scores", "counts", "plan", "keys", "by_expert", "chosen", "slots", "pool", "num_real",
                  "inv", "may", "pool_scores", "assign", "routes", "left", "out")
 
@@ -367,8 +344,8 @@ def route_round_prep(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, nu
 
 def _round_buffers(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int, num_pool: int, run_step) -> tuple:
     """The map steps' buffers (ROUND_BUFFERS; the rounds' and later ones empty until then) and their runner."""
-    _check_combine_operand("topk_idx", topk_idx, torch.int64, (None, None), "[num_tokens, num_topk]")
-    _check_combine_operand("scores", scores, (torch.float32, torch.bfloat16, torch.float16),
+    check_layout("topk_idx", topk_idx, torch.int64, (None, None), "[num_tokens, num_topk]")
+    check_layout("scores", scores, (torch.float32, torch.bfloat16, torch.float16),
                            (topk_idx.shape[0], None), "[num_tokens, num_experts]")
     check_int("tile", tile, 1)
     check_int("num_pool", num_pool, 0)
@@ -408,4 +385,5 @@ def _prep_steps(b: dict, tile: int, run_step) -> torch.Tensor:
 
 
 def _round_step_on_gpu(step: str, b: dict, tile: int) -> None:
-    load_extension().route_round_step(ROUND_STEPS.index(step), *(b[name] for name in ROUND_BUFFERS), tile)
+    buffers = {name: b[name] for name in ROUND_BUFFERS}
+    load_extension().route_round_step(step=ROUND_STEPS.index(step), tile=tile, **buffers)

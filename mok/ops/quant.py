@@ -10,7 +10,6 @@ outputs in the logical layout.
 
 x: bf16 [rows, cols] or [experts, rows, cols], CUDA, contiguous, 16-byte aligned. Row-wise needs
 cols % 32 == 0; column-wise needs rows % 32 == 0 and cols % 8 == 0 (16-byte row segments); dual both.
-`variant` picks a kernel kept for the benchmark's record (docs/mxfp8_kernels.md); 0 is the default.
 `counts` (a schedule's Schedule.counts) stops a column-wise round trip over that schedule's row buffer at its
 real rows: the MXFP8 backward's operands, whose spare rows no GEMM reads (mok.fused).
 """
@@ -19,10 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from mok.checks import fail
-from mok.ops.core import check_cuda_tensor, load_extension
+from mok.checks import check_cuda, fail
+from mok.ops.core import load_extension
 
 BLOCK_SIZE = 32  # MXFP8 elements per scale (mok.mxfp8.BLOCK_SIZE)
+
+
+def _check_matrix(name: str, t, dtype: torch.dtype) -> None:
+    """A quantizer's operand: a 2D [rows, cols] or 3D [experts, rows, cols] tensor of `dtype`, CUDA, contiguous and
+    16-byte aligned."""
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype != dtype:
+        fail(name, f"dtype {dtype}", t.dtype)
+    if t.dim() not in (2, 3):
+        fail(name, "a 2D [rows, cols] or 3D [experts, rows, cols] tensor", f"shape {tuple(t.shape)}")
+    check_cuda(name, t, aligned=True)
 
 
 def _check_blocks(name: str, shape: tuple, rowwise: bool, colwise: bool) -> None:
@@ -42,45 +53,46 @@ def _scales_shape(shape: tuple, dim: int) -> tuple:
     return tuple(out)
 
 
-def mxfp8_quantize_rowwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 32 along dim -1. Returns data float8_e4m3fn (x.shape), scales uint8 [..., cols // 32]."""
-    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_matrix("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=False)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     scales = torch.empty(_scales_shape(tuple(x.shape), -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
-    load_extension().mxfp8_quantize_rowwise(x, data, scales, variant)
+    load_extension().mxfp8_quantize_rowwise(x=x, data=data, scales=scales)
     return data, scales
 
 
-def mxfp8_quantize_colwise(x: torch.Tensor, variant: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_colwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 32 along dim -2. Returns data float8_e4m3fn (x.shape), scales uint8 [..., rows // 32, cols]."""
-    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_matrix("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=False, colwise=True)
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     # [..., rows / 32, cols]
     scales = torch.empty(_scales_shape(tuple(x.shape), -2), dtype=torch.uint8, device=x.device)
-    load_extension().mxfp8_quantize_colwise(x, data, scales, variant)
+    load_extension().mxfp8_quantize_colwise(x=x, data=data, scales=scales)
     return data, scales
 
 
-def mxfp8_quantize_dual(x: torch.Tensor, variant: int = 0):
+def mxfp8_quantize_dual(x: torch.Tensor):
     """Row-wise and column-wise quantization from one read of x:
     ((data_row, scales_row), (data_col, scales_col)), each equal to the single-direction op's output."""
-    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_matrix("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
     shape = tuple(x.shape)
     data_row = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     scales_row = torch.empty(_scales_shape(shape, -1), dtype=torch.uint8, device=x.device)  # [..., cols / 32]
     data_col = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)  # x.shape
     scales_col = torch.empty(_scales_shape(shape, -2), dtype=torch.uint8, device=x.device)  # [..., rows / 32, cols]
-    load_extension().mxfp8_quantize_dual(x, data_row, scales_row, data_col, scales_col, variant)
+    load_extension().mxfp8_quantize_dual(x=x, data_row=data_row, scales_row=scales_row, data_col=data_col,
+                                         scales_col=scales_col)
     return (data_row, scales_row), (data_col, scales_col)
 
 
 def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """q * 2^e rounded to bf16 (NaN for a 0xFF scale); dim = -1 (row-wise scales) or -2 (column-wise)."""
-    check_cuda_tensor("data", data, torch.float8_e4m3fn)
-    check_cuda_tensor("scales", scales, torch.uint8)
+    _check_matrix("data", data, torch.float8_e4m3fn)
+    _check_matrix("scales", scales, torch.uint8)
     if dim not in (-1, -2, data.dim() - 1, data.dim() - 2):
         fail("dim", f"-1 or -2 (or {data.dim() - 1} / {data.dim() - 2}) for data of rank {data.dim()}", dim)
     rowwise = dim in (-1, data.dim() - 1)
@@ -92,7 +104,7 @@ def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dim: int = -1) ->
     if scales.device != data.device:
         fail("scales", f"device {data.device} (data's)", scales.device)
     out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)  # data.shape
-    load_extension().mxfp8_dequantize(data, scales, out, rowwise)
+    load_extension().mxfp8_dequantize(data=data, scales=scales, out=out, rowwise=rowwise)
     return out
 
 
@@ -116,7 +128,7 @@ def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1, counts: torch.Tensor | N
     counts (column-wise only): a schedule's device counts for x, a row buffer of that schedule: the 32-row
     blocks from counts[0] on (its spare rows, which no GEMM reads) are neither read nor written, so the output
     holds whatever torch.empty left there."""
-    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_matrix("x", x, torch.bfloat16)
     if dim not in (-1, -2, x.dim() - 1, x.dim() - 2):
         fail("dim", f"-1 or -2 (or {x.dim() - 1} / {x.dim() - 2}) for x of rank {x.dim()}", dim)
     rowwise = dim in (-1, x.dim() - 1)
@@ -125,16 +137,16 @@ def mxfp8_fake_quantize(x: torch.Tensor, dim: int = -1, counts: torch.Tensor | N
     if rowwise and counts is not None:
         fail("counts", "None for a row-wise round trip (dim -1)", "a tensor")
     out = torch.empty_like(x)  # x.shape, bf16
-    load_extension().mxfp8_fake_quantize(x, out, None, rowwise, counts)
+    load_extension().mxfp8_fake_quantize(x=x, out=out, out_row=None, rowwise=rowwise, counts=counts)
     return out
 
 
 def mxfp8_fake_quantize_dual(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mxfp8_fake_quantize(x, -1), mxfp8_fake_quantize(x, -2)) from one read of x, bf16 x.shape each; counts
     as mxfp8_fake_quantize's (both outputs' spare blocks left alone)."""
-    check_cuda_tensor("x", x, torch.bfloat16)
+    _check_matrix("x", x, torch.bfloat16)
     _check_blocks("x", tuple(x.shape), rowwise=True, colwise=True)
     _check_counts(counts, x)
     out_row, out_col = torch.empty_like(x), torch.empty_like(x)  # x.shape each
-    load_extension().mxfp8_fake_quantize(x, out_col, out_row, False, counts)
+    load_extension().mxfp8_fake_quantize(x=x, out=out_col, out_row=out_row, rowwise=False, counts=counts)
     return out_row, out_col

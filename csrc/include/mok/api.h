@@ -13,13 +13,11 @@ namespace mok {
 // x: bf16, data: E4M3 bytes with x's shape; rows = numel / cols. Row-wise scales: [rows, cols / 32];
 // column-wise scales: [rows / 32, cols] (a leading experts dim folds into rows).
 
-cudaError_t mxfp8_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel, int variant,
-                                   cudaStream_t stream);
+cudaError_t mxfp8_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel, cudaStream_t stream);
 cudaError_t mxfp8_quantize_colwise(const void* x, void* data, void* scales, int64_t rows, int64_t cols,
-                                   int variant, cudaStream_t stream);
-cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col,
-                                void* scales_col, int64_t rows, int64_t cols, int variant,
-                                cudaStream_t stream);
+                                   cudaStream_t stream);
+cudaError_t mxfp8_quantize_dual(const void* x, void* data_row, void* scales_row, void* data_col, void* scales_col,
+                                int64_t rows, int64_t cols, cudaStream_t stream);
 cudaError_t mxfp8_dequantize_rowwise(const void* data, const void* scales, void* out, int64_t numel,
                                      cudaStream_t stream);
 cudaError_t mxfp8_dequantize_colwise(const void* data, const void* scales, void* out, int64_t rows,
@@ -36,110 +34,129 @@ cudaError_t mxfp8_fake_quantize_gathered_colwise(const void* x, const int32_t* r
                                                  int64_t num_src_rows, int64_t cols, const int32_t* real_num_rows,
                                                  cudaStream_t stream);
 
-// The quantizers' bandwidth ceilings for the benchmark: copies nbytes (% 16 == 0) from src to dst with a
-// plain kernel (a graph-capturable copy that is not a memcpy node). variant 0: the benchmark's same-size copy;
-// 1-3: the other access patterns of mok/quant/copy_bytes.cuh (3 writes two half-size streams into dst).
-constexpr int kNumCopyVariants = 4;
-cudaError_t copy_bytes(const void* src, void* dst, int64_t nbytes, int variant, cudaStream_t stream);
+// ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu, csrc/gemm_mxfp8.cu) ----------------------
+// Every entry point takes its operands in a struct filled by field name (csrc/bindings.cpp), the schedule in a
+// RowSchedule, then num_sms (<= 0: the device's SM count; the persistent grid's size, the results bitwise the same
+// for any value) and the stream. Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned; k % 8 == 0
+// and n % 8 == 0.
 
-// ---- grouped BF16 GEMMs over the route schedule (csrc/gemm_bf16.cu) -----------------------------------
-// Rows follow mok/schedule.py with tiles of 128 rows: tile_to_expert [num_rows / 128] (int32), row_to_token
-// [num_rows] (int32, -1 = padding). Weights bf16 [num_experts, n, k] (nn.Linear layout), 16-byte aligned;
-// k % 8 == 0 and n % 8 == 0. num_sms <= 0: the device's SM count (the persistent grid's size; the
-// results are bitwise the same for any value). num_rows is the row buffers' size; real_num_rows (int32 [1],
-// a multiple of 128, written on the device by the schedule; null: num_rows) is the schedule's real padded
-// row count: the row-wise kernels run its tiles only, so rows past it are never read or written.
+// The route schedule as the row-wise kernels read it (mok/schedule.py with tiles of 128 rows).
+struct RowSchedule {
+  const int32_t* row_to_token;    // [num_rows], -1 = padding (written as zeros in every output)
+  const int32_t* tile_to_expert;  // [num_rows / 128]
+  const int32_t* real_num_rows;   // [1] on the device (a multiple of 128, written by the schedule), or null:
+                                  // num_rows. The kernels run its tiles only: rows past it are never touched.
+  int64_t num_rows;               // rows of the row buffers, a multiple of 128
+};
 
-// GEMM1 with fused dispatch and SwiGLU: x [num_tokens, hidden]; w_gate, w_up [num_experts, intermediate,
-// hidden]; h, gate, up [num_rows, intermediate] (zeros in padding rows).
-cudaError_t grouped_gemm_bf16_swiglu_gather(const void* x, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                            const int32_t* real_num_rows, void* h, void* gate, void* up,
-                                            int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                            int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
-                                            cudaStream_t stream);
+// SwiGLU's clamp (mok.reference.swiglu): limit is used only when has_limit.
+struct SwiGLULimit {
+  float limit;
+  bool has_limit;
+};
 
-// GEMM1 for the MXFP8 forward: as above, with gate and up written as MXFP8 row-wise, each in one 16-byte aligned
-// buffer of E4M3 data [num_rows, intermediate] then E8M0 scales [num_rows, intermediate / 32]
-// (mxfp8_quantize_rowwise's bits), and h as its row-wise round trip (mxfp8_fake_quantize's bits).
-// intermediate % 32 == 0.
-cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(
-    const void* x, const void* w_gate, const void* w_up, const int32_t* row_to_token, const int32_t* tile_to_expert,
-    const int32_t* real_num_rows, void* h, void* gate_mx, void* up_mx,
-    int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, float swiglu_limit, bool has_limit,
-    int num_sms, cudaStream_t stream);
+// GEMM1 with fused dispatch and SwiGLU: h, gate, up [num_rows, intermediate] from x [num_tokens, hidden] gathered
+// through row_to_token and w_gate, w_up [num_experts, intermediate, hidden].
+struct GateUpGemm {
+  const void* x;
+  const void* w_gate;
+  const void* w_up;
+  const void* w_gate_scales;  // MXFP8 weights only (grouped_gemm_mxfp8_swiglu_gather), else null
+  const void* w_up_scales;    // idem
+  void* h;
+  void* gate;  // bf16, or (grouped_gemm_bf16_swiglu_gather_mxfp8_out) the row-wise MXFP8 buffer, see there
+  void* up;    // idem
+  int64_t hidden, intermediate, num_experts;
+  SwiGLULimit swiglu;
+};
 
 // GEMM2, a plain grouped GEMM: out[r] = a_rows[r] · w[e]ᵀ; a_rows [num_rows, k], w [num_experts, n, k],
-// out [num_rows, n]; padding rows (row_to_token = -1) of out are zeros.
-cudaError_t grouped_gemm_bf16_nt_contiguous(const void* a_rows, const void* w, const int32_t* row_to_token,
-                                            const int32_t* tile_to_expert, const int32_t* real_num_rows, void* out,
-                                            int64_t num_rows, int64_t n, int64_t k, int64_t num_experts, int num_sms,
+// out [num_rows, n]; padding rows of out are zeros.
+struct DownGemm {
+  const void* a_rows;
+  const void* w;
+  const void* w_scales;  // MXFP8 weights only (grouped_gemm_mxfp8_nt_contiguous), else null
+  void* out;
+  int64_t n, k, num_experts;
+};
+
+// GEMM1 (bf16 weights, zeros in padding rows).
+cudaError_t grouped_gemm_bf16_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream);
 
-// GEMM1 and GEMM2 with MXFP8 weights, dequantized in the mainloop (csrc/gemm_mxfp8.cu): as the two above,
-// with each bf16 weight replaced by its E4M3 data [num_experts, n, k] (uint8) and E8M0 scales in the
-// k-block layout [num_experts, ceil(k / 64), n, 2] (uint8). Same bits as the BF16 kernels on the dequantized
-// weights. k % 32 == 0, n % 8 == 0.
-cudaError_t grouped_gemm_mxfp8_swiglu_gather(const void* x, const void* w_gate, const void* w_gate_scales,
-                                             const void* w_up, const void* w_up_scales, const int32_t* row_to_token,
-                                             const int32_t* tile_to_expert, const int32_t* real_num_rows, void* h,
-                                             void* gate, void* up, int64_t num_rows, int64_t hidden,
-                                             int64_t intermediate, int64_t num_experts, float swiglu_limit,
-                                             bool has_limit, int num_sms, cudaStream_t stream);
+// GEMM1 for the MXFP8 forward: gate and up written as MXFP8 row-wise, each in one 16-byte aligned buffer of E4M3
+// data [num_rows, intermediate] then E8M0 scales [num_rows, intermediate / 32] (mxfp8_quantize_rowwise's bits),
+// and h as its row-wise round trip (mxfp8_fake_quantize's bits). intermediate % 32 == 0.
+cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
+                                                      cudaStream_t stream);
 
-cudaError_t grouped_gemm_mxfp8_nt_contiguous(const void* a_rows, const void* w, const void* w_scales,
-                                             const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                             const int32_t* real_num_rows, void* out, int64_t num_rows, int64_t n,
-                                             int64_t k, int64_t num_experts, int num_sms, cudaStream_t stream);
+// GEMM2 (bf16 weights).
+cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
+                                            cudaStream_t stream);
 
-// Backward, dgrad of the down projection, then the SwiGLU backward kernel: d_h = bf16(dy_rows[r] ·
-// w_down[e]) (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows,
-// intermediate] = bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and
-// h = bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
-cudaError_t grouped_gemm_bf16_dgrad_swiglu(const void* dy_rows, const void* w_down, const void* gate, const void* up,
-                                           const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                           const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
-                                           int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                           int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+// GEMM1 and GEMM2 with MXFP8 weights, dequantized in the mainloop (csrc/gemm_mxfp8.cu): each weight is its E4M3
+// data [num_experts, n, k] (uint8) with its E8M0 scales (the *_scales fields) in the k-block layout
+// [num_experts, ceil(k / 64), n, 2] (uint8). Same bits as the BF16 kernels on the dequantized weights.
+// k % 32 == 0, n % 8 == 0.
+cudaError_t grouped_gemm_mxfp8_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
+                                             cudaStream_t stream);
+cudaError_t grouped_gemm_mxfp8_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
+                                             cudaStream_t stream);
+
+// Backward, dgrad of the down projection, then the SwiGLU backward kernel: d_h = bf16(dy_rows[r] · w_down[e])
+// (w_down [num_experts, hidden, intermediate] read transposed), then (d_gate, d_up) [num_rows, intermediate] =
+// bf16(swiglu_backward(gate, up, d_h)) from the saved gate, up [num_rows, intermediate], and h =
+// bf16(swiglu(gate, up)) [num_rows, intermediate] for the weight gradient of the down projection.
+struct DownDgradSwiGLU {
+  const void* dy_rows;
+  const void* w_down;
+  const void* gate;         // bf16, or the row-wise MXFP8 E4M3 data (grouped_gemm_bf16_dgrad_swiglu_mxfp8)
+  const void* up;           // idem
+  const void* gate_scales;  // MXFP8 gate/up only: E8M0 [num_rows, intermediate / 32]; else null
+  const void* up_scales;    // idem
+  void* d_gate;
+  void* d_up;
+  void* h;
+  int64_t hidden, intermediate, num_experts;
+  SwiGLULimit swiglu;
+};
+
+cudaError_t grouped_gemm_bf16_dgrad_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                            cudaStream_t stream);
 
-// The same with the forward's saved row-wise MXFP8 gate and up (E4M3 data [num_rows, intermediate], E8M0 scales
-// [num_rows, intermediate / 32]), dequantized in the SwiGLU kernel to mxfp8_dequantize's bits: the outputs are the
-// BF16 op's on the dequantized gate/up. intermediate % 32 == 0.
-cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const void* dy_rows, const void* w_down, const void* gate_data,
-                                                 const void* gate_scales, const void* up_data, const void* up_scales,
-                                                 const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                                 const int32_t* real_num_rows, void* d_gate, void* d_up, void* h,
-                                                 int64_t num_rows, int64_t hidden, int64_t intermediate,
-                                                 int64_t num_experts, float swiglu_limit, bool has_limit, int num_sms,
+// The same with the forward's saved row-wise MXFP8 gate and up, dequantized in the SwiGLU kernel to
+// mxfp8_dequantize's bits: the outputs are the BF16 op's on the dequantized gate/up. intermediate % 32 == 0.
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                                  cudaStream_t stream);
 
-// Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]),
-// one fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).
-cudaError_t grouped_gemm_bf16_dgrad_gate_up(const void* d_gate, const void* d_up, const void* w_gate, const void* w_up,
-                                            const int32_t* row_to_token, const int32_t* tile_to_expert,
-                                            const int32_t* real_num_rows, void* dx_rows, int64_t num_rows,
-                                            int64_t hidden, int64_t intermediate, int64_t num_experts, int num_sms,
+// Backward, dgrad of gate/up: dx_rows [num_rows, hidden] = bf16(d_gate[r] · w_gate[e] + d_up[r] · w_up[e]), one
+// fp32 sum over K = 2·intermediate (w_gate, w_up [num_experts, intermediate, hidden] read transposed).
+struct GateUpDgrad {
+  const void* d_gate;
+  const void* d_up;
+  const void* w_gate;
+  const void* w_up;
+  void* dx_rows;
+  int64_t hidden, intermediate, num_experts;
+};
+
+cudaError_t grouped_gemm_bf16_dgrad_gate_up(const GateUpDgrad& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream);
 
 // Weight gradients, a k-grouped GEMM: d_w[e] [m, n] = bf16(Σ_r a_rows[r]ᵀ · b_rows[r]) over the real rows r of
-// expert e's segment, [expert_offsets[e], expert_offsets[e] + expert_rows[e]) (int32; segment starts are
-// multiples of 128, padding rows zero, the first 63 of them may be read); a_rows [num_rows, m], b_rows
-// [num_rows, n] (both read transposed); an expert without rows gets zeros.
-cudaError_t grouped_gemm_bf16_weight_grad(const void* a_rows, const void* b_rows, const int32_t* expert_offsets,
-                                          const int32_t* expert_rows, void* d_w, int64_t num_rows, int64_t m,
-                                          int64_t n, int64_t num_experts, int num_sms, cudaStream_t stream);
-
-// The compile-time switches these GEMMs were built with: the values of mok/ops/core.py BUILD_SWITCHES
-// (csrc/include/mok/gemm/config.cuh says what each does).
-struct GemmBuildSwitches {
-  int tma_store, num_stages, multicast, group_m, trace, dynamic;
+// expert e's segment, [expert_offsets[e], expert_offsets[e] + expert_rows[e]) (segment starts are multiples of
+// 128, padding rows zero, the first 63 of them may be read); a_rows [num_rows, m], b_rows [num_rows, n] (both read
+// transposed); an expert without rows gets zeros.
+struct WeightGrad {
+  const void* a_rows;
+  const void* b_rows;
+  const int32_t* expert_offsets;  // [num_experts + 1]
+  const int32_t* expert_rows;     // [num_experts]
+  void* d_w;                      // [num_experts, m, n]
+  int64_t num_rows, m, n, num_experts;
 };
-GemmBuildSwitches grouped_gemm_bf16_build_switches();
-// MOK_GEMM_TRACE builds: copies the per-task records since the last call (8 int64 each: GEMM kind, CTA, consumer
-// warpgroup, unit, whether the tile's rows 64.. are padding, SM clock at the task's start, after its mainloop,
-// after its epilogue; at most max_records) to host memory and clears them; returns the count (0 in other builds).
-int64_t grouped_gemm_bf16_trace(int64_t* records, int64_t max_records);
+
+cudaError_t grouped_gemm_bf16_weight_grad(const WeightGrad& args, int num_sms, cudaStream_t stream);
 
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):

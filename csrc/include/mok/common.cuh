@@ -132,7 +132,7 @@ constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far be
 // encountered") instead of hanging forever (DESIGN §9: device spin-waits carry a timeout).
 // NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510). And no __trap():
 // with a trap reachable, ptxas (CUDA 13.0) kept every warp of a kernel within its launch registers, so the GEMM
-// consumers got 168 of the 224 their setmaxnreg grants (ptxas -v: spills past that, docs/l2_fused.md).
+// consumers got 168 of the 224 their setmaxnreg grants (ptxas -v: spills past that; docs/gemm.md).
 MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   uint64_t start = 0;

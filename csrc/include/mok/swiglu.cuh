@@ -19,8 +19,8 @@ MOK_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
 // ---- sigmoid for n elements at once ----------------------------------------------------------------------
 // `1.0f / d` (IEEE, --prec-div) compiles to an approximate reciprocal, one Newton step and a branch to a slow path
 // for d outside [2^-126, 2^126) (and Inf, NaN). That branch per element kept the compiler from interleaving the
-// elements' dependent chains (expf, reciprocal, products): GEMM1's epilogue ran its 64 SwiGLUs per thread one
-// after another, 24% of its consumer warps' samples at qwen3-30b (Nsight Compute, docs/l2_fused.md). So the
+// elements' dependent chains (expf, reciprocal, products): GEMM1's epilogue would run its 64 SwiGLUs per thread
+// one after another, a quarter of its consumer warps' time (Nsight Compute; docs/gemm.md). So the
 // helpers below take the fast path for all n elements, with the compiler's instructions, and redo the batch
 // by the division only when an element needs the slow path: the same bits as `1.0f / d` everywhere.
 

@@ -1,5 +1,5 @@
-// The grouped BF16 GEMMs' build switches (-D, from the environment at JIT-build time), tiling constants,
-// shared-memory layout and the 128-byte swizzle (the kernel: mok/gemm/grouped_gemm_bf16.cuh).
+// The grouped BF16 GEMMs' tiling constants, shared-memory layout and the 128-byte swizzle (the kernel:
+// mok/gemm/grouped_gemm_bf16.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,58 +14,6 @@
 
 namespace mok::gemm {
 
-// ---- build switches (-D, from the environment at JIT-build time: mok/ops/core.py) -------------------------
-// MOK_GEMM_TMA_STORE=1: the epilogues write global memory with TMA bulk tensor stores, issued by one lane per
-// consumer warp and awaited only before the staging is written again (so they drain during the next task's
-// mainloop); 0: every lane re-reads the staging and writes 16-byte st.global (the path before TMA stores).
-// MOK_GEMM_NUM_STAGES: the shared-memory ring depth; with TMA stores, the staging takes what the stages leave.
-#ifndef MOK_GEMM_TMA_STORE
-#define MOK_GEMM_TMA_STORE 1
-#endif
-#ifndef MOK_GEMM_NUM_STAGES
-#define MOK_GEMM_NUM_STAGES 4
-#endif
-// MOK_GEMM_MULTICAST=1: the BF16 row-wise kinds whose A comes by TMA (GEMM2 and both dgrads) run on clusters of
-// 2 CTAs that take an expert's m-tiles two at a time and load each k-block's weight tile once for both, by TMA
-// multicast. 0 (default): one CTA per task. Alone, those kernels ran up to 20% faster on clusters; inside the
-// layer, no pass moved beyond the noise (docs/l2_fused_log.md, "B multicast"), so the simpler launch stays default.
-#ifndef MOK_GEMM_MULTICAST
-#define MOK_GEMM_MULTICAST 0
-#endif
-// MOK_GEMM_GROUP_M=G (default 8): the single-CTA row-wise kinds number their tasks in groups of G m-tiles, n-tile
-// by n-tile inside a group (decode_task), so the m-tiles that share a weight tile run on neighbouring CTAs at the
-// same time; 1: m-major (the m-tiles of one n-tile num_n_tiles tasks apart, often a wave apart), with which
-// dsv4pro's GEMM1, GEMM2 and gate/up dgrad ran 1.11-1.19x slower, its layer 1.03-1.04x (docs/l2_fused_log.md, "Task
-// order").
-#ifndef MOK_GEMM_GROUP_M
-#define MOK_GEMM_GROUP_M 8
-#endif
-// MOK_GEMM_TRACE=1 (a probe): lane 0 of each consumer warpgroup's first warp records, per task, its SM clock at the
-// task's start, after its mainloop and after its epilogue into g_trace (read and cleared by
-// grouped_gemm_bf16_trace; tools/task_timeline.py). No device printf: a call inside the consumers serializes
-// their wgmmas (ptxas C7510).
-#ifndef MOK_GEMM_TRACE
-#define MOK_GEMM_TRACE 0
-#endif
-// MOK_GEMM_DYNAMIC=1: the single-CTA BF16 kinds take their tasks from a counter in device memory (producer thread 0,
-// atomicAdd, in task order) instead of the static stride, so the tasks in flight stay a contiguous window of the
-// order however unevenly they run: the m-tiles that share a weight tile keep running together (the static stride
-// lets CTAs drift apart: docs/l2_fused_log.md, "The padding-half skip, measured"). Which CTA runs a task never changes
-// the bits. Each launch has a counter of its own (launch_grouped_gemm_bf16), so launches may overlap.
-// NOTE: measured neutral alone (19c02bf, "Tasks from a counter"); default off. Kept as the task counter a persistent
-// kernel of dependent tasks (L3) will need; the tail fold and the padding-half skip, whose uneven tasks it was to
-// keep in step, were slower with it too and are gone (docs/l2_fused_log.md).
-#ifndef MOK_GEMM_DYNAMIC
-#define MOK_GEMM_DYNAMIC 0
-#endif
-
-#if MOK_GEMM_TRACE
-constexpr int kTraceWords = 8;  // kind, CTA, consumer warpgroup, unit, rows 64.. padding, 3 clocks
-constexpr int kTraceRecords = 1 << 18;
-__device__ long long g_trace[kTraceRecords * kTraceWords];
-__device__ int g_trace_count;
-#endif
-
 // ---- tiling -------------------------------------------------------------------------------------------
 
 constexpr int kNumConsumerGroups = 2;              // consumer warpgroups
@@ -73,21 +21,18 @@ constexpr int WG_M = 64;                           // rows per consumer warpgrou
 constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
-constexpr int kNumStages = MOK_GEMM_NUM_STAGES;    // shared-memory ring depth (4; 3 frees room for staging)
-constexpr bool kMulticastBuild = MOK_GEMM_MULTICAST != 0;
-constexpr int kGroupM = MOK_GEMM_GROUP_M;           // m-tiles per group of the row-wise task order
-constexpr bool kDynamicBuild = MOK_GEMM_DYNAMIC != 0;
-constexpr int kUnitSlots = 2;                      // kDynamic: the ring that passes fetched units to the roles
-static_assert(kGroupM >= 1, "MOK_GEMM_GROUP_M: at least one m-tile per group");
-constexpr int kClusterSize = 2;                    // multicast kinds: CTAs per cluster, one m-tile each
+constexpr int kNumStages = 4;                      // shared-memory ring depth (docs/gemm.md, "Stages")
+// Row-wise tasks come in groups of kGroupM m-tiles, n-tile by n-tile inside a group (decode_task), so the m-tiles
+// that share a weight tile run on neighbouring CTAs at the same time (docs/gemm.md, "Task order").
+constexpr int kGroupM = 8;
+static_assert(kGroupM >= 1, "at least one m-tile per group");
 constexpr int kWarpgroup = 128;
 constexpr int kNumProducerThreads = kWarpgroup;
 constexpr int kNumThreads = kWarpgroup * (1 + kNumConsumerGroups);
 constexpr int kNumConsumerWarps = kNumConsumerGroups * kWarpgroup / kWarpSize;
 // A CTA holds kNumThreads × (its launch registers) and setmaxnreg.inc only takes from that pool (it spins until
 // it can): with __launch_bounds__(384, 1) ptxas launches at 168 (65536 / 384 rounded down to 8), so the budgets
-// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hung every launch, in a first version of
-// the MXFP8 kinds).
+// must sum to at most 384 · 168 = 64,512, not 65,536 (a 65,536 split hangs every launch).
 constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 constexpr int kRowBytes = BLOCK_K * 2;
 constexpr uint32_t kATileBytes = BLOCK_M * kRowBytes;    // 16 KiB
@@ -107,18 +52,16 @@ constexpr uint32_t kRingBytes = kNumStages * kStageBytes;
 constexpr uint32_t kMxRingBytes = kMxStages * kStageBytes + kNumLanding * 2 * kLandTileBytes;
 constexpr uint32_t kMainBytes = kRingBytes > kMxRingBytes ? kRingBytes : kMxRingBytes;  // where staging starts
 constexpr uint32_t kLandScalesBytes = kNumLanding * 2 * kLandScaleBytes;
-constexpr uint32_t kUnitRingBytes = kDynamicBuild ? kUnitSlots * (2 * 8 + 8) : 0;  // full, empty, the unit (padded)
-constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8 + kUnitRingBytes;
+constexpr uint32_t kBarrierBytes = 2 * (kNumStages + kNumLanding) * 8;
 // Epilogue staging of each consumer warp, in boxes of its 16 rows × 64 bf16 columns (2 KiB: a TMA store box,
-// 128 bytes wide at most with the 128-byte swizzle). st.global path: 2 boxes, one 16 × 128 tile. TMA path: as
-// many boxes as the stages leave room for (2 with 4 stages, 5 with 3), at most a kGateUp task's 6; the warp writes
-// them in turn, so a box is rewritten only after kBoxes - 1 later stores were issued.
-constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+// 128 bytes wide at most with the 128-byte swizzle): as many boxes as the stages leave room for (2 with 4 stages),
+// at most a kGateUp task's 6; the warp writes them in turn, so a box is rewritten only after kBoxes - 1 later
+// stores were issued.
 constexpr int kStoreBoxCols = 64, kStoreBoxRows = 16;
 constexpr uint32_t kStoreBoxBytes = kStoreBoxRows * kStoreBoxCols * 2;
 constexpr uint32_t kStagingRoom = (kSmemLimit - kMainBytes - kLandScalesBytes - kBarrierBytes - ptx::kSw128AtomBytes) /
                                   (kNumConsumerWarps * kStoreBoxBytes);  // boxes per warp that fit
-constexpr int kStoreBoxesPerWarp = !kTmaStore ? 2 : kStagingRoom < 6 ? static_cast<int>(kStagingRoom) : 6;
+constexpr int kStoreBoxesPerWarp = kStagingRoom < 6 ? static_cast<int>(kStagingRoom) : 6;
 constexpr uint32_t kStagingBytesPerWarp = kStoreBoxesPerWarp * kStoreBoxBytes;
 constexpr uint32_t kStagingBytes = kNumConsumerWarps * kStagingBytesPerWarp;
 constexpr uint32_t kSmemBytes = kMainBytes + kStagingBytes + kLandScalesBytes + kBarrierBytes + ptx::kSw128AtomBytes;
@@ -142,8 +85,7 @@ static_assert(kNumLanding >= 2 && (kMxStages * kStageBytes) % ptx::kSw128AtomByt
                   kLandTileBytes % ptx::kSw128AtomBytes == 0,
               "landing tiles are 1024-aligned (the 64-byte swizzle repeats every 512 bytes)");
 static_assert(BLOCK_N_B * 2 == 16 * 16, "a staging row is 16 chunks of 16 bytes; 16 lanes store one row");
-static_assert(kStoreBoxesPerWarp >= 2 && kStagingBytesPerWarp >= 16 * BLOCK_N_B * 2,
-              "the st.global path stages a 16 × 128 tile; the TMA path writes one box while the last one drains");
+static_assert(kStoreBoxesPerWarp >= 2, "a warp writes one staging box while the last one drains");
 static_assert(kStoreBoxCols * 2 == 128 && kStoreBoxRows * kNumConsumerWarps == BLOCK_M &&
                   BLOCK_N_B % kStoreBoxCols == 0 && kStoreBoxBytes % ptx::kSw128AtomBytes == 0 &&
                   kMainBytes % ptx::kSw128AtomBytes == 0,

@@ -13,24 +13,12 @@ MOK_DEVICE void fence_accumulators(float (&acc0)[kAccPerThread], float (&acc1)[k
   for (int i = 0; i < kAccPerThread; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 }
 
-// This warp's release of a stage: to its own CTA's empty[stage], or (multicast kinds, kCluster) to the same
-// barrier in every CTA of the cluster, whose producers may write this CTA's stage next (lane 0 only).
-template <bool kCluster>
-MOK_DEVICE void release_stage(uint64_t* empty) {
-  if constexpr (kCluster) {
-#pragma unroll
-    for (uint32_t cta = 0; cta < kClusterSize; ++cta) ptx::mbarrier_arrive_cluster(empty, cta);
-  } else {
-    ptx::mbarrier_arrive(empty);
-  }
-}
-
 // The mainloop of one task: k-block by k-block, wait for the stage, 4 k16 steps of one n256 wgmma, keep one
 // group in flight and release the previous stage. `under_mma()` runs after each of the first kUnderMma k-blocks'
 // wgmmas are issued, before their wait (a held tile's pieces); those k-blocks are peeled off the loop, so the loop
 // is the code it is without a held tile and the held words are dead in it. Returns the position in the stage
 // sequence after the task.
-template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, bool kCluster, int kUnderMma, typename UnderMma>
+template <int kStages, bool kGather, bool kMajorMNA, bool kMajorMN, int kUnderMma, typename UnderMma>
 MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAccPerThread], uint8_t* smem,
                                  uint32_t a_offset, uint64_t* full, uint64_t* empty, uint32_t it, int num_k_blocks,
                                  uint32_t lane, UnderMma under_mma) {
@@ -47,8 +35,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     // K-major B: k16 slice kk starts 32·kk bytes into each row. MN-major B: 16 k-rows of 128 bytes further,
     // and the second 64 columns sit one box (8 KiB) on (the descriptor's leading byte offset).
     // NOTE: one m64n256k16 over B0|B1 reads each A slice from shared memory once, where two m64n128k16 (one per B
-    // tile) read it twice: same fragments and bits, 0.98-0.99 of their time at the power cap (91c1861; the two
-    // were the build switch MOK_GEMM_N256=0, removed after b8e1473).
+    // tile) would read it twice: same fragments and bits, a little faster at the power cap (docs/gemm.md).
     constexpr uint32_t kBStep = kMajorMN ? 16 * 128 : 32;
     // B1 follows B0 in the stage: one descriptor spans both (MN-major: 64-column boxes 8 KiB apart throughout).
     const uint64_t desc_b = kMajorMN ? ptx::smem_desc_sw128_mn(stage_b(smem, stage, 0), kBTileBytes / 2)
@@ -64,7 +51,7 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
     under();
     ptx::wgmma_wait_group<1>();  // k-block kb - 1's MMAs are done: its stage can be refilled
     fence_accumulators(acc0, acc1);
-    if (kb > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
+    if (kb > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
     prev_stage = stage;
     ++it;
   };
@@ -74,13 +61,13 @@ MOK_DEVICE uint32_t mma_k_blocks(float (&acc0)[kAccPerThread], float (&acc1)[kAc
   for (int kb = kUnderMma; kb < num_k_blocks; ++kb) k_block(kb, [] {});
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc0, acc1);
-  if (num_k_blocks > 0 && lane == 0) release_stage<kCluster>(&empty[prev_stage]);
+  if (num_k_blocks > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
   return it;
 }
 
 template <Gemm kGemm>
 MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                        const UnitRing& ring, int num_tasks, int num_k_blocks) {
+                        int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t group = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
   const uint32_t warp = (threadIdx.x % kWarpgroup) / kWarpSize;
@@ -89,61 +76,29 @@ MOK_DEVICE void consume(const Params& p, const Outputs& outputs, uint8_t* smem, 
   Staging staging{smem + kMainBytes +
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
-  // Only the weight gradients hold a tile (and only on the TMA path, where it fits in registers): their tasks
-  // are short (K = one expert's rows), and they ran 2-10% faster holding it at three of the four shapes in three
-  // runs, where the row-wise kinds moved within the runs' spread and the shared expert's GEMM1 at kimi-k2 ran 13-17%
-  // slower (H200, parts against the build switch MOK_GEMM_DEFER_EPILOGUE=0 at 30c30b5, d9d7179, 24523e5;
-  // docs/l2_fused_log.md; the switch was removed after b8e1473).
-  constexpr bool kDefer = kTmaStore && kGemm == Gemm::kWeightGrad;
+  // Only the weight gradients hold a tile into the next task's mainloop: their tasks are short (K = one expert's
+  // rows), so storing under the next wgmmas pays off there; the row-wise kinds gain nothing (docs/gemm.md).
+  constexpr bool kDefer = kGemm == Gemm::kWeightGrad;
   using Epi = Epilogue<kGemm, kDefer>;
   Epi epilogue;
   uint32_t it = 0;
-  for_each_unit<kGemm>(p, num_tasks, ring, false, [&](int unit) {
-    Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
-    // The weight gradients' K comes from memory (expert_rows): loaded per thread, it made their mainloop's wgmma
-    // descriptors vector values moved to uniform registers by R2UR, 62-72 instructions per k-block's 8 wgmmas
-    // against 34-39 broadcast (the row-wise kinds': 38-42); measured 0.98-1.05x, docs/l2_fused.md.
-    if constexpr (kGemm == Gemm::kWeightGrad) w.t.num_k_blocks = warp_uniform(w.t.num_k_blocks);
-    const Task& t = w.t;
-    if (!w.active) {  // multicast, no task for this CTA: release each stage once it has landed, nothing else
-      epilogue.store_rest(p, outputs, staging, lane);
-      for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
-        ptx::mbarrier_wait_parity(&full[it % T::kStages], (it / T::kStages) & 1);
-        if (lane == 0) release_stage<T::kMulticast>(&empty[it % T::kStages]);
-      }
-      return;
-    }
+  for_each_task(num_tasks, [&](int task) {
+    Task t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
+    // The weight gradients' K comes from memory (expert_rows): broadcast from one lane, it stays warp-uniform, so
+    // the mainloop's wgmma descriptors live in uniform registers (no R2UR moves per k-block; docs/gemm.md).
+    if constexpr (kGemm == Gemm::kWeightGrad) t.num_k_blocks = warp_uniform(t.num_k_blocks);
     float acc0[kAccPerThread], acc1[kAccPerThread];  // kGateUp: gate, up; else columns n0.., n0+128..
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
-#if MOK_GEMM_TRACE
-    const long long clock_start = clock64();
-#endif
-    // Padding rows are multiplied too (the epilogue stores zeros there): skipping a tile's all-padding half made
-    // the GEMMs 1.03-1.35x slower, its tasks ending early and the CTAs falling out of step (docs/l2_fused_log.md,
-    // "The padding-half skip, measured"; the build switch MOK_GEMM_SKIP_PADDING_HALF was removed after b8e1473).
-    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, T::kMulticast, kDefer ? Epi::kPieces : 0>(
+    // Padding rows are multiplied too (the epilogue stores zeros there): skipping a tile's all-padding half ends
+    // its tasks early and lets the CTAs fall out of step, which costs more than it saves (docs/gemm.md).
+    it = mma_k_blocks<T::kStages, T::kGather, T::kMajorMNA, T::kMajorMN, kDefer ? Epi::kPieces : 0>(
         acc0, acc1, smem, a_offset, full, empty, it, t.num_k_blocks, lane,
         [&] { epilogue.store_next(p, outputs, staging, lane); });
     if constexpr (kDefer) epilogue.store_rest(p, outputs, staging, lane);  // a task of fewer k-blocks than pieces
-#if MOK_GEMM_TRACE
-    const long long clock_mma = clock64();
-#endif
     const int row0 = t.m_tile * BLOCK_M + group * WG_M + 16 * warp;  // this warp's 16 rows
     epilogue.finish(acc0, acc1, p, outputs, staging, row0, t.n_tile * T::kTaskN, t.expert, lane);
     if constexpr (!kDefer) epilogue.store_rest(p, outputs, staging, lane);
-#if MOK_GEMM_TRACE  // the epilogue's end: after every store this task issues
-    if (warp == 0 && lane == 0) {
-      const int slot = atomicAdd(&g_trace_count, 1);
-      if (slot < kTraceRecords) {
-        const bool half_padding = kGemm != Gemm::kWeightGrad && p.row_to_token[t.m_tile * BLOCK_M + WG_M] < 0;
-        const long long record[kTraceWords] = {static_cast<int>(kGemm), blockIdx.x, group, unit,
-                                               half_padding,
-                                               clock_start, clock_mma, clock64()};
-        for (int i = 0; i < kTraceWords; ++i) g_trace[static_cast<int64_t>(slot) * kTraceWords + i] = record[i];
-      }
-    }
-#endif
   });
   epilogue.store_rest(p, outputs, staging, lane);
   drain_stores(lane);

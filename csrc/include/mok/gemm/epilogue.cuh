@@ -1,5 +1,5 @@
 // The grouped GEMMs' epilogues: a consumer warp's accumulators to global memory through its staging boxes
-// (TMA or st.global), SwiGLU and the MXFP8 outputs of GEMM1.
+// and TMA stores, SwiGLU and the MXFP8 outputs of GEMM1.
 #pragma once
 
 #include "mok/gemm/tasks.cuh"
@@ -10,62 +10,30 @@ namespace mok::gemm {
 
 constexpr int kAccPerThread = WG_M * BLOCK_N_B / kWarpgroup;  // 64 fp32 per accumulator
 
-// A consumer warp's staging area (kStagingBytesPerWarp) and, on the TMA path, the box its next store writes.
+// A consumer warp's staging area (kStagingBytesPerWarp) and the box its next store writes.
 struct Staging {
   uint8_t* smem;
   int box;
 };
 
-// One output matrix of an epilogue: rows [0, num_rows) × columns [0, n) of `ptr` (row stride n) for st.global;
-// the same matrix as entry `batch` of tensor map `tmap` (dims (n, rows, batch)) for TMA stores. kAllRows: the
-// schedule's outputs, whose tiles cover their rows exactly (no bound to check).
+// One output matrix of an epilogue: rows [0, num_rows) × columns [0, n) of entry `batch` of tensor map `tmap`
+// (dims (n, rows, batch)). kAllRows: the schedule's outputs, whose tiles cover their rows exactly (no bound to check).
 struct Output {
-  uint16_t* ptr;
   const CUtensorMap* tmap;
   int batch, n, num_rows;
 };
 constexpr int kAllRows = INT32_MAX;
 
-// st.global path: a warp's fragment of one 128-column accumulator (16 rows × 128 columns, thread (lane l)
-// holding rows l/4 and l/4 + 8, columns 8i + 2(l%4) + {0, 1}, i in [0, 16)) goes to its staging area with
-// stmatrix, then back out as 16-byte chunks, 16 lanes per 256-byte row: full-line global stores instead of
-// 4-byte ones scattered over 8 rows. Chunk c of staging row r sits at slot c ^ (r % 8) (bank-conflict free
-// both ways).
-MOK_DEVICE uint32_t staging_offset(uint32_t row, uint32_t chunk) { return row * 256 + ((chunk ^ (row % 8)) << 4); }
-
-// values(i, h) -> the bf16x2 word of column pair i, row half h (h = 0: row l/4, h = 1: row l/4 + 8).
-// Writes columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out` (row stride n); columns >= n and rows
-// >= num_rows skipped.
-template <typename Values>
-MOK_DEVICE void store_tile_v4(uint8_t* staging, uint16_t* out, int row0, int col0, int n, uint32_t lane,
-                              Values values, int num_rows) {
-  const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
-#pragma unroll
-  for (int i = 0; i < BLOCK_N_B / 8; i += 2) {  // matrices (h, i) = (0, i), (1, i), (0, i + 1), (1, i + 1)
-    ptx::stmatrix_x4(staging + staging_offset(matrix_row, i + (matrix >> 1)), values(i, 0), values(i, 1),
-                     values(i + 1, 0), values(i + 1, 1));
-  }
-  __syncwarp();
-  const uint32_t chunk = lane % 16;
-  const int col = col0 + 8 * static_cast<int>(chunk);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t row = 2 * j + lane / 16;
-    const uint4 v = *reinterpret_cast<const uint4*>(staging + staging_offset(row, chunk));
-    if (col < n && row0 + static_cast<int>(row) < num_rows)  // n % 8 == 0: a chunk is all in or all out
-      st_v4(out + static_cast<int64_t>(row0 + row) * n + col, v);
-  }
-  __syncwarp();  // the staging area is reused by the next call
-}
-
-// TMA path: the same 16 × 128 tile as two boxes of 64 columns, in a staging area of kBoxes boxes. Per box: lane 0
-// waits until the box's staging was read by the store issued kBoxes boxes ago (its bulk groups complete in
+// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, a warp's fragment of one 128-column accumulator
+// (thread (lane l) holding rows l/4 and l/4 + 8, columns 8i + 2(l%4) + {0, 1}, i in [0, 16); values(i, h) -> the
+// bf16x2 word of column pair i, row half h), as two boxes of 64 columns in a staging area of kBoxes boxes. Per box:
+// lane 0 waits until the box's staging was read by the store issued kBoxes boxes ago (its bulk groups complete in
 // order), stmatrix writes the 8 column groups with the 128-byte swizzle the tensor map reads (the box is
 // 1024-aligned, so sw128_offset is the address XOR TMA applies), every lane fences its writes to the async proxy,
 // and lane 0 issues the store and commits it as one group. Boxes entirely past n or m are skipped (the map clips the
 // rest: a partial box writes only columns < n and rows < num_rows).
 template <int kBoxes, typename Values>
-MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
+MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
   const uint32_t matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix & 1);
 #pragma unroll
   for (int b = 0; b < BLOCK_N_B / kStoreBoxCols; ++b) {
@@ -90,51 +58,28 @@ MOK_DEVICE void store_tile_tma(Staging& st, const Output& out, int row0, int col
   }
 }
 
-// Columns [col0, col0 + 128) of rows row0 .. row0 + 15 of `out`, by the path the build selected.
-template <int kBoxes, typename Values>
-MOK_DEVICE void store_tile(Staging& st, const Output& out, int row0, int col0, uint32_t lane, Values values) {
-  if constexpr (kTmaStore) {
-    store_tile_tma<kBoxes>(st, out, row0, col0, lane, values);
-  } else {
-    store_tile_v4(st.smem, out.ptr, row0, col0, out.n, lane, values, out.num_rows);
-  }
-}
-
 // kGateUpMxOut's E4M3 tiles: a warp's 16 rows × 128 one-byte columns [col0, col0 + 128) of `data` ([rows, n],
 // n % 16 == 0) are one staging box, 128 bytes a row like a bf16 box. `fill(put)` calls put(i, h, two_bytes) for
 // every word position of the accumulator layout (columns 8i + 2(l%4) + {0, 1}, row half h), which lands as a
 // 2-byte store at its place in the 128-byte swizzle (a row's 8 lanes hit 8 distinct 16-byte slots). Then the
-// box leaves as store_tile's boxes do: one TMA store through `tmap` (uint8, box 128 × 16), or 16-byte st.global.
+// box leaves as store_tile's boxes do: one TMA store through `tmap` (uint8, box 128 × 16).
 static_assert(BLOCK_N_B * kStoreBoxRows == static_cast<int>(kStoreBoxBytes), "a warp's E4M3 tile is one store box");
 template <int kBoxes, typename Fill>
-MOK_DEVICE void store_tile_e4m3(Staging& st, uint8_t* data, const CUtensorMap* tmap, int n, int row0, int col0,
-                                uint32_t lane, Fill fill) {
-  uint8_t* box = st.smem + (kTmaStore ? st.box * kStoreBoxBytes : 0);
-  if (kTmaStore && lane == 0) ptx::bulk_wait_group_read<kBoxes - 1>();
+MOK_DEVICE void store_tile_e4m3(Staging& st, const CUtensorMap* tmap, int row0, int col0, uint32_t lane, Fill fill) {
+  uint8_t* box = st.smem + st.box * kStoreBoxBytes;
+  if (lane == 0) ptx::bulk_wait_group_read<kBoxes - 1>();
   __syncwarp();  // no lane writes the box before its last store has read it
   fill([&](int i, int h, uint32_t two_bytes) {
     const uint32_t row = lane / 4 + 8 * h, byte = 8 * (i % 2) + 2 * (lane % 4);
     *reinterpret_cast<uint16_t*>(box + sw128_offset(row, i / 2) + byte) = static_cast<uint16_t>(two_bytes);
   });
-  if constexpr (kTmaStore) {
-    ptx::fence_proxy_async_shared();
-    __syncwarp();
-    if (lane == 0) {
-      ptx::tma_store_3d(tmap, box, col0, row0, 0);
-      ptx::bulk_commit_group();
-    }
-    st.box = st.box + 1 == kBoxes ? 0 : st.box + 1;
-  } else {
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // lane: 16-byte chunk lane % 8 of rows lane / 8 + 4j
-      const uint32_t row = lane / 8 + 4 * j, chunk = lane % 8;
-      const int col = col0 + 16 * static_cast<int>(chunk);
-      if (col < n) st_v4(data + static_cast<int64_t>(row0 + row) * n + col,
-                         *reinterpret_cast<const uint4*>(box + sw128_offset(row, chunk)));
-    }
-    __syncwarp();  // the staging area is reused by the next call
+  ptx::fence_proxy_async_shared();
+  __syncwarp();
+  if (lane == 0) {
+    ptx::tma_store_3d(tmap, box, col0, row0, 0);
+    ptx::bulk_commit_group();
   }
+  st.box = st.box + 1 == kBoxes ? 0 : st.box + 1;
 }
 
 // The row-wise MXFP8 blocks of a warp's 16 × 128 tile in the accumulator layout, word(i, h) = the bf16x2 of
@@ -159,10 +104,10 @@ MOK_DEVICE void rowwise_blocks(Word word, OnBlock on_block) {
 
 // Before the consumer exits: its last stores have finished (the global writes, not only the staging reads).
 MOK_DEVICE void drain_stores(uint32_t lane) {
-  if (kTmaStore && lane == 0) ptx::bulk_wait_group<0>();
+  if (lane == 0) ptx::bulk_wait_group<0>();
 }
 
-// The output tensor maps of the TMA path (kernel parameters; unused by the st.global path), boxes of
+// The output tensor maps (kernel parameters), boxes of
 // kStoreBoxCols × kStoreBoxRows: dims (n, num_rows, 1), kWeightGrad's out (n, m, num_experts).
 struct Outputs {
   const CUtensorMap *out, *gate, *up;  // gate, up: the SwiGLU kinds only (kGateUpMxOut: their E4M3 data)
@@ -175,7 +120,7 @@ struct Outputs {
 // pair i and row half h, is word 2i + h), and store them at once or, with kDefer (the weight gradients), hold them
 // while the next task's first two k-blocks multiply and store one after each of their wgmma commits
 // (mma_k_blocks): the tensor cores keep working through most of the epilogue. 64 words beside the 128 accumulator
-// floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0), not on the st.global path. Padding rows of the
+// floats fit the consumers' 232 registers (ptxas -v, CUDA 13.0). Padding rows of the
 // schedule's outputs are stored as zeros whatever the weights hold (0·Inf would be NaN).
 template <Gemm kGemm, bool kDefer>
 struct Epilogue {
@@ -224,7 +169,7 @@ struct Epilogue {
           }
         });
       }
-      store_tile<kStoreBoxesPerWarp>(st, {p.out, o.out, 0, p.n, kAllRows}, row0, n0, lane,
+      store_tile<kStoreBoxesPerWarp>(st, {o.out, 0, p.n, kAllRows}, row0, n0, lane,
                  [&](int i, int h) { return real[h] ? h_words[2 * i + h] : 0u; });
     } else {
 #pragma unroll
@@ -267,7 +212,7 @@ struct Epilogue {
                                  const float* acc) const {
     const auto word = acc_values(acc);
     const int64_t scale_cols = p.n / mxfp8::kBlockSize;
-    store_tile_e4m3<kStoreBoxesPerWarp>(st, mx.data, tmap, p.n, row0, n0, lane, [&](auto put) {
+    store_tile_e4m3<kStoreBoxesPerWarp>(st, tmap, row0, n0, lane, [&](auto put) {
       rowwise_blocks(word, [&](int b, const mxfp8::Scale& s0, const mxfp8::Scale& s1) {
 #pragma unroll
         for (int i = 4 * b; i < 4 * b + 4; ++i)
@@ -287,12 +232,10 @@ struct Epilogue {
   MOK_DEVICE void store_piece_from(const Params& p, const Outputs& o, Staging& st, uint32_t lane, int piece,
                                    Values values) const {
     if constexpr (T::kSwiGLU) {
-      const Output out{piece == 0 ? p.gate : p.up, piece == 0 ? o.gate : o.up, 0, p.n, kAllRows};
+      const Output out{piece == 0 ? o.gate : o.up, 0, p.n, kAllRows};
       store_tile<kStoreBoxesPerWarp>(st, out, row0, n0, lane, values);
     } else if (piece == 0 || n0 + BLOCK_N_B < p.n) {
-      const Output out = kGemm == Gemm::kWeightGrad
-                             ? Output{p.out + static_cast<int64_t>(expert) * p.m * p.n, o.out, expert, p.n, p.m}
-                             : Output{p.out, o.out, 0, p.n, kAllRows};
+      const Output out = kGemm == Gemm::kWeightGrad ? Output{o.out, expert, p.n, p.m} : Output{o.out, 0, p.n, kAllRows};
       store_tile<kStoreBoxesPerWarp>(st, out, row0, n0 + piece * BLOCK_N_B, lane, values);
     }
   }

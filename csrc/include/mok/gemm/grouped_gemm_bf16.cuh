@@ -24,8 +24,10 @@
 //
 // Task = one output tile: BLOCK_M = 128 rows (one expert) × kTaskN columns, over the full K in one CTA (no
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
-// takes tasks b, b + grid, b + 2·grid, ... in increasing order (m-major: neighbouring CTAs share A rows,
-// and a wave covers few experts, so their weight tiles are read from HBM about once per wave).
+// takes tasks b, b + grid, b + 2·grid, ... in increasing order. Row-wise tasks are numbered in groups of
+// kGroupM = 8 m-tiles, m fastest inside a group (decode_task): neighbouring CTAs run the m-tiles that share a
+// weight tile at the same time, so each weight tile is read from HBM about once per group (docs/gemm.md, "Task
+// order").
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
 // consumers, each owning 64 of the tile's 128 rows (one wgmma m64n256k16 per k16 slice into two accumulators of
@@ -35,8 +37,7 @@
 //   full[s]:  gathered A: 128 arrivals (cp.async.mbarrier.arrive.noinc of every producer thread: fires when
 //             that thread's copies have landed) + 1 arrive.expect_tx (B bytes);
 //             A by TMA: 1 arrive.expect_tx (A + B bytes).
-//   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed (16 in the
-//             MOK_GEMM_MULTICAST build: both CTAs' warps of a 2-CTA cluster, "the CTA's work units" in gemm/tasks.cuh).
+//   empty[s]: 8 arrivals = lane 0 of each consumer warp, once its wgmmas reading s have completed.
 // The consumers keep one wgmma group in flight: k-block kb's MMAs run while kb - 1's stage is released.
 //
 // MXFP8 weights (kGateUpMx, kDownMx) take one more hop: thread 0 loads the E4M3 tiles of B0 and B1 (128 rows
@@ -52,9 +53,6 @@
 //   weights transposed): two boxes of 64 k-rows × 64 n (128 bytes), n0.. then n0+64.. (8 KiB apart).
 #pragma once
 
-#include <map>
-#include <mutex>
-
 #include "mok/gemm/consumer.cuh"
 #include "mok/gemm/producer.cuh"
 
@@ -69,8 +67,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                              const __grid_constant__ CUtensorMap tmap_s0,  // MXFP8 kinds: B0's scales
                              const __grid_constant__ CUtensorMap tmap_s1,  // MXFP8 kinds: B1's scales
                              const __grid_constant__ CUtensorMap tmap_out,
-                             const __grid_constant__ CUtensorMap tmap_gate,  // kGateUp, TMA stores only
-                             const __grid_constant__ CUtensorMap tmap_up,    // kGateUp, TMA stores only
+                             const __grid_constant__ CUtensorMap tmap_gate,  // the SwiGLU kinds
+                             const __grid_constant__ CUtensorMap tmap_up,    // the SwiGLU kinds
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
@@ -78,31 +76,22 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the slack).
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
-  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers sat at the
-  // staging's first bytes before, where consumer warp 0's stmatrix wrote row 0 of every tile.
+  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers lie past the
+  // staging, where no stmatrix of a consumer warp can overwrite them.
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
   uint64_t* empty = full + kNumStages;                                              // [T::kStages]
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
-  uint64_t* unit_bars = empty + kNumStages + 2 * kNumLanding;  // kDynamic: full, empty [kUnitSlots] each
-  const UnitRing ring{unit_bars, unit_bars + kUnitSlots, reinterpret_cast<int*>(unit_bars + 2 * kUnitSlots)};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(&full[s], T::kFullArrivals);
-      // multicast kinds: both CTAs' consumer warps release each stage (its producers write both CTAs)
-      ptx::mbarrier_init(&empty[s], kNumConsumerWarps * (T::kMulticast ? kClusterSize : 1));
+      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
     }
     if constexpr (T::kMx) {
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
         ptx::mbarrier_init(&land.empty[s], kNumProducerThreads);
-      }
-    }
-    if constexpr (T::kDynamic) {
-      for (int s = 0; s < kUnitSlots; ++s) {
-        ptx::mbarrier_init(&ring.full[s], 1);
-        ptx::mbarrier_init(&ring.empty[s], UnitFeed<kGemm>::kReaderWarps);
       }
     }
     ptx::fence_mbarrier_init();
@@ -111,29 +100,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
     if constexpr (T::kMx) ptx::prefetch_tensor_map(&tmap_s0), ptx::prefetch_tensor_map(&tmap_s1);
-    if constexpr (kTmaStore) ptx::prefetch_tensor_map(&tmap_out);
-    if constexpr (kTmaStore && T::kSwiGLU)
-      ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
+    ptx::prefetch_tensor_map(&tmap_out);
+    if constexpr (T::kSwiGLU) ptx::prefetch_tensor_map(&tmap_gate), ptx::prefetch_tensor_map(&tmap_up);
   }
-  // NOTE: the last block-wide barrier: roles split below and may exit independently. Multicast kinds sync the
-  // cluster instead: no CTA arrives on, or copies into, its peer before the peer's barriers are initialized.
-  if constexpr (T::kMulticast) {
-    ptx::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
 
   const int num_tasks = num_tasks_of<kGemm>(p);  // every thread reads the same 4 bytes: one load per warp
   const int num_k_blocks = num_k_blocks_of<kGemm>(p.k);  // kWeightGrad: per task (decode_task)
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<T::kProducerRegs>();
-    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, ring, num_tasks, num_k_blocks);
+    produce<kGemm>(&tmap_a, &tmap_a2, &tmap_b0, &tmap_b1, land, p, smem, full, empty, num_tasks, num_k_blocks);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegs>();
-    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, ring, num_tasks, num_k_blocks);
+    consume<kGemm>(p, {&tmap_out, &tmap_gate, &tmap_up}, smem, full, empty, num_tasks, num_k_blocks);
   }
-  // Multicast kinds: no CTA exits while its peer may still arrive on its barriers (the last stages' releases).
-  if constexpr (T::kMulticast) ptx::cluster_sync();
 }
 
 // ---- host launcher -------------------------------------------------------------------------------------
@@ -148,39 +128,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 struct MxScales {
   const void *s0, *s1;  // of w_b0, w_b1
 };
-
-#if MOK_GEMM_DYNAMIC
-// kDynamic: every launch takes a counter of its own from this pool, zeroed before it and freed after it in stream
-// order, so launches that overlap (two streams, two branches of a graph) never share one. One pool per device,
-// mok's own: it keeps its memory across synchronizations (the default pool gives it back at each). Under stream
-// capture the allocation and the free become graph memory nodes (such a graph cannot be cloned or nested as a
-// child, and has one executable instance at a time), and the pool should exist before the capture (a first launch
-// outside it). A workspace int from the caller (torch's allocator) would avoid both, for every BF16 entry point.
-inline cudaError_t counter_pool(cudaMemPool_t* pool) {
-  static std::mutex mutex;
-  static std::map<int, cudaMemPool_t> pools;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err) return err;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (!pools.count(device)) {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = device;
-    cudaMemPool_t created;
-    if ((err = cudaMemPoolCreate(&created, &props))) return err;
-    uint64_t keep = UINT64_MAX;
-    if ((err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep))) {
-      cudaMemPoolDestroy(created);
-      return err;
-    }
-    pools[device] = created;
-  }
-  *pool = pools[device];
-  return cudaSuccess;
-}
-#endif
 
 template <Gemm kGemm>
 cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
@@ -225,7 +172,7 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
   }
   // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
   // past m (dims (n, m, E): never into the next expert's dW).
-  if constexpr (kTmaStore) {
+  {
     const auto encode_out = [&](CUtensorMap* map, const void* out) {
       return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)
                          : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
@@ -250,56 +197,10 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
         (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device)))
       return err;
   }
-  if constexpr (!T::kMulticast) {
-    const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-#if MOK_GEMM_DYNAMIC
-    cudaMemPool_t pool;
-    if constexpr (T::kDynamic) {
-      if ((err = counter_pool(&pool)) ||
-          (err = cudaMallocFromPoolAsync(reinterpret_cast<void**>(&p.unit_counter), sizeof(int), pool, stream)))
-        return err;
-      if ((err = cudaMemsetAsync(p.unit_counter, 0, sizeof(int), stream))) {
-        cudaFreeAsync(p.unit_counter, stream);
-        return err;
-      }
-    }
-#endif
-    kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                                                      tmap_gate, tmap_up, p);
-    err = cudaGetLastError();
-#if MOK_GEMM_DYNAMIC
-    if constexpr (T::kDynamic) {
-      const cudaError_t freed = cudaFreeAsync(p.unit_counter, stream);
-      if (!err) err = freed;
-    }
-#endif
-    return err;
-  } else {  // whole clusters: one per pair unit at most, no more than fit at once, at least one
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kNumThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kClusterSize;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    // NOTE: pairs of SMs come per GPC, so fewer than num_sms / 2 clusters may be resident; a persistent grid
-    // larger than that would leave units to clusters that start only when others have finished.
-    // Asked once per kind and process (one device: the level runs on the first Hopper GPU it is given).
-    static int resident = 0;
-    if (resident == 0) {
-      config.gridDim = dim3(kClusterSize);  // the query wants a whole number of clusters; their count is the answer
-      if ((err = cudaOccupancyMaxActiveClusters(&resident, kernel, &config))) return err;
-    }
-    const int64_t num_units = ceil_div(p.num_m_tiles, kClusterSize) * static_cast<int64_t>(p.num_n_tiles);
-    const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>({num_units, num_sms / kClusterSize, resident}));
-    config.gridDim = dim3(static_cast<unsigned>(clusters * kClusterSize));
-    return cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                              tmap_gate, tmap_up, p);
-  }
+  const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
+                                                    tmap_gate, tmap_up, p);
+  return cudaGetLastError();
 }
 
 }  // namespace mok::gemm

@@ -11,18 +11,11 @@ namespace mok::gemm {
 // Thread 0: the tensor-map loads of one stage (B0, B1, and A unless it is gathered). tmap_b1 is Wu for
 // kGateUp and kGateUpDgrad (its second half of K), unused otherwise; tmap_a2 is d_up for kGateUpDgrad.
 // MN-major operands come as boxes of 64 columns × 64 k-rows, two per 128 columns (8 KiB apart).
-// Multicast kinds: a shared pair's CTA rank r loads only B piece r, into both CTAs (the stage's full[] counts the
-// same bytes either way); a CTA without a task loads nothing and arrives with no bytes.
 template <Gemm kGemm>
 MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
-                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Work& w,
+                          const CUtensorMap* tmap_b1, uint8_t* smem, uint64_t* bar, uint32_t stage, const Task& t,
                           int kb, int k) {
   using T = Tile<kGemm>;
-  if (!w.active) {
-    ptx::mbarrier_arrive_expect_tx(bar, 0);
-    return;
-  }
-  const Task& t = w.t;
   const int half_blocks = static_cast<int>(ceil_div(k, BLOCK_K));
   const bool second = kGemm == Gemm::kGateUpDgrad && kb >= half_blocks;
   const int k0 = t.k_row0 + (second ? kb - half_blocks : kb) * BLOCK_K;
@@ -37,22 +30,14 @@ MOK_DEVICE void issue_tma(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2,
   } else if constexpr (!T::kGather) {  // map dims (k, rows, 1)
     ptx::tma_load_3d(stage_a(smem, stage), second ? tmap_a2 : tmap_a, k0, m0, 0, bar);
   }
-  const auto load_b = [&](uint8_t* dst, const CUtensorMap* map, int c0, int c1) {
-    if (T::kMulticast && w.shared) {
-      ptx::tma_load_3d_multicast(dst, map, c0, c1, batch, bar, (1u << kClusterSize) - 1);
-    } else {
-      ptx::tma_load_3d(dst, map, c0, c1, batch, bar);
-    }
-  };
   for (int which = 0; which < (T::kMx ? 0 : 2); ++which) {  // MXFP8 B: issue_landing
-    if (T::kMulticast && w.shared && which != static_cast<int>(ptx::cluster_cta_rank())) continue;
     const CUtensorMap* map = which == 0 ? b_first : b_second;
     const int col = n0 + which * T::kB1Offset;
     if constexpr (T::kMajorMN) {  // map dims (n, k, experts), box (64, 64, 1)
-      load_b(stage_b(smem, stage, which), map, col, k0);
-      load_b(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0);
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, col, k0, batch, bar);
+      ptx::tma_load_3d(stage_b(smem, stage, which) + T::kBHalfBytes, map, col + 64, k0, batch, bar);
     } else {  // map dims (k, n, experts), box (64, 128, 1)
-      load_b(stage_b(smem, stage, which), map, k0, col);
+      ptx::tma_load_3d(stage_b(smem, stage, which), map, k0, col, batch, bar);
     }
   }
 }
@@ -98,10 +83,8 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
     uint8_t* b_tile = stage_b(smem, stage, which);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // E4M3 chunk c: k 16c .. 16c + 15, in scale block c / 2
-      // NOTE: a cheaper-looking path (one cvt per two elements, then integer ops and a bf16 multiply by
-      // 2^(112+e), exact for scale bytes 10..142) measured slower: the mxfp8 forward took 10.7 / 14.5 / 3.8 /
-      // 39.8 ms on the four standard shapes against 8.8 / 11.2 / 3.0 / 30.3 with this one (H200, moe bench
-      // with MXFP8 weights in the mainloop at c8c131e and 70824c8; data/bench/mx_gemm_ab.csv has its GEMMs).
+      // NOTE: fp32 scale multiplies, as mxfp8_dequantize: a cheaper-looking path (one cvt per two elements, then
+      // integer ops and a bf16 multiply by 2^(112+e)) is slower in this producer (docs/gemm.md).
       const float s = mxfp8::scale_byte_to_f32((scale_bytes >> (8 * (c / 2))) & 0xFFu);
       const float scale[8] = {s, s, s, s, s, s, s, s};
       *reinterpret_cast<uint4*>(b_tile + sw128_offset(row, 2 * c)) =
@@ -115,8 +98,7 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                         const CUtensorMap* tmap_b1, const Landing& land, const Params& p,
-                        uint8_t* smem, uint64_t* full, uint64_t* empty, const UnitRing& ring, int num_tasks,
-                        int num_k_blocks) {
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, int num_tasks, int num_k_blocks) {
   using T = Tile<kGemm>;
   const uint32_t thread = threadIdx.x;  // 0..127
   if (!T::kGather && !T::kMx && thread != 0) return;  // TMA only: one thread issues everything
@@ -131,9 +113,8 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
       issue_landing<kGemm>(land, p, smem, j, num_k_blocks, num_tasks);
   }
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  for_each_unit<kGemm>(p, num_tasks, ring, thread == 0, [&](int unit) {
-    const Work w = decode_work<kGemm>(p, unit, num_k_blocks, num_tasks);
-    const Task& t = w.t;
+  for_each_task(num_tasks, [&](int task) {
+    const Task t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
     if constexpr (T::kGather) {
 #pragma unroll
@@ -146,10 +127,10 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         const int ahead = static_cast<int>(it) + kNumLanding - 1;
         if (thread == 0 && ahead < num_landings) issue_landing<kGemm>(land, p, smem, ahead, num_k_blocks, num_tasks);
       }
-      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free (in both CTAs)
+      ptx::mbarrier_wait_parity(&empty[stage], phase ^ 1);  // the slot is free
       if constexpr (T::kTmaIntoStage) {
         if (thread == 0)
-          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, w, kb, p.k);
+          issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
       }
       if constexpr (T::kGather) {
         uint8_t* a_tile = stage_a(smem, stage);

@@ -86,48 +86,6 @@ MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
-// ---- clusters (MOK_GEMM_MULTICAST) --------------------------------------------------------------------
-// A cluster's CTAs see each other's shared memory: `mapa` turns a local shared address into the same offset in
-// CTA `cta` of the cluster, and a multicast TMA load writes one box into every CTA of `cta_mask` at the same
-// offset, completing the bytes on the mbarrier at the same offset in each.
-
-MOK_DEVICE uint32_t cluster_cta_rank() {
-  uint32_t rank;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));  // constant for the CTA's life: no volatile
-  return rank;
-}
-
-// Every thread of every CTA of the cluster: the CTAs' earlier shared-memory writes (mbarrier inits) are visible
-// to the others after it, and none goes on (or exits) before all have arrived. Not `.aligned`: the threads of a
-// warp may come from diverged roles (a TMA producer warp's lane 0 leaves its loop last).
-MOK_DEVICE void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// One arrival on the mbarrier at `bar`'s offset in CTA `cta` of this cluster (this CTA's own included).
-// NOTE: default semantics (release at CTA scope), as CUTLASS's cluster barriers: the arriving warp has only read
-// the stage, by wgmma, finished at its wait_group. `.release.cluster` compiles to MEMBAR.ALL.GPU before every
-// arrival, and with it (and `acquire.cluster` waits, CCTL.IVALL) the multicast GEMMs ran 1.4-1.9x slower (H200,
-// parts_multicast at 9507d83).
-MOK_DEVICE void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t}" ::"r"(smem_addr(bar)),
-      "r"(cta)
-      : "memory");
-}
-
-// tma_load_3d into every CTA of `cta_mask` (bit i = CTA rank i): the same box at smem_dst's offset in each, its
-// bytes completed on the mbarrier at bar's offset in each.
-MOK_DEVICE void tma_load_3d_multicast(void* smem_dst, const CUtensorMap* tmap, int32_t c0, int32_t c1, int32_t c2,
-                                      uint64_t* bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
-      "[%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "h"(cta_mask)
-      : "memory");
-}
-
 // ---- wgmma ---------------------------------------------------------------------------------------------
 // Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"), for a K-major operand tile whose
 // rows are 128 bytes (64 bf16) stored with the 128-byte swizzle, 8-row atoms of 1024 bytes back to back:

@@ -5,15 +5,12 @@
 // dsv4pro they are 20% of the buffer.
 //
 // Token-major: each token's row is read from HBM once and stored into its K rows (route_to_row), so x's bytes
-// are read once, not K times (a row-major gather re-read a token's row for each of its routes, long after L2
-// had dropped it: 1.6x the bytes of this kernel at qwen3-30b). Every row is written by exactly one warp:
+// are read once, not K times (a row-major gather re-reads a token's row for each of its routes, long after L2
+// has dropped it; docs/l2_fused.md). Every row is written by exactly one warp:
 //   * token warps: token t, slot k stores row r = route_to_row[t, k] iff row_to_token[r] == t and
 //     row_to_k[r] == k (the schedule's two views of the route agree);
 //   * row warps: every other row, zeros where row_to_token[r] < 0, NaN otherwise (a token id past num_tokens,
 //     or views that disagree): the schedule is trusted, but never read past x, and never silently wrong.
-// Measured (docs/l2_fused_log.md, "The x rows token-major"): 0.66-0.76x the row-major gather's time on the four
-// standard shapes.
-//
 // Bytes: 2·hidden read per token, 2·hidden written per real row.
 #pragma once
 
@@ -25,8 +22,7 @@ constexpr int kGatherWarps = 8;  // warps per CTA
 constexpr int kGatherThreads = kGatherWarps * kWarpSize;
 constexpr int kGatherVecs = 4;  // 16-byte loads in flight per lane, all issued before any store
 // A token warp copies one chunk of a row (2 KB): many warps per token keep every SM busy even when tokens are
-// few and rows long (one warp per whole row ran dsv4pro's 2048 tokens on 16 warps per SM, 1.2x slower than the
-// row-major gather).
+// few and rows long (one warp per whole row leaves SMs idle at 2048 tokens).
 constexpr int64_t kGatherChunkVecs = kWarpSize * kGatherVecs;
 
 struct GatherRows {

@@ -15,7 +15,7 @@
 // num_rows and the bad-id count land in counts (int32, device memory): nothing here needs a host read, and
 // the kernels that run over schedule rows read num_rows from there (the row buffers have max_num_rows rows).
 // Bytes: topk_idx read twice (8·T·K each), route_to_row + 4 row arrays written once (8 bytes per entry),
-// a [num_chunks, E + 1] int32 scratch; a few microseconds at the standard shapes (docs/l2_fused.md).
+// a [num_chunks, E + 1] int32 scratch: a few microseconds at the standard shapes.
 #pragma once
 
 #include <cstdint>

@@ -4,19 +4,17 @@
 // buffer (in place: each thread reads its 8 elements before it writes them). Rows from *real_num_rows on (the
 // schedule's spare rows; null: none) are neither read nor written.
 //
-// NOTE: this ran inside the GEMM's epilogue until 2ed96d2, where it made the GEMM 2-4x slower than the same
-// GEMM without it (0.26-0.47 of a dense GEMM, `python -m mok.bench parts`), and again at a58e282 with
-// swiglu_backward_n: 1.4-2.0x slower. The epilogue runs with the tensor cores idle, and its gate/up loads and
-// arithmetic come on top of every task (docs/l2_fused_log.md, "The SwiGLU backward in the dgrad epilogue, again").
-// As its own pass it moves 12 bytes per element (d_h, gate, up in; d_gate, d_up, h out) at memory speed.
+// NOTE: its own pass, not the dgrad GEMM's epilogue: there it runs with the tensor cores idle, its gate/up loads
+// and arithmetic on top of every task, and makes the GEMM several times slower (docs/gemm.md). As its own pass it
+// moves 12 bytes per element (d_h, gate, up in; d_gate, d_up, h out) at memory speed.
 //
 // The MXFP8 backward (kMx) reads the forward's saved gate/up as they are, row-wise MXFP8 (E4M3 data and one
 // E8M0 scale per 32 columns), and dequantizes each 8-element chunk in registers to mxfp8_dequantize's bits
 // (dequantize8): 2 · (1 + 1/32) bytes read per element instead of two dequantize kernels' 2 · (1 + 1/32 + 2)
 // and then 2 · 2 here.
-// NOTE: one kernel from the MXFP8 gate/up to the round trips the next GEMMs read (d_gate, d_up both ways, h
-// column-wise) in 32-row tiles was built and measured slower (4cab7c1, 1.02-1.14x the separate kernels: 122
-// registers, 16 warps per SM, each tile's loads then a long compute phase); docs/l2_fused.md.
+// NOTE: not fused with the round trips the next GEMMs read (d_gate, d_up both ways, h column-wise): one kernel in
+// 32-row tiles needs 122 registers, runs 16 warps per SM and a long compute phase after each tile's loads, slower
+// than the separate kernels (docs/l2_fused.md).
 #pragma once
 
 #include "mok/common.cuh"

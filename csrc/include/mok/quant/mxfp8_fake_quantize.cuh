@@ -2,8 +2,8 @@
 // of MXFP8 operands reads, without the E4M3 bytes and scales in HBM between a quantize and a dequantize
 // kernel. Per element 2 bytes read + 2 written, against 2 + 1 + 1 + 2 (and two launches) for the pair; the
 // same bits, by the same functions (quantize8, then dequantize8 on the scale byte's 2^e).
-//   row-wise: quantize_rowwise_kernel's flat stream of 32-element blocks (variant 0), kRoundTrip = true;
-//   column-wise and dual: quantize_tiled_kernel's 32-row warp tiles (variant 8), kRoundTrip = true.
+//   row-wise: quantize_rowwise_kernel's flat stream of 32-element blocks, kRoundTrip = true;
+//   column-wise and dual: quantize_tiled_kernel's 32-row warp tiles, kRoundTrip = true.
 #pragma once
 
 #include "mok/quant/mxfp8_quantize.cuh"
@@ -14,7 +14,7 @@ namespace mok::mxfp8 {
 inline cudaError_t launch_fake_quantize_rowwise(const void* x, void* out, int64_t numel, cudaStream_t stream) {
   if (numel % kBlockSize != 0) return cudaErrorInvalidValue;
   if (numel == 0) return cudaSuccess;
-  constexpr int kThreads = 256, kChunks = 4;  // quantize_rowwise's default variant
+  constexpr int kThreads = 256, kChunks = 4;  // as launch_quantize_rowwise
   const int64_t num_chunks = numel / kChunkElems;
   quantize_rowwise_kernel<kChunks, kThreads, true><<<ceil_div(num_chunks, int64_t{kChunks} * kThreads), kThreads, 0,
                                                       stream>>>(static_cast<const uint8_t*>(x),

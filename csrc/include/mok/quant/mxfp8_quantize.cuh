@@ -229,180 +229,34 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   quantize_and_store_tile<kRowLanes, kDual, kRoundTrip, kGather>(v, row0, col, cols, valid, row_lane, col_lane, out);
 }
 
-// ---- column-wise and dual, pipelined: CTA tiles staged through shared memory by the bulk copy engine ----
-// A persistent grid (one CTA per resident slot) walks the CTA tiles in order: CTA b takes tiles b, b + G,
-// b + 2G, ... (G = gridDim.x). A CTA tile is 32 rows x kTileCols = kWarps * 64 columns (32 KB of bf16 at 8
-// warps); warp w quantizes its columns [64 w, 64 w + 64) with quantize_tiled_kernel<4>'s register layout,
-// reading its 8 chunks from shared memory instead of global memory. A tile's 32 row segments arrive by 32
-// 1D bulk copies (lane r of warp 0 copies row r) into one of kNumStages stages, completing on the stage's
-// mbarrier: kNumStages - 1 tiles stream in while the CTA quantizes one, so the loads never wait on the
-// quantization (the old kernels' latency limit: dual spent its long compute phase with nothing in flight).
-// Per tile: wait for the stage's phase -> read 8 x 16 B per thread into registers -> __syncthreads (every
-// warp is done with the stage) -> warp 0 refills the stage with the tile kNumStages ahead -> quantize and
-// store from registers. Shared reads: 8 lanes of one row lane read 128 contiguous bytes of one row, so the
-// 4 phases of a 16-byte warp load are conflict-free.
-constexpr int kPipelineBarrierBytes = 128;  // the stages' mbarriers, then the stages (128-byte aligned)
-
-template <int kWarps, int kNumStages>
-struct PipelinedTile {
-  static constexpr int kTileCols = kWarps * ColTile<4>::kCols;
-  static constexpr int kRowBytes = kTileCols * 2;  // a row segment of a stage, bf16
-  static constexpr int kStageBytes = kBlockSize * kRowBytes;
-  static constexpr int kSmemBytes = kPipelineBarrierBytes + kNumStages * kStageBytes;
-  static_assert(kNumStages * 8 <= kPipelineBarrierBytes, "the mbarriers fit before the stages");
-  static_assert(kRowBytes % 128 == 0, "stage rows stay 16-byte aligned for the bulk copies");
-};
-
-template <int kWarps, int kNumStages, bool kDual>
-__global__ void __launch_bounds__(kWarps * kWarpSize)
-    quantize_pipelined_kernel(const uint8_t* __restrict__ x, TiledOut out, int64_t rows, int64_t cols) {
-  using Tile = ColTile<4>;
-  using Pipe = PipelinedTile<kWarps, kNumStages>;
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem);       // [kNumStages] mbarriers: stage landed
-  uint8_t* stages = smem + kPipelineBarrierBytes;           // [kNumStages][32][kTileCols] bf16
-  // NOTE: tile indices in 32 bits (the launcher checks num_tiles < 2^31): cheaper divisions, fewer registers.
-  const uint32_t col_tiles = static_cast<uint32_t>(ceil_div(cols, Pipe::kTileCols));
-  const uint32_t num_tiles = static_cast<uint32_t>(rows / kBlockSize) * col_tiles;
-  const int warp = static_cast<int>(threadIdx.x / kWarpSize), lane = static_cast<int>(lane_id());
-  const int row_lane = lane / Tile::kColLanes, col_lane = lane % Tile::kColLanes;
-  const int tile_col = warp * Tile::kCols + col_lane * kChunkElems;  // this thread's 8 columns in a tile
-
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kNumStages; ++s) ptx::mbarrier_init(&full[s], 1);  // one arrival: warp 0, lane 0
-    ptx::fence_mbarrier_init();
-  }
-  __syncthreads();
-
-  // Warp 0 only: start the copy of CTA tile `tile` into `stage`. A partial last column tile copies
-  // cols - col0 columns per row (cols % 8 == 0: a multiple of 16 bytes); the rest of the stage is stale.
-  auto load = [&](uint32_t tile, int stage) {
-    const int64_t row = static_cast<int64_t>(tile / col_tiles) * kBlockSize + lane;
-    const int64_t col0 = static_cast<int64_t>(tile % col_tiles) * Pipe::kTileCols;
-    const uint32_t bytes = static_cast<uint32_t>(min(static_cast<int64_t>(Pipe::kTileCols), cols - col0)) * 2;
-    if (lane == 0) ptx::mbarrier_arrive_expect_tx(&full[stage], bytes * kBlockSize);
-    __syncwarp();
-    ptx::bulk_copy_g2s(stages + stage * Pipe::kStageBytes + lane * Pipe::kRowBytes, x + (row * cols + col0) * 2,
-                       bytes, &full[stage]);
-  };
-  if (warp == 0) {
-#pragma unroll
-    for (int s = 0; s < kNumStages; ++s) {
-      const uint32_t tile = blockIdx.x + s * gridDim.x;  // gridDim.x <= resident CTAs: no wrap-around
-      if (tile < num_tiles) load(tile, s);
-    }
-  }
-
-  int stage = 0;
-  uint32_t parity = 0;  // of the stage's current phase: flips each time the stages wrap around
-  for (uint32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    ptx::mbarrier_wait_parity(&full[stage], parity);
-    const uint8_t* src = stages + stage * Pipe::kStageBytes + tile_col * 2;
-    uint4 v[Tile::kRowsPerThread];
-#pragma unroll
-    for (int i = 0; i < Tile::kRowsPerThread; ++i)  // rows row_lane + 4 i of the stage
-      v[i] = *reinterpret_cast<const uint4*>(src + (row_lane + 4 * i) * Pipe::kRowBytes);
-    __syncthreads();  // NOTE: every warp has its chunks in registers: the stage may be overwritten
-    const uint32_t next = tile + kNumStages * gridDim.x;
-    if (warp == 0 && next < num_tiles) load(next, stage);
-
-    const int64_t row0 = static_cast<int64_t>(tile / col_tiles) * kBlockSize;
-    const int64_t col = static_cast<int64_t>(tile % col_tiles) * Pipe::kTileCols + tile_col;
-    quantize_and_store_tile<4, kDual>(v, row0, col, cols, col < cols, row_lane, col_lane, out);
-    if (++stage == kNumStages) {
-      stage = 0;
-      parity ^= 1u;
-    }
-  }
-}
-
 // ---- host launchers (x, data, scales: device pointers, 16-byte aligned) ------------------------------
-// variant: 0 = default; others are kept for the benchmark's record of what was tried (docs/).
+// Why these shapes (4 chunks per thread; warp tiles of 4 row lanes × 8 warps per CTA, straight from global memory)
+// and what else was measured: docs/mxfp8_kernels.md.
 
 inline cudaError_t launch_quantize_rowwise(const void* x, void* data, void* scales, int64_t numel,
-                                           int variant, cudaStream_t stream) {
+                                           cudaStream_t stream) {
   if (numel % kBlockSize != 0) return cudaErrorInvalidValue;
   if (numel == 0) return cudaSuccess;
-  constexpr int kThreads = 256;
+  constexpr int kThreads = 256, kChunks = 4;
   const int64_t num_chunks = numel / kChunkElems;
-  auto launch = [&](auto kernel, int chunks_per_thread) {
-    kernel<<<ceil_div(num_chunks, int64_t(chunks_per_thread) * kThreads), kThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(x), static_cast<uint8_t*>(data), static_cast<uint8_t*>(scales),
-        num_chunks);
-    return cudaGetLastError();
-  };
-  switch (variant) {
-    case 0: return launch(quantize_rowwise_kernel<4, kThreads>, 4);
-    case 1: return launch(quantize_rowwise_kernel<2, kThreads>, 2);
-    case 2: return launch(quantize_rowwise_kernel<8, kThreads>, 8);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-template <int kWarps, int kNumStages, bool kDual>
-inline cudaError_t launch_quantize_pipelined(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
-                                             cudaStream_t stream) {
-  using Pipe = PipelinedTile<kWarps, kNumStages>;
-  constexpr int kThreads = kWarps * kWarpSize;
-  const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, Pipe::kTileCols);
-  if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
-  unsigned grid = 0;
-  const cudaError_t err =
-      persistent_grid<quantize_pipelined_kernel<kWarps, kNumStages, kDual>>(kThreads, Pipe::kSmemBytes, tiles, &grid);
-  if (err != cudaSuccess) return err;
-  const auto kernel = quantize_pipelined_kernel<kWarps, kNumStages, kDual>;
-  kernel<<<grid, kThreads, Pipe::kSmemBytes, stream>>>(x, out, rows, cols);
+  quantize_rowwise_kernel<kChunks, kThreads><<<ceil_div(num_chunks, int64_t{kChunks} * kThreads), kThreads, 0,
+                                               stream>>>(static_cast<const uint8_t*>(x), static_cast<uint8_t*>(data),
+                                                         static_cast<uint8_t*>(scales), num_chunks);
   return cudaGetLastError();
 }
 
-// rows = product of all dims but the last (a multiple of 32), cols % 8 == 0.
-// data_row / scales_row are null for column-wise only.
-inline cudaError_t launch_quantize_tiled(const void* x, void* data_col, void* scales_col, void* data_row,
-                                         void* scales_row, int64_t rows, int64_t cols, int variant,
-                                         cudaStream_t stream) {
-  const bool dual = data_row != nullptr;
-  if (rows % kBlockSize != 0 || cols % kChunkElems != 0 || (dual && cols % kBlockSize != 0))
-    return cudaErrorInvalidValue;
+// Column-wise: rows = product of all dims but the last (a multiple of 32), cols % 8 == 0. (Dual:
+// launch_quantize_dual_split, mxfp8_quantize_split.cuh.)
+inline cudaError_t launch_quantize_colwise(const void* x, void* data, void* scales, int64_t rows, int64_t cols,
+                                           cudaStream_t stream) {
+  if (rows % kBlockSize != 0 || cols % kChunkElems != 0) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
-  const auto* in = static_cast<const uint8_t*>(x);
-  const TiledOut out{static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
-                     static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row)};
-  auto launch = [&](auto kernel, int tile_cols, int warps) {
-    const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, tile_cols);
-    kernel<<<ceil_div(tiles, warps), warps * kWarpSize, 0, stream>>>(in, out, rows, cols, RowSource{});
-    return cudaGetLastError();
-  };
-  // variant: 1-4 and 8 one warp tile per warp, straight from global memory: row lanes (rows per thread =
-  // 32 / row lanes) x warps per CTA. Fewer rows per thread means fewer registers, so more resident warps;
-  // more rows, more bytes in flight per thread.
-  //   8: 4 x 8    1: 2 x 8    2: 8 x 8    3: 4 x 4    4: 8 x 4
-  // 5-7 pipelined (shared-memory stages, persistent grid; 4 row lanes): warps per CTA x stages.
-  //   5: 8 x 3 (32 KB tiles, 96 KB)    6: 4 x 4 (16 KB tiles, 64 KB)    7: 8 x 2 (32 KB tiles, 64 KB)
-  // 0 (default): 8 for row- and column-wise; dual's default is split variant 23 (quant_mxfp8.cu). The
-  // pipelined 5-7 are bit-exact but measured slower (dual 0.816 vs 0.826 of copy on the >1 GB weights,
-  // data/bench/quant_pipelined_48bf4dd.csv; docs/mxfp8_kernels.md).
-  // 9-16, 22-23 (dual only, warp-specialized) are launch_quantize_dual_split's (mxfp8_quantize_split.cuh).
-  if (variant == 0) variant = 8;
-  switch (variant * 2 + (dual ? 1 : 0)) {
-    case 16: return launch(quantize_tiled_kernel<4, 8, false>, ColTile<4>::kCols, 8);
-    case 17: return launch(quantize_tiled_kernel<4, 8, true>, ColTile<4>::kCols, 8);
-    case 2: return launch(quantize_tiled_kernel<2, 8, false>, ColTile<2>::kCols, 8);
-    case 3: return launch(quantize_tiled_kernel<2, 8, true>, ColTile<2>::kCols, 8);
-    case 4: return launch(quantize_tiled_kernel<8, 8, false>, ColTile<8>::kCols, 8);
-    case 5: return launch(quantize_tiled_kernel<8, 8, true>, ColTile<8>::kCols, 8);
-    case 6: return launch(quantize_tiled_kernel<4, 4, false>, ColTile<4>::kCols, 4);
-    case 7: return launch(quantize_tiled_kernel<4, 4, true>, ColTile<4>::kCols, 4);
-    case 8: return launch(quantize_tiled_kernel<8, 4, false>, ColTile<8>::kCols, 4);
-    case 9: return launch(quantize_tiled_kernel<8, 4, true>, ColTile<8>::kCols, 4);
-    case 10: return launch_quantize_pipelined<8, 3, false>(in, out, rows, cols, stream);
-    case 11: return launch_quantize_pipelined<8, 3, true>(in, out, rows, cols, stream);
-    case 12: return launch_quantize_pipelined<4, 4, false>(in, out, rows, cols, stream);
-    case 13: return launch_quantize_pipelined<4, 4, true>(in, out, rows, cols, stream);
-    case 14: return launch_quantize_pipelined<8, 2, false>(in, out, rows, cols, stream);
-    case 15: return launch_quantize_pipelined<8, 2, true>(in, out, rows, cols, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  constexpr int kRowLanes = 4, kWarps = 8;
+  const TiledOut out{static_cast<uint8_t*>(data), static_cast<uint8_t*>(scales), nullptr, nullptr};
+  const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, ColTile<kRowLanes>::kCols);
+  quantize_tiled_kernel<kRowLanes, kWarps, false><<<ceil_div(tiles, kWarps), kWarps * kWarpSize, 0, stream>>>(
+      static_cast<const uint8_t*>(x), out, rows, cols, RowSource{});
+  return cudaGetLastError();
 }
 
 }  // namespace mok::mxfp8

@@ -1,9 +1,9 @@
 // BF16 -> MXFP8 dual quantization (row-wise + column-wise from one read of x), warp-specialized. In each
-// CTA a producer warp streams 32 x 256 or 32 x 512 tiles of x into a ring of shared-memory stages with the bulk
-// copy engine; consumer warps come in groups, one group per tile: row warps write the row-wise half, column
+// CTA a producer warp streams 32 x 512 tiles of x into a ring of shared-memory stages with the bulk copy engine;
+// consumer warps come in groups, one group per tile: row warps write the row-wise half, column
 // warps the column-wise half, all from the same shared tile. Same numerics helpers as the other quantizers
 // (mxfp8.cuh), so the same bits as L0. Why this layout, and the measurements: docs/mxfp8_kernels.md, "Dual,
-// warp-specialized (variants 9-13)" and "Tiles of 512 columns".
+// warp-specialized" and "Tiles of 512 columns".
 //
 // Bytes: per bf16 element 2 read + 2 written (+ 2/32 for the scales); no byte of x is read twice from HBM.
 #pragma once
@@ -17,8 +17,8 @@ namespace mok::mxfp8 {
 // spans of 256 columns (8 row-wise blocks): lane l of either consumer warp owns the span's columns
 // [8 l, 8 l + 8) in every row, so a warp's 16-byte shared load reads 512 contiguous bytes of one row
 // (conflict-free), and a warp's 8-byte store writes 256 contiguous bytes of one output row: two whole
-// 128-byte lines per store instruction. kTileCols = 256 (16 KB, the default) or 512 (32 KB: 1 KB read per
-// row, the longer pieces tried against the 7168-column rows; docs/mxfp8_kernels.md).
+// 128-byte lines per store instruction. kTileCols = 512 (32 KB: 1 KB read per row, two spans; the longer
+// pieces suit the 7168-column rows: docs/mxfp8_kernels.md).
 constexpr int kSplitSpanCols = kWarpSize * kChunkElems;  // 256
 static_assert(kSplitSpanCols % kBlockSize == 0, "a span holds whole row-wise blocks");
 
@@ -213,57 +213,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm)
 }
 
 // ---- host launcher -----------------------------------------------------------------------------------
-// variant: groups x stages (shared memory) x row warps per span, tiles of 256 columns unless named:
-//   9: 4 x  8 (128 KB) x 1:  9 warps, 1 CTA/SM
-//  10: 6 x 12 (192 KB) x 1: 13 warps, 1 CTA/SM
-//  11: 2 x  4 ( 64 KB) x 1:  5 warps, 3 CTAs/SM
-//  12: 4 x  8 (128 KB) x 2: 13 warps, 1 CTA/SM
-//  13: 2 x  4 ( 64 KB) x 2:  7 warps, 3 CTAs/SM
-//  14: 1 x  2 ( 32 KB) x 1:  3 warps, 6 CTAs/SM
-//  15: 1 x  3 ( 48 KB) x 1:  3 warps, 4 CTAs/SM
-//  16: 1 x  2 ( 32 KB) x 2:  4 warps, 6 CTAs/SM (the default dual until 51cc0c5)
-//  22: 1 x  2 ( 64 KB) x 2, 512 columns:  7 warps, 3 CTAs/SM (16 with 1 KB per row and copy)
-//  23: 1 x  2 ( 64 KB) x 1, 512 columns:  5 warps, 3 CTAs/SM (the default dual)
-// 17-21 were measured and removed (docs/mxfp8_kernels.md); their numbers stay unused.
-inline bool is_split_dual_variant(int variant) {
-  return (variant >= 9 && variant <= 16) || variant == 22 || variant == 23;
-}
+// One consumer group, 2 stages of 32 × 512 columns (64 KB: 3 CTAs per SM), one row warp and one column warp per
+// 256-column span: 5 warps (docs/mxfp8_kernels.md, "Tiles of 512 columns").
+using DualSplitConfig = SplitDual<1, 2, 1, 512>;
 
-template <typename Cfg>
-inline cudaError_t launch_quantize_dual_split(const uint8_t* x, const TiledOut& out, int64_t rows, int64_t cols,
-                                              cudaStream_t stream) {
+// rows = product of all dims but the last; rows % 32 == 0 and cols % 32 == 0.
+inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, void* scales_row, void* data_col,
+                                              void* scales_col, int64_t rows, int64_t cols, cudaStream_t stream) {
+  using Cfg = DualSplitConfig;
+  if (rows % kBlockSize != 0 || cols % kBlockSize != 0) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const TiledOut out{static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
+                     static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row)};
   const int64_t tiles = (rows / kBlockSize) * ceil_div(cols, Cfg::kTileCols);
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // the kernel counts tiles in 32 bits
   unsigned grid = 0;
   const cudaError_t err =
       persistent_grid<quantize_dual_split_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes, tiles, &grid);
   if (err != cudaSuccess) return err;
-  quantize_dual_split_kernel<Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, out, rows, cols);
+  quantize_dual_split_kernel<Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      static_cast<const uint8_t*>(x), out, rows, cols);
   return cudaGetLastError();
-}
-
-// rows = product of all dims but the last; rows % 32 == 0 and cols % 32 == 0.
-inline cudaError_t launch_quantize_dual_split(const void* x, void* data_row, void* scales_row, void* data_col,
-                                              void* scales_col, int64_t rows, int64_t cols, int variant,
-                                              cudaStream_t stream) {
-  if (rows % kBlockSize != 0 || cols % kBlockSize != 0) return cudaErrorInvalidValue;
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  const auto* in = static_cast<const uint8_t*>(x);
-  const TiledOut out{static_cast<uint8_t*>(data_col), static_cast<uint8_t*>(scales_col),
-                     static_cast<uint8_t*>(data_row), static_cast<uint8_t*>(scales_row)};
-  switch (variant) {
-    case 9: return launch_quantize_dual_split<SplitDual<4, 8, 1, 256>>(in, out, rows, cols, stream);
-    case 10: return launch_quantize_dual_split<SplitDual<6, 12, 1, 256>>(in, out, rows, cols, stream);
-    case 11: return launch_quantize_dual_split<SplitDual<2, 4, 1, 256>>(in, out, rows, cols, stream);
-    case 12: return launch_quantize_dual_split<SplitDual<4, 8, 2, 256>>(in, out, rows, cols, stream);
-    case 13: return launch_quantize_dual_split<SplitDual<2, 4, 2, 256>>(in, out, rows, cols, stream);
-    case 14: return launch_quantize_dual_split<SplitDual<1, 2, 1, 256>>(in, out, rows, cols, stream);
-    case 15: return launch_quantize_dual_split<SplitDual<1, 3, 1, 256>>(in, out, rows, cols, stream);
-    case 16: return launch_quantize_dual_split<SplitDual<1, 2, 2, 256>>(in, out, rows, cols, stream);
-    case 22: return launch_quantize_dual_split<SplitDual<1, 2, 2, 512>>(in, out, rows, cols, stream);
-    case 23: return launch_quantize_dual_split<SplitDual<1, 2, 1, 512>>(in, out, rows, cols, stream);
-    default: return cudaErrorInvalidValue;
-  }
 }
 
 }  // namespace mok::mxfp8
