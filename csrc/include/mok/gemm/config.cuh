@@ -21,9 +21,9 @@ constexpr int WG_M = 64;                           // rows per consumer warpgrou
 constexpr int BLOCK_M = kNumConsumerGroups * WG_M;  // rows per task
 constexpr int BLOCK_K = 64;                        // k per stage: 64 bf16 = 128 bytes = one swizzled row
 constexpr int BLOCK_N_B = 128;                     // rows of each B tile = n of each wgmma
-constexpr int kNumStages = 4;                      // shared-memory ring depth (docs/gemm.md, "Stages")
+constexpr int kNumStages = 4;                      // shared-memory ring depth (docs/gemm.md, decisions)
 // Row-wise tasks come in groups of kGroupM m-tiles, n-tile by n-tile inside a group (decode_task), so the m-tiles
-// that share a weight tile run on neighbouring CTAs at the same time (docs/gemm.md, "Task order").
+// that share a weight tile run on neighbouring CTAs at the same time (docs/gemm.md, decisions).
 constexpr int kGroupM = 8;
 static_assert(kGroupM >= 1, "at least one m-tile per group");
 constexpr int kWarpgroup = 128;

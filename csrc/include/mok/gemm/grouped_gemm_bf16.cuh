@@ -26,8 +26,8 @@
 // split-K: every output is one fp32 sum in a fixed order, bitwise identical for any grid size). CTA b
 // takes tasks b, b + grid, b + 2·grid, ... in increasing order. Row-wise tasks are numbered in groups of
 // kGroupM = 8 m-tiles, m fastest inside a group (decode_task): neighbouring CTAs run the m-tiles that share a
-// weight tile at the same time, so each weight tile is read from HBM about once per group (docs/gemm.md, "Task
-// order").
+// weight tile at the same time, so each weight tile is read from HBM about once per group (docs/gemm.md,
+// decisions).
 //
 // Roles (384 threads = 3 warpgroups): warpgroup 0 = producer (gives registers back), warpgroups 1 and 2 =
 // consumers, each owning 64 of the tile's 128 rows (one wgmma m64n256k16 per k16 slice into two accumulators of

@@ -131,7 +131,7 @@ MOK_DEVICE int num_tasks_of(const Params& p) {
 }
 
 // body(task) for each of the CTA's tasks: blockIdx.x, blockIdx.x + gridDim.x, ... < num_tasks (a static stride;
-// docs/gemm.md, "Tasks from a counter", says why not a device counter).
+// docs/gemm.md, decisions, says why not a device counter).
 template <typename Body>
 MOK_DEVICE void for_each_task(int num_tasks, Body body) {
   const int first = static_cast<int>(blockIdx.x), step = static_cast<int>(gridDim.x);

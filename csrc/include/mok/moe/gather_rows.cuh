@@ -1,12 +1,12 @@
 // Dispatch of token rows into the schedule's rows (mok.schedule.gather_rows, bit for bit: a copy):
 //   out[r] = x[row_to_token[r]], and zeros where row_to_token[r] < 0 (padding rows).
-// The backward's weight gradients read x in this order (docs/l2_fused.md). With real_num_rows set (a no-sync
+// The backward's weight gradients read x in this order (docs/fused.md). With real_num_rows set (a no-sync
 // schedule's counts[0] on the device), the spare rows from it on are not written: no kernel reads them, and at
 // dsv4pro they are 20% of the buffer.
 //
 // Token-major: each token's row is read from HBM once and stored into its K rows (route_to_row), so x's bytes
 // are read once, not K times (a row-major gather re-reads a token's row for each of its routes, long after L2
-// has dropped it; docs/l2_fused.md). Every row is written by exactly one warp:
+// has dropped it; docs/fused.md). Every row is written by exactly one warp:
 //   * token warps: token t, slot k stores row r = route_to_row[t, k] iff row_to_token[r] == t and
 //     row_to_k[r] == k (the schedule's two views of the route agree);
 //   * row warps: every other row, zeros where row_to_token[r] < 0, NaN otherwise (a token id past num_tokens,

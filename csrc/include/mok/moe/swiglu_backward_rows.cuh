@@ -14,7 +14,7 @@
 // and then 2 · 2 here.
 // NOTE: not fused with the round trips the next GEMMs read (d_gate, d_up both ways, h column-wise): one kernel in
 // 32-row tiles needs 122 registers, runs 16 warps per SM and a long compute phase after each tile's loads, slower
-// than the separate kernels (docs/l2_fused.md).
+// than the separate kernels (docs/fused.md).
 #pragma once
 
 #include "mok/common.cuh"
