@@ -3,9 +3,10 @@
 For each shape (bf16, no swiglu_limit, as the layer benchmark runs), one fused forward gives the saved
 state; every step of a pass (the list in mok/fused.py's docstring) then runs once, in the level's order, to
 build the intermediates, and is timed alone with bench.timing.time_ms (CUDA events, one sync per timing),
-next to the whole fused passes timed in the same process. The steps call the same mok.ops kernels with the
-same arguments as mok.fused, and its own helpers (BLOCK_M, shared_schedule, gather_x_rows, pad_rows);
-tests/test_bench.py runs both on the kernels' L0 twins and checks that they make the same calls.
+next to the whole fused passes timed in the same process. The GEMM steps are the level's own named steps
+(fused.gemm1, gemm2, dgrad_swiglu, dgrad_gate_up; the weight gradients and the memory steps are one kernel
+each, called with the level's arguments); tests/test_bench.py runs both on the kernels' L0 twins and checks
+that they make the same calls.
 
 Per (shape, step) one row:
     GEMM steps     flops = 2·M·N·K on real rows (M = routes, or tokens for the shared expert; for the weight
@@ -85,33 +86,29 @@ def _schedule_bytes(sched: Schedule) -> int:
 
 
 def _expert_forward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
-    """GEMM1 and GEMM2 of one expert group (fused.experts_forward, a step per kernel); p: state-key prefix."""
+    """The level's steps gemm1 and gemm2 (fused.experts_forward) of one expert group; p: state-key prefix."""
     def gemm1(s):
-        h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(s["x"], s[p + "w_gate"], s[p + "w_up"], s[p + "sched"],
-                                                          swiglu_limit=limit, num_sms=num_sms)  # [R, I] each
+        h, gate, up = fused.gemm1(s["x"], s[p + "w_gate"], s[p + "w_up"], s[p + "sched"], limit, num_sms)  # [R, I]
         return {p + "h": h, p + "gate": gate, p + "up": up}
 
     def gemm2(s):
-        return {p + "y_rows": ops.grouped_gemm_bf16_nt_contiguous(s[p + "h"], s[p + "w_down"], s[p + "sched"],
-                                                                  num_sms=num_sms)}  # [R, H]
+        return {p + "y_rows": fused.gemm2(s[p + "h"], s[p + "w_down"], s[p + "sched"], num_sms)}  # [R, H]
 
     return [Step(p + "gemm1", "fwd", gemm1, **_rows_gemm(real, padded, 2 * width, hidden)),
             Step(p + "gemm2", "fwd", gemm2, **_rows_gemm(real, padded, hidden, width))]
 
 
 def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
-    """The dgrad kernels (the first also recomputes h) and the three weight gradients of one expert group
-    (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
+    """The level's steps dgrad_swiglu (which also recomputes h) and dgrad_gate_up, then the three weight gradients
+    of one expert group (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
     def dgrad_swiglu(s):
-        d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"],
-                                                             s[p + "up"], s[p + "sched"], swiglu_limit=limit,
-                                                             num_sms=num_sms)  # [R, I] each
+        d_gate, d_up, h = fused.dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"], s[p + "up"],
+                                             s[p + "sched"], limit, num_sms)  # [R, I] each
         return {p + "d_gate": d_gate, p + "d_up": d_up, p + "h_rows": h}
 
     def dgrad_gate_up(s):
-        return {p + "dx_rows": ops.grouped_gemm_bf16_dgrad_gate_up(s[p + "d_gate"], s[p + "d_up"], s[p + "w_gate"],
-                                                                   s[p + "w_up"], s[p + "sched"],
-                                                                   num_sms=num_sms)}  # [R, H]
+        return {p + "dx_rows": fused.dgrad_gate_up(s[p + "d_gate"], s[p + "d_up"], s[p + "w_gate"], s[p + "w_up"],
+                                                   s[p + "sched"], num_sms)}  # [R, H]
 
     def wgrad(name: str, out: str, a: str, b: str, m: int, n: int) -> Step:  # d_w[e] = Σ_r a[r]ᵀ·b[r], e's rows
         run = lambda s: {p + out: ops.grouped_gemm_bf16_weight_grad(s[p + a], s[p + b], s[p + "sched"],

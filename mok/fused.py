@@ -84,8 +84,8 @@ from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
 __all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "OPTIONS", "PRECISIONS",
-           "FusedSaved", "backward", "experts_forward", "forward", "gather_x_rows", "mx_weights_from_env",
-           "num_sms_from_env", "pad_rows", "shared_schedule"]
+           "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "experts_forward", "forward", "gather_x_rows",
+           "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env", "pad_rows", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -213,21 +213,30 @@ def _q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- forward --------------------------------------------------------------------------------------------
 
-def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16", mx_weights="dequantize"):
-    """GEMM1 (gather + SwiGLU) then GEMM2 over `sched`: (y_rows [R, H], gate, up), gate/up as the backward
-    saves them: bf16 [R, I] in bf16; in mxfp8 quantized row-wise, (data, scales) each (L0 saves quant(gate, -1):
-    the same values in 1 + 1/32 bytes per element, not 2). In mxfp8 x, w_gate, w_up are MXFP8 along hidden and
-    h, w_down along intermediate (L0's operands), the weights by the path `mx_weights` picks (MX_WEIGHTS)."""
+def gemm1(x, w_gate, w_up, sched, swiglu_limit, num_sms, precision="bf16"):
+    """Step `gemm1`, one kernel: dispatch (x rows gathered on load) + gate/up GEMM + SwiGLU over `sched`:
+    (h, gate, up) [R, I]. In mxfp8 x and the weights are MXFP8 along hidden (x quantized once per token, before the
+    gather: a row's blocks are the same wherever it lands), and the epilogue writes h's round trip (GEMM2's operand)
+    and gate/up quantized row-wise, (data, scales) each, as the backward saves them."""
     p = precision
-    if p == "mxfp8" and mx_weights == "mainloop":
+    gemm = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out if p == "mxfp8" else ops.grouped_gemm_bf16_swiglu_gather
+    return gemm(_mx(x, -1, p), _mx_weight(w_gate, -1, p), _mx_weight(w_up, -1, p), sched, swiglu_limit=swiglu_limit,
+                num_sms=num_sms)
+
+
+def gemm2(h, w_down, sched, num_sms, precision="bf16"):
+    """Step `gemm2`, one kernel: the down GEMM, y_rows [R, H] (w_down MXFP8 along intermediate in mxfp8)."""
+    return ops.grouped_gemm_bf16_nt_contiguous(h, _mx_weight(w_down, -1, precision), sched, num_sms=num_sms)
+
+
+def experts_forward(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms, precision="bf16", mx_weights="dequantize"):
+    """gemm1 then gemm2 over `sched`: (y_rows [R, H], gate, up), gate/up as the backward saves them: bf16 [R, I] in
+    bf16; in mxfp8 quantized row-wise, (data, scales) each (L0 saves quant(gate, -1): the same values in 1 + 1/32
+    bytes per element, not 2). The weights go by the path `mx_weights` picks (MX_WEIGHTS)."""
+    if precision == "mxfp8" and mx_weights == "mainloop":
         return _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms)
-    # mxfp8: GEMM1's epilogue writes h's round trip (GEMM2's operand) and the quantized gate/up itself
-    gemm1 = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out if p == "mxfp8" else ops.grouped_gemm_bf16_swiglu_gather
-    # x is quantized once per token, before the gather: a row's blocks are the same wherever it lands
-    h, gate, up = gemm1(_mx(x, -1, p), _mx_weight(w_gate, -1, p), _mx_weight(w_up, -1, p), sched,
-                        swiglu_limit=swiglu_limit, num_sms=num_sms)  # h [R, I]
-    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, _mx_weight(w_down, -1, p), sched, num_sms=num_sms)  # [R, H]
-    return y_rows, gate, up
+    h, gate, up = gemm1(x, w_gate, w_up, sched, swiglu_limit, num_sms, precision)  # [R, I] each
+    return gemm2(h, w_down, sched, num_sms, precision), gate, up
 
 
 def _experts_forward_mx_weights(x, w_gate, w_up, w_down, sched, swiglu_limit, num_sms):
@@ -300,23 +309,36 @@ def _saved_gate_up(s: FusedSaved) -> tuple:
     return (s.gate, s.up) if s.gate_mx is None else (s.gate_mx, s.up_mx)
 
 
+def dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit, num_sms, precision="bf16", mx_weights="dequantize"):
+    """Step `dgrad_swiglu`, two kernels: d_h = dy·W_down (W_down read transposed, MXFP8 along hidden in mxfp8),
+    then the SwiGLU backward: (d_gate, d_up, h) [R, I], h recomputed from the saved gate/up for d_w_down. dy_rows as
+    the GEMM reads it (its row-wise round trip in mxfp8); gate/up as saved (_saved_gate_up): in mxfp8 the SwiGLU
+    kernel dequantizes the saved MXFP8 itself, with no bf16 copy in memory."""
+    p = precision
+    dgrad = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8 if p == "mxfp8" else ops.grouped_gemm_bf16_dgrad_swiglu
+    return dgrad(dy_rows, _mx_weight(w_down, -2, p, mx_weights), gate, up, sched, swiglu_limit=swiglu_limit,
+                 num_sms=num_sms)
+
+
+def dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms, precision="bf16", mx_weights="dequantize"):
+    """Step `dgrad_gate_up`, one kernel: dx_rows [R, H] = bf16(d_gate·W_gate + d_up·W_up), one fp32 sum over
+    2·intermediate; the weights MXFP8 along intermediate in mxfp8, d_gate/d_up as the GEMM reads them."""
+    p = precision
+    return ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, _mx_weight(w_gate, -2, p, mx_weights),
+                                               _mx_weight(w_up, -2, p, mx_weights), sched, num_sms=num_sms)
+
+
 def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16",
                    mx_weights="dequantize"):
-    """The dgrad kernels over `sched`, gate/up as saved (_saved_gate_up): (dx_rows [R, H], h [R, I] recomputed by
-    the first from gate/up, and (dy, d_gate, d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2,
-    column-wise MXFP8 in mxfp8)."""
+    """dgrad_swiglu then dgrad_gate_up over `sched`, gate/up as saved: (dx_rows [R, H], h [R, I], and (dy, d_gate,
+    d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8)."""
     p = precision
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
-    # mxfp8: the SwiGLU backward reads the saved MXFP8 gate/up itself (no bf16 copy of them in memory)
-    dgrad = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8 if p == "mxfp8" else ops.grouped_gemm_bf16_dgrad_swiglu
-    d_gate, d_up, h = dgrad(dy_k, _mx_weight(w_down, -2, p, mx_weights), gate, up, sched, swiglu_limit=limit,
-                            num_sms=num_sms)  # [R, I] each; Wd along H
+    d_gate, d_up, h = dgrad_swiglu(dy_k, w_down, gate, up, sched, limit, num_sms, p, mx_weights)  # [R, I] each
     del dy_k
     (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p, sched), _mx_dual(d_up, p, sched)  # [R, I] each
     del d_gate, d_up
-    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate_k, d_up_k, _mx_weight(w_gate, -2, p, mx_weights),
-                                                  _mx_weight(w_up, -2, p, mx_weights), sched,
-                                                  num_sms=num_sms)  # [R, H]; weights along intermediate
+    dx_rows = dgrad_gate_up(d_gate_k, d_up_k, w_gate, w_up, sched, num_sms, p, mx_weights)  # [R, H]
     return dx_rows, h, (dy_w, d_gate_w, d_up_w)
 
 
