@@ -11,6 +11,7 @@ import functools
 import torch
 
 from mok.checks import check_int, check_topk_idx, fail
+from mok.ops import moe
 
 __all__ = ["fill_rounds", "pool_bound", "round_to_tiles", "swap_leftovers"]
 
@@ -68,8 +69,6 @@ def _round_to_tiles(topk_idx: torch.Tensor, scores: torch.Tensor, tile: int,
     # float64 scores (whose keys are ranks) take the twins' prep, moves and order around the rounds' and swaps' kernels.
     kernels = idx.is_cuda and device_rounds
     if kernels:
-        from mok.ops import moe
-
         kernels = num_experts <= moe.FILL_MAX_RECEIVERS
         if kernels and scores.dtype != torch.float64:
             return moe.route_round_to_tiles(idx, scores, tile, min(num_routes, pool_bound(num_experts, tile)))

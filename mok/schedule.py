@@ -29,8 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mok.checks import check_int, fail
-from mok.routing import check_topk_idx
+from mok.checks import check_int, check_topk_idx, fail
 
 __all__ = ["ROW_FIELDS", "TILE_FIELDS", "Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes",
            "segment"]
