@@ -1,49 +1,28 @@
 // Instantiates the grouped BF16 GEMMs (mok/gemm/grouped_gemm_bf16.cuh) behind the host API of mok/api.h.
 // Torch-free.
 #include "mok/api.h"
+#include "mok/gemm/api_params.cuh"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
 #include "mok/moe/swiglu_backward_rows.cuh"
 
 namespace mok {
 
-namespace {
-
-// GEMM1's Params: x gathered, h out, n = intermediate, k = hidden, gate and up (bf16, or MXFP8 buffers: mx_of).
-gemm::Params gate_up_params(const GateUpGemm& args, const RowSchedule& sched) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.x);
-  p.out = static_cast<uint16_t*>(args.h);
-  p.n = static_cast<int>(args.intermediate);
-  p.k = static_cast<int>(args.hidden);
-  p.gate = static_cast<uint16_t*>(args.gate);
-  p.up = static_cast<uint16_t*>(args.up);
-  p.swiglu_limit = args.swiglu.limit;
-  p.has_limit = args.swiglu.has_limit ? 1 : 0;
-  return p;
-}
-
-}  // namespace
-
 cudaError_t grouped_gemm_bf16_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream) {
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUp>(args.w_gate, args.w_up, args.num_experts,
-                                                             gate_up_params(args, sched), num_sms, stream);
+                                                             gemm::gate_up_params(args, sched), num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
                                                       cudaStream_t stream) {
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpMxOut>(args.w_gate, args.w_up, args.num_experts,
-                                                                  gate_up_params(args, sched), num_sms, stream);
+                                                                  gemm::gate_up_params(args, sched), num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.a_rows);
-  p.out = static_cast<uint16_t*>(args.out);
-  p.n = static_cast<int>(args.n);
-  p.k = static_cast<int>(args.k);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(args.w, args.w, args.num_experts, p, num_sms, stream);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(args.w, args.w, args.num_experts,
+                                                           gemm::down_params(args, sched), num_sms, stream);
 }
 
 namespace {

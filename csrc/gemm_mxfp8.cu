@@ -1,21 +1,14 @@
 // Instantiates the forward GEMMs with MXFP8 weights (kGateUpMx, kDownMx of mok/gemm/tasks.cuh)
 // behind the host API of mok/api.h. Torch-free.
 #include "mok/api.h"
+#include "mok/gemm/api_params.cuh"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
 
 namespace mok {
 
 cudaError_t grouped_gemm_mxfp8_swiglu_gather(const GateUpGemm& args, const RowSchedule& sched, int num_sms,
                                              cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.x);
-  p.out = static_cast<uint16_t*>(args.h);
-  p.n = static_cast<int>(args.intermediate);
-  p.k = static_cast<int>(args.hidden);
-  p.gate = static_cast<uint16_t*>(args.gate);
-  p.up = static_cast<uint16_t*>(args.up);
-  p.swiglu_limit = args.swiglu.limit;
-  p.has_limit = args.swiglu.has_limit ? 1 : 0;
+  const gemm::Params p = gemm::gate_up_params(args, sched);
   gemm::MxScales scales{};
   scales.s0 = args.w_gate_scales;
   scales.s1 = args.w_up_scales;
@@ -25,11 +18,7 @@ cudaError_t grouped_gemm_mxfp8_swiglu_gather(const GateUpGemm& args, const RowSc
 
 cudaError_t grouped_gemm_mxfp8_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
                                              cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.a_rows);
-  p.out = static_cast<uint16_t*>(args.out);
-  p.n = static_cast<int>(args.n);
-  p.k = static_cast<int>(args.k);
+  const gemm::Params p = gemm::down_params(args, sched);
   gemm::MxScales scales{};
   scales.s0 = args.w_scales;
   scales.s1 = args.w_scales;

@@ -1,0 +1,34 @@
+// The GEMM kernels' Params filled from the host API's structs (mok/api.h), by field name: shared by the units that
+// launch them (csrc/gemm_bf16.cu, csrc/gemm_mxfp8.cu). Host code; torch-free.
+#pragma once
+
+#include "mok/api.h"
+#include "mok/gemm/grouped_gemm_bf16.cuh"
+
+namespace mok::gemm {
+
+// GEMM1: x gathered, h out, n = intermediate, k = hidden, gate and up (bf16, or MXFP8 buffers).
+inline Params gate_up_params(const GateUpGemm& args, const RowSchedule& sched) {
+  Params p = rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.x);
+  p.out = static_cast<uint16_t*>(args.h);
+  p.n = static_cast<int>(args.intermediate);
+  p.k = static_cast<int>(args.hidden);
+  p.gate = static_cast<uint16_t*>(args.gate);
+  p.up = static_cast<uint16_t*>(args.up);
+  p.swiglu_limit = args.swiglu.limit;
+  p.has_limit = args.swiglu.has_limit ? 1 : 0;
+  return p;
+}
+
+// GEMM2: out [num_rows, n] = a_rows [num_rows, k] · w[e]ᵀ.
+inline Params down_params(const DownGemm& args, const RowSchedule& sched) {
+  Params p = rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.a_rows);
+  p.out = static_cast<uint16_t*>(args.out);
+  p.n = static_cast<int>(args.n);
+  p.k = static_cast<int>(args.k);
+  return p;
+}
+
+}  // namespace mok::gemm
