@@ -45,7 +45,7 @@ $(VENV)/.notebooks: pyproject.toml $(VENV)/.torch
 	touch $@
 
 test: $(VENV)/.dev $(VENV)/.notebooks
-	$(PY) -m ruff check mok tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks
 	$(PY) -m pytest -q
 
 figures: $(VENV)/.notebooks
@@ -59,7 +59,7 @@ figures: $(VENV)/.notebooks
 	@echo "figures in $(FIGDIR)/ (README's copies in docs/figures/)"
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check mok tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks
 
 clean:
 	rm -rf build .cache
