@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok import bad_ids, mx_cache, ops
+from mok import bad_ids, mx_cache, ops, reference
 from mok.checks import fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
@@ -271,6 +271,9 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
         _check_mxfp8_dims(x, w_gate)
     _check_runs_here(x, precision)
     T = x.shape[0]
+    if T == 0:  # an empty batch (a rank without tokens): no kernel has work; L0 gives the empty output and zero grads
+        return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                                 w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
     # The shared expert first: its schedule is cached, so its GEMMs start at once and run while the host
     # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
     shared, shared_gate, shared_up, shared_rows = None, None, None, None
@@ -392,6 +395,8 @@ def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list
 
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
+    if not isinstance(saved, FusedSaved):  # the forward of an empty batch was L0's
+        return reference.backward(saved, d_out)
     s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
     w_gate, w_up, w_down = s.weights[:3]
     dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]

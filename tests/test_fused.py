@@ -386,3 +386,39 @@ def test_pad_rows_adds_zero_rows_and_copies_only_when_needed():
     for other in (t.float(), wide[:, :16]):  # another dtype, a non-contiguous view: a bf16 contiguous copy
         got = fused.pad_rows(other, 5)
         assert got is not other and got.is_contiguous() and torch.equal(got, other.to(torch.bfloat16))
+
+
+def _edge_batch_is_l0(cfg, device: str, precision: str) -> None:
+    """mok.moe on the fused level with `cfg`'s (tiny) batch: out and every gradient equal L0's within tolerance;
+    an empty batch gives out [0, H], d_x [0, H], d_topk_weights [0, K] and zero weight gradients, never None."""
+    inputs = make_inputs(cfg, device=device, seed=fresh_seed(), draw_on=device)
+    outs = {}
+    for backend in ("reference", "fused"):
+        args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in moe_args(inputs)]
+        out = mok.moe(*args, backend=backend, precision=precision)
+        out.backward(inputs["d_out"])
+        outs[backend] = (out.detach(), [a.grad for a in args if a is not None and a.is_floating_point()])
+    (out0, grads0), (out, grads) = outs["reference"], outs["fused"]
+    assert out.shape == (cfg.num_tokens, cfg.hidden) and all(g is not None for g in grads)
+    for got, want in zip([out, *grads], [out0, *grads0]):
+        assert got.shape == want.shape and testing.rel_err(got, want) <= TOL[precision]
+    if cfg.num_tokens == 0:
+        assert all(not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_edge_batches_on_the_twins(monkeypatch, num_tokens, precision):
+    """Empty and single-token batches through the fused level's wiring (kernels as twins, on the CPU)."""
+    _use_twins(monkeypatch)
+    monkeypatch.setattr(mok.layer, "resolve_backend", lambda backend, device, precision="bf16": backend)
+    _edge_batch_is_l0(TINY_SHAPES["tiny"].scaled(num_tokens=num_tokens), "cpu", precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_edge_batches_on_the_gpu(num_tokens, precision):
+    """The same on the kernels: an empty batch launches none (its backward used to fail in the weight gradients)."""
+    _edge_batch_is_l0(TINY_SHAPES["tiny"].scaled(num_tokens=num_tokens), "cuda", precision)
