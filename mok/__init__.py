@@ -1,8 +1,9 @@
 """mok — Mixture-of-Kittens on Hopper: fused, deterministic MoE training in BF16 and MXFP8."""
 
+from mok.bad_ids import check_errors
 from mok.config import STANDARD_SHAPES, TINY_SHAPES, MoEConfig
 from mok.layer import LEVELS, MoE, moe
 from mok.mx_cache import mxfp8_weight_cache
 
-__all__ = ["MoE", "moe", "mxfp8_weight_cache", "LEVELS", "MoEConfig", "STANDARD_SHAPES", "TINY_SHAPES"]
+__all__ = ["MoE", "moe", "mxfp8_weight_cache", "check_errors", "LEVELS", "MoEConfig", "STANDARD_SHAPES", "TINY_SHAPES"]
 __version__ = "0.1.0"

@@ -16,6 +16,10 @@ bad id cannot raise in the call that receives it. What happens instead, so that 
 
 `mok.moe(..., check=True)` keeps the old behaviour instead: a host read of min/max before anything runs, and
 the error in that call. `raise_landed(wait=True)` waits for every queued check (a host sync).
+
+Inside a CUDA graph capture nothing may query an event: there `defer` adds the count to a device total instead
+(a captured add, so every replay adds its own), and `raise_landed` returns at once. The next eager `defer` queues
+the total's check like any other count and resets it; `mok.check_errors()` reads it now (a host sync).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from mok.checks import fail
 
-__all__ = ["PendingIdCheck", "defer", "pending", "raise_landed"]
+__all__ = ["PendingIdCheck", "check_errors", "defer", "pending", "raise_landed"]
 
 
 @dataclass
@@ -38,6 +42,11 @@ class PendingIdCheck:
 
 
 _PENDING: list[PendingIdCheck] = []
+_CAPTURED: dict[torch.device, tuple] = {}  # device -> (int32 [1] total of bad ids counted in graphs, E, routes)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def pending() -> list[PendingIdCheck]:
@@ -61,16 +70,35 @@ def defer(sched) -> None:
         if int(counts[1]):
             _raise_bad(int(counts[1]), sched.num_experts, num_routes)
         return
+    if _capturing(counts):  # every replay adds its count; the next eager call or check_errors() reads the total
+        total = _CAPTURED.get(counts.device, (None,))[0]
+        if total is None:
+            total = torch.zeros(1, dtype=torch.int32, device=counts.device)  # [1], kept across replays
+        total.add_(counts[1:])
+        _CAPTURED[counts.device] = (total, sched.num_experts, num_routes)
+        return
+    _queue(counts[1:], sched.num_experts, num_routes)
+    if counts.device in _CAPTURED:  # what graph replays counted since the last eager call
+        total, num_experts, num_routes = _CAPTURED[counts.device]
+        _queue(total, num_experts, num_routes)
+        total.zero_()  # after the copy on the same stream: a replay after this adds from zero
+
+
+def _queue(count: torch.Tensor, num_experts: int, num_routes: int) -> None:
+    """A non-blocking copy of `count` (int32 [1] on the GPU) into pinned memory, and an event behind it."""
     host = torch.empty(1, dtype=torch.int32, pin_memory=True)  # [1]
-    host.copy_(counts[1:], non_blocking=True)
+    host.copy_(count, non_blocking=True)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(counts.device))
-    _PENDING.append(PendingIdCheck(host, event, sched.num_experts, num_routes))
+    event.record(torch.cuda.current_stream(count.device))
+    _PENDING.append(PendingIdCheck(host, event, num_experts, num_routes))
 
 
 def raise_landed(wait: bool = False) -> None:
     """Drop every queued check whose copy has landed; raise ValueError (topk_idx) if one of them counted bad
-    ids. Never blocks unless wait=True (then it synchronizes on every queued event first: a host sync)."""
+    ids. Never blocks unless wait=True (then it synchronizes on every queued event first: a host sync). Inside a
+    CUDA graph capture it does nothing (no event may be queried there)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
     landed, still = [], []
     for check in _PENDING:
         if wait:
@@ -81,3 +109,16 @@ def raise_landed(wait: bool = False) -> None:
         num_bad = int(check.count[0])  # host memory: no sync
         if num_bad:
             _raise_bad(num_bad, check.num_experts, check.num_routes)
+
+
+def check_errors() -> None:
+    """Raise ValueError (topk_idx) if any fused call so far, eager or replayed from a CUDA graph, met expert ids
+    outside [0, num_experts): waits for every queued check and reads the graphs' totals (a host sync). Call it
+    where a sync costs nothing, e.g. after an optimizer step of a captured training loop."""
+    for total, num_experts, num_routes in list(_CAPTURED.values()):
+        num_bad = int(total.item())  # a sync
+        total.zero_()
+        if num_bad:
+            raise_landed(wait=True)  # drop what is queued: one error for all of it
+            _raise_bad(num_bad, num_experts, num_routes)
+    raise_landed(wait=True)

@@ -167,6 +167,21 @@ def test_bad_ids_raise_only_once_landed(no_pending):
         bad_ids.raise_landed(wait=True)
 
 
+def test_check_errors_reads_the_graphs_totals(no_pending, monkeypatch):
+    """mok.check_errors: the totals that captured calls added up (here a tensor standing in for one) raise once,
+    after every queued check is waited for; clean totals and no totals raise nothing."""
+    total = torch.tensor([0], dtype=torch.int32)
+    monkeypatch.setattr(bad_ids, "_CAPTURED", {torch.device("cpu"): (total, 8, 96)})
+    no_pending.append(_pending(0, False))
+    mok.check_errors()  # the queued clean check waited for, the clean total read
+    assert not no_pending
+    total += 5
+    with pytest.raises(ValueError, match="got 5 of 96 ids outside it"):
+        mok.check_errors()
+    assert int(total) == 0
+    mok.check_errors()
+
+
 def test_bad_ids_of_a_cpu_schedule_raise_at_once(no_pending):
     sched = make_schedule(torch.zeros(4, 2, dtype=torch.int64), 3)
     bad_ids.defer(sched)  # clean: nothing queued
