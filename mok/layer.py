@@ -8,6 +8,7 @@ Every level is a module with the same two functions, so the ladder is one dictio
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -75,22 +76,80 @@ def _has_option(name: str, option: str) -> bool:
     return importlib.util.find_spec(LEVELS[name]) is not None and option in getattr(get_level(name), "OPTIONS", ())
 
 
+class _Slot(int):
+    """A tensor's position in ctx.saved_tensors, standing in for it in the level's Saved on ctx."""
+
+
+def _to_slots(value, tensors: list, slots: dict):
+    """value with every tensor (also inside tuples) replaced by its _Slot, appending new tensors to `tensors`."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in slots:
+            slots[id(value)] = _Slot(len(tensors))
+            tensors.append(value)
+        return slots[id(value)]
+    if isinstance(value, tuple):
+        return tuple(_to_slots(v, tensors, slots) for v in value)
+    return value
+
+
+def _from_slots(value, tensors: tuple):
+    if isinstance(value, _Slot):
+        return tensors[value]
+    if isinstance(value, tuple):
+        return tuple(_from_slots(v, tensors) for v in value)
+    return value
+
+
 class _MoEFunction(torch.autograd.Function):
+    """Every tensor of the level's Saved (the inputs x, topk_idx, topk_weights and weights first, then its own
+    activations) goes through save_for_backward: autograd checks their versions (an input modified in place
+    raises), keeps them for retain_graph and frees them after the last backward. Other fields (a schedule,
+    options) stay on ctx as they are."""
+
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                 precision, swiglu_limit, backend, options):
         level = get_level(backend)
-        out, saved = level.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
-                                   ws_down, precision=precision, swiglu_limit=swiglu_limit, **options)
-        ctx.level, ctx.saved = level, saved
+        inputs = (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        out, saved = level.forward(*inputs, precision=precision, swiglu_limit=swiglu_limit, **options)
+        tensors, slots = [], {}
+        _to_slots(inputs, tensors, slots)  # the inputs first, whether or not the level's Saved holds them
+        ctx.saved = dataclasses.replace(saved, **{f.name: _to_slots(getattr(saved, f.name), tensors, slots)
+                                                  for f in dataclasses.fields(saved)})
+        ctx.save_for_backward(*tensors)
+        ctx.level = level
         ctx.mark_non_differentiable(topk_idx)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        d_x, d_tw, *d_w = ctx.level.backward(ctx.saved, d_out.contiguous())
-        ctx.saved = None  # free the saved activations as soon as they are used
+        tensors = ctx.saved_tensors  # raises if an input was modified in place since the forward
+        saved = dataclasses.replace(ctx.saved, **{f.name: _from_slots(getattr(ctx.saved, f.name), tensors)
+                                                  for f in dataclasses.fields(ctx.saved)})
+        with torch.no_grad():
+            d_x, d_tw, *d_w = ctx.level.backward(saved, d_out.contiguous())
+        grads = (d_x, d_tw, *d_w)
+        # torch's once_differentiable, but for the saved inputs too: under create_graph=True the gradients
+        # depend on x and the weights even when d_out needs no grad (a loss's ones), and would otherwise come
+        # back as constants, a silently missing second-order term.
+        if torch.is_grad_enabled():
+            grads = _NoDoubleBackward.apply(len(grads), *grads, d_out, *tensors)
+        d_x, d_tw, *d_w = grads
         return (d_x, None, d_tw, *d_w, None, None, None, None)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The identity on a create_graph=True backward's gradients, linked to what they depend on (d_out and the
+    saved inputs); differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, num_grads, *grads_then_inputs):  # the inputs only link the gradients to the graph
+        return tuple(g if g is None else g.view_as(g) for g in grads_then_inputs[:num_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("mok.moe: double backward is not supported (its backward is once-differentiable): "
+                           "the gradients of a create_graph=True backward through it cannot be differentiated")
 
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,

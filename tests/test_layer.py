@@ -138,3 +138,53 @@ def test_fused_options_are_checked_before_any_kernel(kwargs, match):
     inputs = make_inputs(CFG, seed=3)
     with pytest.raises(ValueError, match=match):
         fused.forward(*moe_args(inputs), **kwargs)
+
+
+# ---- the autograd contract (issue 43): version checks, retain_graph, no silent double backward ------------------
+
+def _leaf_args(seed=1):
+    inputs = make_inputs(CFG, seed=seed)
+    return inputs, [a.clone().requires_grad_() if a.is_floating_point() else a for a in moe_args(inputs)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("position,name", [(0, "x"), (2, "topk_weights"), (3, "w_gate"), (8, "w_shared_down")])
+def test_input_modified_in_place_after_forward_raises(backend, position, name):
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, backend=backend)
+    with torch.no_grad():
+        args[position].mul_(2)  # e.g. an optimizer step between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(inputs["d_out"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_retain_graph_backward_twice_gives_the_same_gradients(backend):
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, swiglu_limit=1.5, backend=backend)
+    grads = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    first = torch.autograd.grad(out, grads, inputs["d_out"], retain_graph=True)
+    second = torch.autograd.grad(out, grads, inputs["d_out"], retain_graph=True)
+    for a, b in zip(first, second):
+        assert bitwise_equal(a, b)
+    out.backward(inputs["d_out"], retain_graph=True)
+    out.backward(inputs["d_out"])
+    for p, g in zip(grads, first):
+        assert bitwise_equal(p.grad, g * 2)  # bf16/fp32: doubling is exact
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward(inputs["d_out"])  # the saved tensors were freed by the last backward
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("d_out_requires_grad", [False, True])
+def test_double_backward_raises(backend, d_out_requires_grad):
+    """create_graph=True gives the first-order gradients; differentiating them raises instead of returning
+    wrong (or, when d_out is a constant, silently missing) second derivatives."""
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, backend=backend)
+    d_out = inputs["d_out"].clone().requires_grad_(d_out_requires_grad)
+    d_x, d_w_gate = torch.autograd.grad(out, (args[0], args[3]), d_out, create_graph=True)
+    ref = torch.autograd.grad(mok.moe(*args, backend=backend), (args[0], args[3]), inputs["d_out"])
+    assert bitwise_equal(d_x.detach(), ref[0]) and bitwise_equal(d_w_gate.detach(), ref[1])
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(d_x.float().square().sum() + d_w_gate.float().sum(), args[3])
