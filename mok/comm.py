@@ -147,11 +147,38 @@ def _from_experts(rows: torch.Tensor, state: DispatchState) -> torch.Tensor:
     return out
 
 
+def check_ranks_agree(settings: dict, device, group=None) -> None:
+    """Raise ValueError on every rank, naming the first of `settings` (name -> value) whose value differs
+    between ranks and each rank's value (as repr). A disagreement would otherwise hang a later collective
+    (a shared expert on some ranks only), crash it (num_experts) or mix results silently (precision).
+    One all_gather of len(settings) x 32 bytes; a repr is compared on its first 32 characters."""
+    width = 32
+    local = torch.zeros(len(settings), width, dtype=torch.uint8)  # [n, width] each repr, zero-padded
+    for i, value in enumerate(settings.values()):
+        code = repr(value).encode()[:width]
+        local[i, : len(code)] = torch.tensor(list(code), dtype=torch.uint8)
+    local = local.to(device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    parts = [p.cpu() for p in parts]
+    for i, name in enumerate(settings):
+        values = [bytes(p[i].tolist()).rstrip(b"\0").decode() for p in parts]
+        if len(set(values)) > 1:
+            fail(name, "the same value on every rank", ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
+
+
 def ep_dispatch(x_local: torch.Tensor, topk_idx_local: torch.Tensor, num_experts: int,
                 group=None) -> DispatchState:
-    """Send x[t] for every route (t, k) to the owner of expert topk_idx_local[t, k]."""
+    """Send x[t] for every route (t, k) to the owner of expert topk_idx_local[t, k]. The ranks check first
+    that they agree on num_experts and hidden (check_ranks_agree)."""
+    _check_dispatch_inputs(x_local, topk_idx_local, num_experts, dist.get_world_size(group))
+    check_ranks_agree({"num_experts": num_experts, "hidden": x_local.shape[1]}, x_local.device, group)
+    return _dispatch(x_local, topk_idx_local, num_experts, group)
+
+
+def _dispatch(x_local, topk_idx_local, num_experts: int, group) -> DispatchState:
+    """ep_dispatch on inputs checked, here and across ranks."""
     world_size = dist.get_world_size(group)
-    _check_dispatch_inputs(x_local, topk_idx_local, num_experts, world_size)
     e_local = num_experts // world_size
     T, K = topk_idx_local.shape
     flat = topk_idx_local.flatten()  # [T·K] global expert of each route t·K + k
@@ -257,14 +284,20 @@ def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_
     kernels by M), so the shared expert on T_r rows can differ in a last bit from the single-process
     one on T rows. True (default) all-gathers the tokens and runs it on all T rows: bitwise equal to
     L0 whatever the EP degree, at R× the shared compute. False runs it on the local rows only, as a
-    deployment does."""
+    deployment does. Before any collective the ranks check that they agree on every setting (check_ranks_agree).
+    """
     from mok import reference
 
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     world_size = dist.get_world_size(group)
     _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
                         shared, precision, swiglu_limit, world_size)
-    state = ep_dispatch(x_local, topk_idx_local, w_gate_local.shape[0] * world_size, group)
+    num_experts, exact_shared = w_gate_local.shape[0] * world_size, bool(exact_shared and w_shared_gate is not None)
+    check_ranks_agree({"num_experts": num_experts, "hidden": x_local.shape[1], "intermediate": w_gate_local.shape[1],
+                       "shared_intermediate": 0 if w_shared_gate is None else w_shared_gate.shape[0],
+                       "precision": precision, "swiglu_limit": swiglu_limit, "exact_shared": exact_shared},
+                      x_local.device, group)
+    state = _dispatch(x_local, topk_idx_local, num_experts, group)
     N, I = state.x_recv.shape[0], w_gate_local.shape[1]
     y_rows = torch.empty_like(state.x_recv)  # [N_recv, H]
     gate = x_local.new_empty(N, I)  # [N_recv, I]
@@ -276,7 +309,6 @@ def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_
                 precision=precision, swiglu_limit=swiglu_limit)
 
     T = x_local.shape[0]
-    exact_shared = bool(exact_shared and w_shared_gate is not None)
     x_shared, offset = _all_gather_tokens(x_local, group) if exact_shared else (x_local, 0)  # [T_sh, H]
     shared_out, shared_gate, shared_up = None, None, None
     if w_shared_gate is not None:

@@ -8,6 +8,7 @@ Every level is a module with the same two functions, so the ladder is one dictio
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mok import routing
-from mok.checks import check_expert_ids, check_moe_inputs, fail
+from mok.checks import check_expert_ids, check_int, check_moe_inputs, fail
 from mok.config import PRECISIONS
 
 # level name -> module implementing forward/backward (DESIGN §6)
@@ -75,22 +76,80 @@ def _has_option(name: str, option: str) -> bool:
     return importlib.util.find_spec(LEVELS[name]) is not None and option in getattr(get_level(name), "OPTIONS", ())
 
 
+class _Slot(int):
+    """A tensor's position in ctx.saved_tensors, standing in for it in the level's Saved on ctx."""
+
+
+def _to_slots(value, tensors: list, slots: dict):
+    """value with every tensor (also inside tuples) replaced by its _Slot, appending new tensors to `tensors`."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in slots:
+            slots[id(value)] = _Slot(len(tensors))
+            tensors.append(value)
+        return slots[id(value)]
+    if isinstance(value, tuple):
+        return tuple(_to_slots(v, tensors, slots) for v in value)
+    return value
+
+
+def _from_slots(value, tensors: tuple):
+    if isinstance(value, _Slot):
+        return tensors[value]
+    if isinstance(value, tuple):
+        return tuple(_from_slots(v, tensors) for v in value)
+    return value
+
+
 class _MoEFunction(torch.autograd.Function):
+    """Every tensor of the level's Saved (the inputs x, topk_idx, topk_weights and weights first, then its own
+    activations) goes through save_for_backward: autograd checks their versions (an input modified in place
+    raises), keeps them for retain_graph and frees them after the last backward. Other fields (a schedule,
+    options) stay on ctx as they are."""
+
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                 precision, swiglu_limit, backend, options):
         level = get_level(backend)
-        out, saved = level.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up,
-                                   ws_down, precision=precision, swiglu_limit=swiglu_limit, **options)
-        ctx.level, ctx.saved = level, saved
+        inputs = (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+        out, saved = level.forward(*inputs, precision=precision, swiglu_limit=swiglu_limit, **options)
+        tensors, slots = [], {}
+        _to_slots(inputs, tensors, slots)  # the inputs first, whether or not the level's Saved holds them
+        ctx.saved = dataclasses.replace(saved, **{f.name: _to_slots(getattr(saved, f.name), tensors, slots)
+                                                  for f in dataclasses.fields(saved)})
+        ctx.save_for_backward(*tensors)
+        ctx.level = level
         ctx.mark_non_differentiable(topk_idx)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        d_x, d_tw, *d_w = ctx.level.backward(ctx.saved, d_out.contiguous())
-        ctx.saved = None  # free the saved activations as soon as they are used
+        tensors = ctx.saved_tensors  # raises if an input was modified in place since the forward
+        saved = dataclasses.replace(ctx.saved, **{f.name: _from_slots(getattr(ctx.saved, f.name), tensors)
+                                                  for f in dataclasses.fields(ctx.saved)})
+        with torch.no_grad():
+            d_x, d_tw, *d_w = ctx.level.backward(saved, d_out.contiguous())
+        grads = (d_x, d_tw, *d_w)
+        # torch's once_differentiable, but for the saved inputs too: under create_graph=True the gradients
+        # depend on x and the weights even when d_out needs no grad (a loss's ones), and would otherwise come
+        # back as constants, a silently missing second-order term.
+        if torch.is_grad_enabled():
+            grads = _NoDoubleBackward.apply(len(grads), *grads, d_out, *tensors)
+        d_x, d_tw, *d_w = grads
         return (d_x, None, d_tw, *d_w, None, None, None, None)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The identity on a create_graph=True backward's gradients, linked to what they depend on (d_out and the
+    saved inputs); differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, num_grads, *grads_then_inputs):  # the inputs only link the gradients to the graph
+        return tuple(g if g is None else g.view_as(g) for g in grads_then_inputs[:num_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("mok.moe: double backward is not supported (its backward is once-differentiable): "
+                           "the gradients of a create_graph=True backward through it cannot be differentiated")
 
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
@@ -122,19 +181,37 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_s
 class MoE(nn.Module):
     """A routed SwiGLU MoE block (plus an optional shared expert) with a softmax top-k router.
 
-    x [..., hidden] bf16 -> [..., hidden] bf16. The router runs in fp32 in plain PyTorch and receives
-    gradients through topk_weights; the experts run at the chosen level and precision. With `route_tile`
-    (128: the fused level's tile), the router rounds every expert's routes to a multiple of it
+    x [..., hidden] -> [..., hidden] in x's dtype. The router runs in fp32 in plain PyTorch and receives
+    gradients through topk_weights; the experts run at the chosen level and precision on bf16 x and bf16
+    weights. The module follows `.to(dtype)`: parameters in fp32 (master weights) or fp16 are cast to bf16
+    at the call, and their gradients come back in their own dtype.
+
+    With `route_tile` (128: the fused level's tile), the router rounds every expert's routes to a multiple of it
     (routing.round_to_tiles): no padding rows in the fused level's GEMMs, for 1-3% of the routes moved to
     their tokens' next choices (a change to the model's routing; on a GPU in mok's kernels, which add no host read:
-    docs/routing.md)."""
+    docs/routing.md). A batch of fewer than route_tile·num_experts/num_topk tokens, too few to round (an eval
+    batch, a last partial batch), takes the plain top-k."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, num_topk: int,
                  shared_intermediate: int = 0, *, precision: str = "bf16",
                  swiglu_limit: float | None = None, backend: str = "auto", route_tile: int | None = None,
                  num_sms: int | None = None, mx_weights: str | None = None, device=None):
         super().__init__()
-        self.num_topk, self.precision, self.swiglu_limit, self.backend = num_topk, precision, swiglu_limit, backend
+        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts)):
+            check_int(name, value, 1)
+        check_int("num_topk", num_topk, 1, num_experts)
+        check_int("shared_intermediate", shared_intermediate, 0)
+        if precision not in PRECISIONS:
+            fail("precision", f"one of {PRECISIONS}", repr(precision))
+        if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
+            fail("swiglu_limit", "None or a positive float", repr(swiglu_limit))
+        if backend != "auto" and backend not in LEVELS:
+            fail("backend", f"'auto' or one of {list(LEVELS)}", repr(backend))
+        if route_tile is not None:
+            check_int("route_tile", route_tile, 1)
+        self.hidden, self.intermediate, self.num_experts = hidden, intermediate, num_experts
+        self.num_topk, self.shared_intermediate = num_topk, shared_intermediate
+        self.precision, self.swiglu_limit, self.backend = precision, swiglu_limit, backend
         self.route_tile, self.num_sms, self.mx_weights = route_tile, num_sms, mx_weights  # options: mok.moe's
 
         def param(*shape, fan_in):
@@ -150,14 +227,29 @@ class MoE(nn.Module):
         self.w_shared_up = param(shared_intermediate, hidden, fan_in=hidden) if shared else None
         self.w_shared_down = param(hidden, shared_intermediate, fan_in=shared_intermediate) if shared else None
 
+    def extra_repr(self) -> str:
+        s = (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+             f"num_topk={self.num_topk}, shared_intermediate={self.shared_intermediate}, "
+             f"precision={self.precision!r}, backend={self.backend!r}")
+        for name in ("swiglu_limit", "route_tile", "num_sms", "mx_weights"):
+            if getattr(self, name) is not None:
+                s += f", {name}={getattr(self, name)!r}"
+        return s
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden:
+            fail("x", f"a tensor [..., hidden={self.hidden}]", list(getattr(x, "shape", [type(x).__name__])))
         shape = x.shape
-        x = x.reshape(-1, shape[-1]).contiguous()  # [num_tokens, hidden]
-        logits = x.float() @ self.w_router.T  # [num_tokens, num_experts]
-        routes = routing.softmax_topk(logits, self.num_topk, tile=self.route_tile)
+        x2 = x.reshape(-1, shape[-1])  # [num_tokens, hidden]
+        logits = x2.float() @ self.w_router.float().T  # [num_tokens, num_experts] fp32
+        tile = self.route_tile
+        if tile is not None and x2.shape[0] * self.num_topk < tile * self.num_experts:
+            tile = None  # too few routes to round: plain top-k (class docstring)
+        routes = routing.softmax_topk(logits, self.num_topk, tile=tile)
         topk_idx, topk_weights = (t.contiguous() for t in routes)
-        out = moe(x, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down, self.w_shared_gate,
-                  self.w_shared_up, self.w_shared_down, precision=self.precision,
-                  swiglu_limit=self.swiglu_limit, backend=self.backend, num_sms=self.num_sms,
-                  mx_weights=self.mx_weights)
-        return out.view(shape)
+        weights = (self.w_gate, self.w_up, self.w_down, self.w_shared_gate, self.w_shared_up, self.w_shared_down)
+        weights = [None if w is None else w.to(torch.bfloat16) for w in weights]  # no copy when already bf16
+        out = moe(x2.to(torch.bfloat16).contiguous(), topk_idx, topk_weights, *weights,
+                  precision=self.precision, swiglu_limit=self.swiglu_limit, backend=self.backend,
+                  num_sms=self.num_sms, mx_weights=self.mx_weights)
+        return out.to(x.dtype).view(shape)

@@ -3,7 +3,8 @@
 Same function as L0 (mok.reference), written the way training code does it: routes sorted into
 expert-major segments (mok.schedule), one grouped GEMM per projection over all experts, a
 k-grouped GEMM per weight gradient, and an un-permute before the fixed-order combine. Where
-`torch._grouped_mm` cannot run (no kernel for this device/dtype), a per-expert loop stands in.
+`torch._grouped_mm` cannot run (no kernel for this device/dtype, strides it does not take), a per-expert loop
+stands in for that call.
 
 Differences from L0 that stay inside the DESIGN §9 tolerance: `_grouped_mm` writes BF16 only, so the
 gate/up dgrad is two GEMMs each rounded to BF16, then summed (L0 rounds once).
@@ -17,29 +18,22 @@ import torch
 from mok import schedule as sch
 from mok.reference import BF16, Saved, combine, quant, swiglu, swiglu_backward
 
-_GROUPED_MM_OK: dict[str, bool] = {}  # device type -> whether torch._grouped_mm ran there
 
-
-def _try_grouped_mm(key: str, *args, **kwargs) -> torch.Tensor | None:
-    """torch._grouped_mm(*args) where it runs; None where it cannot (no kernel for this device, dtype
-    or torch version), remembered per key so that the failing call is made once. Running out of
-    memory is an error, not a reason to fall back."""
-    if not _GROUPED_MM_OK.get(key, True):
-        return None
+def _try_grouped_mm(*args, **kwargs) -> torch.Tensor | None:
+    """torch._grouped_mm(*args) where it runs; None where it cannot for this call (no kernel for this device,
+    dtype or torch version; strides it does not take). Decided per call: an odd shape never turns it off for
+    later calls. Running out of memory is an error, not a reason to fall back."""
     try:
-        out = torch._grouped_mm(*args, **kwargs)
+        return torch._grouped_mm(*args, **kwargs)
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, NotImplementedError, AttributeError):
-        _GROUPED_MM_OK[key] = False
         return None
-    _GROUPED_MM_OK[key] = True
-    return out
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Grouped a·b per expert segment: a [R, K] (segments end at offs [E]), b [E, K, N] -> [R, N]."""
-    out = _try_grouped_mm(a.device.type, a, b, offs=offs)
+    out = _try_grouped_mm(a, b, offs=offs)
     if out is not None:
         return out
     out = a.new_zeros(a.shape[0], b.shape[2])  # [R, N]
@@ -53,7 +47,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 def gmm_k(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """k-grouped a_tᵀ·b per segment of the shared R dim (weight gradients): a_t [R, M], b [R, N]
     -> [E, M, N]; an expert with an empty segment gets zeros."""
-    out = _try_grouped_mm(a_t.device.type + "-k", a_t.T, b, offs=offs)
+    out = _try_grouped_mm(a_t.T, b, offs=offs)
     if out is not None:
         return out
     out = a_t.new_zeros(offs.numel(), a_t.shape[1], b.shape[1])  # [E, M, N]

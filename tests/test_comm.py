@@ -336,3 +336,48 @@ def test_run_local_ep_times_out_on_a_missing_rank():
     with pytest.raises(RuntimeError, match="failed on rank 0"):
         comm.run_local_ep(_rank_one_never_arrives, 2, timeout_s=2)
     assert time.monotonic() - start < 30
+
+
+# --- ranks that disagree (issue 43): a clear error on every rank, before any collective that could hang ---------
+
+DISAGREEMENTS = {  # setting -> the change rank 1 makes; each names the setting, then every rank's value
+    "num_experts": ({"e_local": 4}, "num_experts: expected the same value on every rank, got 4 on rank 0, 8 on rank 1"),
+    "hidden": ({"H": 96}, "hidden: expected the same value on every rank, got 64 on rank 0, 96 on rank 1"),
+    "shared_intermediate": ({"shared": 0}, "got 32 on rank 0, 0 on rank 1"),
+    "precision": ({"precision": "mxfp8"}, "got 'bf16' on rank 0, 'mxfp8' on rank 1"),
+    "swiglu_limit": ({"limit": 1.5}, "got None on rank 0, 1.5 on rank 1"),
+    "exact_shared": ({"exact_shared": False}, "got True on rank 0, False on rank 1"),
+}
+
+
+def _disagreeing_rank(rank, world_size, changes):
+    """Per case, ep_moe_forward with rank 1's settings changed; returns each case's error (None: no error)."""
+    errors, gen = {}, torch.Generator().manual_seed(rank)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(BF16)
+
+    for case, change in changes.items():
+        s = {"e_local": 2, "H": 64, "I": 32, "shared": 32, "precision": "bf16", "limit": None, "exact_shared": True,
+             **(change if rank == 1 else {})}
+        x = randn(6, s["H"])  # [T_r, H]
+        idx = torch.randint(0, s["e_local"] * world_size, (6, 2), generator=gen)  # [T_r, K] global ids
+        w = torch.rand(6, 2, generator=gen)  # [T_r, K]
+        E, H, I, I_sh = s["e_local"], s["H"], s["I"], s["shared"]
+        routed = [randn(E, I, H), randn(E, I, H), randn(E, H, I)]  # this rank's experts
+        shared = (randn(I_sh, H), randn(I_sh, H), randn(H, I_sh)) if I_sh else (None, None, None)
+        errors[case] = error_of(comm.ep_moe_forward, x, idx, w, *routed, *shared, precision=s["precision"],
+                                swiglu_limit=s["limit"], exact_shared=s["exact_shared"])
+    errors["dispatch"] = error_of(comm.ep_dispatch, torch.zeros(3, 64).to(BF16), torch.zeros(3, 1, dtype=torch.int64),
+                                  4 + 4 * rank)
+    return errors
+
+
+def test_ranks_that_disagree_name_the_setting_and_each_value():
+    ranks = comm.run_local_ep(_disagreeing_rank, 2, {case: c for case, (c, _) in DISAGREEMENTS.items()},
+                              timeout_s=60)
+    for errors in ranks:  # the same error on both ranks: neither waits for the other
+        for case, (_, message) in DISAGREEMENTS.items():
+            assert errors[case] is not None and errors[case].startswith(f"{case}: expected the same value"), case
+            assert errors[case].endswith(message), errors[case]
+        assert errors["dispatch"] == "num_experts: expected the same value on every rank, got 4 on rank 0, 8 on rank 1"

@@ -138,3 +138,131 @@ def test_fused_options_are_checked_before_any_kernel(kwargs, match):
     inputs = make_inputs(CFG, seed=3)
     with pytest.raises(ValueError, match=match):
         fused.forward(*moe_args(inputs), **kwargs)
+
+
+# ---- the autograd contract (issue 43): version checks, retain_graph, no silent double backward ------------------
+
+def _leaf_args(seed=1):
+    inputs = make_inputs(CFG, seed=seed)
+    return inputs, [a.clone().requires_grad_() if a.is_floating_point() else a for a in moe_args(inputs)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("position,name", [(0, "x"), (2, "topk_weights"), (3, "w_gate"), (8, "w_shared_down")])
+def test_input_modified_in_place_after_forward_raises(backend, position, name):
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, backend=backend)
+    with torch.no_grad():
+        args[position].mul_(2)  # e.g. an optimizer step between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(inputs["d_out"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_retain_graph_backward_twice_gives_the_same_gradients(backend):
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, swiglu_limit=1.5, backend=backend)
+    grads = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    first = torch.autograd.grad(out, grads, inputs["d_out"], retain_graph=True)
+    second = torch.autograd.grad(out, grads, inputs["d_out"], retain_graph=True)
+    for a, b in zip(first, second):
+        assert bitwise_equal(a, b)
+    out.backward(inputs["d_out"], retain_graph=True)
+    out.backward(inputs["d_out"])
+    for p, g in zip(grads, first):
+        assert bitwise_equal(p.grad, g * 2)  # bf16/fp32: doubling is exact
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward(inputs["d_out"])  # the saved tensors were freed by the last backward
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("d_out_requires_grad", [False, True])
+def test_double_backward_raises(backend, d_out_requires_grad):
+    """create_graph=True gives the first-order gradients; differentiating them raises instead of returning
+    wrong (or, when d_out is a constant, silently missing) second derivatives."""
+    inputs, args = _leaf_args()
+    out = mok.moe(*args, backend=backend)
+    d_out = inputs["d_out"].clone().requires_grad_(d_out_requires_grad)
+    d_x, d_w_gate = torch.autograd.grad(out, (args[0], args[3]), d_out, create_graph=True)
+    ref = torch.autograd.grad(mok.moe(*args, backend=backend), (args[0], args[3]), inputs["d_out"])
+    assert bitwise_equal(d_x.detach(), ref[0]) and bitwise_equal(d_w_gate.detach(), ref[1])
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(d_x.float().square().sum() + d_w_gate.float().sum(), args[3])
+
+
+# ---- mok.MoE: dtypes, arguments, small batches (issue 43) --------------------------------------------------------
+
+def _module(**kwargs):
+    torch.manual_seed(0)
+    return mok.MoE(64, 96, num_experts=4, num_topk=2, shared_intermediate=32, **{"backend": "reference", **kwargs})
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_module_fp32_master_weights_match_the_bf16_module(backend):
+    """.float() (fp32 master weights) casts to bf16 at the call: the same bits out, the bf16 gradients in fp32."""
+    layer = _module(backend=backend)
+    master = _module(backend=backend).float()
+    assert all(p.dtype == torch.float32 for p in master.parameters())
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)
+    d_out = torch.randn(2, 9, 64).to(torch.bfloat16)
+    outs = [m(x) for m in (layer, master)]
+    assert outs[1].dtype == torch.bfloat16 and bitwise_equal(outs[0], outs[1])
+    for out in outs:
+        out.backward(d_out)
+    for (name, p), q in zip(layer.named_parameters(), master.parameters()):
+        assert q.grad.dtype == torch.float32 and bitwise_equal(q.grad, p.grad.float()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_module_follows_to_dtype(dtype):
+    """.to(dtype) used to break the router (fp32 x @ bf16 w_router); the output comes back in x's dtype."""
+    layer = _module().to(dtype)
+    x = torch.randn(5, 64).to(dtype).requires_grad_()
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    y.float().square().sum().backward()
+    assert x.grad.dtype == dtype
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.dtype == dtype and p.grad.abs().sum() > 0, name
+
+
+BAD_MODULE_ARGS = {
+    "hidden": ((0, 96, 4, 2), {}, ValueError),
+    "intermediate": ((64, -1, 4, 2), {}, ValueError),
+    "num_experts": ((64, 96, 2.0, 2), {}, TypeError),
+    "num_topk": ((64, 96, 4, 5), {}, ValueError),
+    "shared_intermediate": ((64, 96, 4, 2, -32), {}, ValueError),
+    "precision": ((64, 96, 4, 2), {"precision": "fp8"}, ValueError),
+    "swiglu_limit": ((64, 96, 4, 2), {"swiglu_limit": 0.0}, ValueError),
+    "backend": ((64, 96, 4, 2), {"backend": "cuda"}, ValueError),
+    "route_tile": ((64, 96, 4, 2), {"route_tile": 0}, ValueError),
+}
+
+
+@pytest.mark.parametrize("name", BAD_MODULE_ARGS)
+def test_module_checks_its_arguments_at_construction(name):
+    args, kwargs, error = BAD_MODULE_ARGS[name]
+    with pytest.raises(error, match=rf"^{name}: expected"):
+        mok.MoE(*args, **kwargs)
+
+
+def test_module_repr_and_wrong_hidden_size():
+    layer = _module(route_tile=16)
+    assert repr(layer) == ("MoE(hidden=64, intermediate=96, num_experts=4, num_topk=2, shared_intermediate=32, "
+                           "precision='bf16', backend='reference', route_tile=16)")
+    with pytest.raises(ValueError, match=r"x: expected a tensor \[\.\.\., hidden=64\], got \[3, 48\]"):
+        layer(torch.randn(3, 48).to(torch.bfloat16))
+
+
+def test_module_route_tile_falls_back_to_top_k_on_small_batches(monkeypatch):
+    """Fewer than route_tile·E/K tokens cannot be rounded (round_to_tiles refuses such a tile): plain top-k."""
+    layer = mok.MoE(32, 48, num_experts=8, num_topk=2, backend="reference", route_tile=16)
+    seen, moe = {}, mok.layer.moe
+    monkeypatch.setattr(mok.layer, "moe", lambda x, idx, w, *a, **k: seen.update(idx=idx) or moe(x, idx, w, *a, **k))
+    for num_tokens in (1, 63):  # 64 tokens = 128 routes = 16 per expert: the smallest batch it rounds
+        x = torch.randn(num_tokens, 32).to(torch.bfloat16)
+        layer(x).float().sum().backward()
+        assert torch.equal(seen["idx"], mok.routing.softmax_topk(x.float() @ layer.w_router.T, 2)[0])
+    x = torch.randn(64, 32).to(torch.bfloat16)
+    layer(x)
+    assert torch.equal(seen["idx"], mok.routing.softmax_topk(x.float() @ layer.w_router.T, 2, tile=16)[0])
