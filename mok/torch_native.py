@@ -18,11 +18,17 @@ import torch
 from mok import schedule as sch
 from mok.reference import BF16, Saved, combine, quant, swiglu, swiglu_backward
 
+# Where L1 uses torch._grouped_mm. On the CPU torch's version is a slow reference (tens of ms on a tiny problem,
+# about 40x the per-expert loop), so L1 loops there.
+GROUPED_MM_DEVICES = ("cuda",)
+
 
 def _try_grouped_mm(*args, **kwargs) -> torch.Tensor | None:
-    """torch._grouped_mm(*args) where it runs; None where it cannot for this call (no kernel for this device,
-    dtype or torch version; strides it does not take). Decided per call: an odd shape never turns it off for
-    later calls. Running out of memory is an error, not a reason to fall back."""
+    """torch._grouped_mm(*args) where it runs; None where it cannot for this call (not a GROUPED_MM_DEVICES device;
+    no kernel for this dtype or torch version; strides it does not take). Decided per call: an odd shape never turns
+    it off for later calls. Running out of memory is an error, not a reason to fall back."""
+    if args[0].device.type not in GROUPED_MM_DEVICES:
+        return None
     try:
         return torch._grouped_mm(*args, **kwargs)
     except torch.OutOfMemoryError:

@@ -115,6 +115,7 @@ def test_l1_grouped_mm_fallback_is_per_call(monkeypatch):
         return out
 
     monkeypatch.setattr(torch, "_grouped_mm", spy)
+    monkeypatch.setattr(get_level("torch"), "GROUPED_MM_DEVICES", ("cuda", "cpu"))  # the CPU's, slow, for this test
     odd = make_inputs(TINY_SHAPES["tiny"].scaled(intermediate=36), seed=4)
     level = get_level("torch")
     out, _ = run_level(level, odd)
