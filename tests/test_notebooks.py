@@ -77,4 +77,6 @@ def test_runs_in_smoke_mode(path, tmp_path):
     figures = sorted(p.name for p in out_dir.glob("*.png"))
     prefix = path.stem[:2]
     assert len(figures) >= 3 and all(f.startswith(prefix + "_") for f in figures), figures
+    # a smoke figure is marked in its name, so it never overwrites the full one in the same out_dir
+    assert all(f.endswith("_smoke.png") for f in figures), figures
     assert all((out_dir / f).stat().st_size > 10_000 for f in figures), "a PNG with content"
