@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test      create/reuse .venv, install mok[dev], run the pytest suite
-#   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/ (~3 min on
+#   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/ (~40 s on
 #                  2 CPU cores); it writes only under build/, never a tracked file
 # Both are quick when .venv is already up to date (stamp files track pyproject.toml). Two explicit ones change the tree:
 #   make readme-figures  make figures, then copy the README's figures into docs/figures/ (tracked: commit them)
