@@ -1,7 +1,11 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test      create/reuse .venv, install mok[dev], run the pytest suite
-#   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/
-# Both are quick when .venv is already up to date (stamp files track pyproject.toml).
+#   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/ (~40 s on
+#                  2 CPU cores); it writes only under build/, never a tracked file
+# Both are quick when .venv is already up to date (stamp files track pyproject.toml). Two explicit ones change the tree:
+#   make readme-figures  make figures, then copy the README's figures into docs/figures/ (tracked: commit them)
+#   make notebook-data   rerun the notebooks' heavy experiments into data/notebooks/*.csv (notebooks/precompute.py,
+#                        ~25 min on 2 CPU cores), the rows the notebooks read with source="precomputed"
 #
 # On a machine with a Hopper GPU (sm_90a) and nvcc, four more; they use that machine's $(GPU_PY) (python3) with the
 # packages it has (torch, pytest, ...), mok from this tree, no .venv, no network, and build the extension first:
@@ -25,7 +29,7 @@ FIGDIR := build/figures
 # the figures the README shows: regenerated here, committed under docs/figures/
 README_FIGURES := 01_route_placement 02_sqnr 03_timeline 04_tflops
 
-.PHONY: test figures lint clean
+.PHONY: test figures readme-figures notebook-data lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +59,14 @@ figures: $(VENV)/.notebooks
 	  $(PY) -m papermill -k python3 --cwd notebooks "$$nb" "build/notebooks/$$(basename $$nb)" \
 	    -p out_dir "../$(FIGDIR)" || exit 1; \
 	done
+	@echo "figures in $(FIGDIR)/"
+
+readme-figures: figures
 	for f in $(README_FIGURES); do cp $(FIGDIR)/$$f.png docs/figures/; done
-	@echo "figures in $(FIGDIR)/ (README's copies in docs/figures/)"
+	@echo "README's figures copied into docs/figures/ (tracked: review and commit them)"
+
+notebook-data: $(VENV)/.notebooks
+	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) notebooks/precompute.py
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check mok bench tests tools notebooks

@@ -1,7 +1,8 @@
 """Figure helpers for the notebooks: one seaborn theme, titles, axes with units, legends, PNG files.
 
 Every helper draws into a new figure (or a given Axes) and returns the Figure; `save(fig, out_dir,
-name)` writes `<out_dir>/<name>.png`. Data comes in as tidy pandas DataFrames.
+name)` writes `<out_dir>/<name>.png` (`<name>_smoke.png`, stamped, for a smoke run). Data comes in as tidy
+pandas DataFrames.
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ def theme() -> None:
                       "legend.fontsize": 9, "legend.title_fontsize": 9})
 
 
-def save(fig, out_dir, name: str) -> Path:
-    """Write fig to <out_dir>/<name>.png (folders created) and return the path."""
+def save(fig, out_dir, name: str, *, smoke: bool = False) -> Path:
+    """Write fig to <out_dir>/<name>.png (folders created) and return the path.
+
+    A smoke run's figure (tiny sizes, not the result) is stamped "SMOKE" and written to <name>_smoke.png, so it
+    never overwrites the full figure, whatever out_dir is.
+    """
     if not name or "/" in name or name.endswith(".png"):
         raise ValueError(f"name: expected a bare file stem like '01_padding', got {name!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if smoke:
+        fig.text(0.5, 0.5, "SMOKE RUN: tiny sizes, not the result", ha="center", va="center", fontsize=20,
+                 color="red", alpha=0.35, rotation=20, fontweight="bold", transform=fig.transFigure)
+        name += "_smoke"
     path = out / f"{name}.png"
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     return path
