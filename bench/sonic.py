@@ -3,7 +3,7 @@
 `sonicmoe.moe_general_routing_inputs`, differentiable in x, topk_weights and the three expert weights.
 
 sonicmoe is imported only when a peer is built or its version asked for, never at this module's import: the CPU
-suite and the machines without the carried wheels (tools/sonic_setup.sh) import this module freely.
+suite and the machines without the carried wheels (tools/gpu_env.sh) import this module freely.
 
 What SonicMoE takes (read in sonicmoe/functional/__init__.py and quack/gemm_interface.py, 0.1.2.post1 / 0.3.11):
   x              [T, H] bf16
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-# Where compiled kernels persist between processes (tools/sonic_setup.sh exports the same; git-ignored .cache/):
+# Where compiled kernels persist between processes (tools/gpu_env.sh exports the same; git-ignored .cache/):
 # CuTe-DSL's own file cache (compiled MLIR with its cubin), QuACK's exported .o per kernel, and QuACK's autotuning
 # choice per shape (only written when QUACK_CACHE_AUTOTUNING=1; it also keeps the choice fixed across processes).
 CACHE_ENV = {

@@ -4,8 +4,8 @@
 #
 #   MOK_COMMIT=<your HEAD> bash tools/gpu_run.sh gpu-test sanitize      (any of gpu-test bench sanitize profile)
 #
-# - installs the wheels carried in the git-ignored .whl/ (e.g. `pip download --no-deps liger-kernel==0.8.5 -d .whl`
-#   on your machine, then carry .whl) into /tmp/site, on PYTHONPATH;
+# - with a carried, git-ignored .whl/ (the peers' wheels: `pip download --no-deps liger-kernel==0.8.5 -d .whl` here,
+#   SonicMoE's as docs/results.md says), sources tools/gpu_env.sh: installed into /tmp/site, on PYTHONPATH;
 # - MOK_COMMIT is required: the device's copy of .git can be stale, so benchmark rows record this instead;
 # - runs the targets one after another, all within GPU_BUDGET_S seconds (default 560), each under `timeout`, its
 #   log in $OUT/TARGET.log (its last lines printed), reports in $OUT (GPU_OUT), and copies the files under data/
@@ -16,11 +16,7 @@ set -u
 export MOK_COMMIT
 out=$(realpath -m "${OUT:-build/gpu}") budget=${GPU_BUDGET_S:-560} start=$(date +%s) rc=0
 mkdir -p "$out" && stamp=$(mktemp) || exit
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+if compgen -G ".whl/*.whl" >/dev/null; then source tools/gpu_env.sh >/dev/null || exit; fi  # the peers' wheels
 for target in "$@"; do
   left=$((budget - $(date +%s) + start))
   if ((left < 30)); then echo "$target: skipped, ${left} s left"; rc=1; continue; fi
