@@ -19,6 +19,7 @@ from torch import nn
 from mok import routing
 from mok.checks import check_expert_ids, check_int, check_moe_inputs, fail
 from mok.config import PRECISIONS
+from mok.layouts import GATE_UP_LAYOUTS, split_gate_up
 
 # level name -> module implementing forward/backward (DESIGN §6)
 LEVELS = {
@@ -190,12 +191,17 @@ class MoE(nn.Module):
     (routing.round_to_tiles): no padding rows in the fused level's GEMMs, for 1-3% of the routes moved to
     their tokens' next choices (a change to the model's routing; on a GPU in mok's kernels, which add no host read:
     docs/routing.md). A batch of fewer than route_tile·num_experts/num_topk tokens, too few to round (an eval
-    batch, a last partial batch), takes the plain top-k."""
+    batch, a last partial batch), takes the plain top-k.
+
+    With `gate_up_layout` ("concat", as Hugging Face's gate_up_proj, or "interleaved", as SonicMoE's) the module
+    holds one `w_gate_up` [E, 2I, H] in that layout instead of `w_gate` and `w_up`, split by a copy at every call
+    (mok.layouts, which says what the copy costs)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, num_topk: int,
                  shared_intermediate: int = 0, *, precision: str = "bf16",
                  swiglu_limit: float | None = None, backend: str = "auto", route_tile: int | None = None,
-                 num_sms: int | None = None, mx_weights: str | None = None, device=None):
+                 num_sms: int | None = None, mx_weights: str | None = None, gate_up_layout: str | None = None,
+                 device=None):
         super().__init__()
         for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts)):
             check_int(name, value, 1)
@@ -209,6 +215,9 @@ class MoE(nn.Module):
             fail("backend", f"'auto' or one of {list(LEVELS)}", repr(backend))
         if route_tile is not None:
             check_int("route_tile", route_tile, 1)
+        if gate_up_layout is not None and gate_up_layout not in GATE_UP_LAYOUTS:
+            fail("gate_up_layout", f"None (separate w_gate, w_up) or one of {GATE_UP_LAYOUTS}", repr(gate_up_layout))
+        self.gate_up_layout = gate_up_layout
         self.hidden, self.intermediate, self.num_experts = hidden, intermediate, num_experts
         self.num_topk, self.shared_intermediate = num_topk, shared_intermediate
         self.precision, self.swiglu_limit, self.backend = precision, swiglu_limit, backend
@@ -219,8 +228,11 @@ class MoE(nn.Module):
             return nn.Parameter(w.to(torch.bfloat16))
 
         self.w_router = nn.Parameter(torch.randn(num_experts, hidden, device=device) / math.sqrt(hidden))
-        self.w_gate = param(num_experts, intermediate, hidden, fan_in=hidden)
-        self.w_up = param(num_experts, intermediate, hidden, fan_in=hidden)
+        if gate_up_layout is None:
+            self.w_gate = param(num_experts, intermediate, hidden, fan_in=hidden)
+            self.w_up = param(num_experts, intermediate, hidden, fan_in=hidden)
+        else:  # one [E, 2I, H] weight in that layout (mok.layouts), split by a copy at every call
+            self.w_gate_up = param(num_experts, 2 * intermediate, hidden, fan_in=hidden)
         self.w_down = param(num_experts, hidden, intermediate, fan_in=intermediate)
         shared = shared_intermediate > 0
         self.w_shared_gate = param(shared_intermediate, hidden, fan_in=hidden) if shared else None
@@ -231,7 +243,7 @@ class MoE(nn.Module):
         s = (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
              f"num_topk={self.num_topk}, shared_intermediate={self.shared_intermediate}, "
              f"precision={self.precision!r}, backend={self.backend!r}")
-        for name in ("swiglu_limit", "route_tile", "num_sms", "mx_weights"):
+        for name in ("swiglu_limit", "route_tile", "num_sms", "mx_weights", "gate_up_layout"):
             if getattr(self, name) is not None:
                 s += f", {name}={getattr(self, name)!r}"
         return s
@@ -247,7 +259,9 @@ class MoE(nn.Module):
             tile = None  # too few routes to round: plain top-k (class docstring)
         routes = routing.softmax_topk(logits, self.num_topk, tile=tile)
         topk_idx, topk_weights = (t.contiguous() for t in routes)
-        weights = (self.w_gate, self.w_up, self.w_down, self.w_shared_gate, self.w_shared_up, self.w_shared_down)
+        gate_up = ((self.w_gate, self.w_up) if self.gate_up_layout is None
+                   else split_gate_up(self.w_gate_up, self.gate_up_layout))  # [E, I, H] each
+        weights = (*gate_up, self.w_down, self.w_shared_gate, self.w_shared_up, self.w_shared_down)
         weights = [None if w is None else w.to(torch.bfloat16) for w in weights]  # no copy when already bf16
         out = moe(x2.to(torch.bfloat16).contiguous(), topk_idx, topk_weights, *weights,
                   precision=self.precision, swiglu_limit=self.swiglu_limit, backend=self.backend,
