@@ -236,9 +236,9 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 del fn
             if precision != "bf16":
                 continue
-            for peer, pass_fn, note in (("liger", liger_pass_fn, "LIGER_FUSED_MOE_AUTOTUNE="
+            for peer, pass_fn, note in (("liger", liger_pass_fn, lambda: "LIGER_FUSED_MOE_AUTOTUNE="
                                          + os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1")),
-                                        ("sonic", sonic_pass_fn, f"sonic-moe {sonic.version()}")):
+                                        ("sonic", sonic_pass_fn, lambda: f"sonic-moe {sonic.version()}")):
                 fn = pass_fn(inputs, pass_) if peer in peers else None
                 if fn is None:
                     continue
@@ -246,7 +246,7 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                     errors[peer, precision] = err_vs_l0(pass_fn(inputs, "fwd"), precision)
                 ms, clock = clocked(time_fn, fn, n)
                 row(peer, "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
-                rows[-1].update(notes=note, err_vs_l0=errors[peer, precision])
+                rows[-1].update(notes=note(), err_vs_l0=errors[peer, precision])
                 del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}
     for r in rows:

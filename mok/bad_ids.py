@@ -45,8 +45,9 @@ _PENDING: list[PendingIdCheck] = []
 _CAPTURED: dict[torch.device, tuple] = {}  # device -> (int32 [1] total of bad ids counted in graphs, E, routes)
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a graph (no event may be queried then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def pending() -> list[PendingIdCheck]:
@@ -70,7 +71,7 @@ def defer(sched) -> None:
         if int(counts[1]):
             _raise_bad(int(counts[1]), sched.num_experts, num_routes)
         return
-    if _capturing(counts):  # every replay adds its count; the next eager call or check_errors() reads the total
+    if _capturing():  # every replay adds its count; the next eager call or check_errors() reads the total
         total = _CAPTURED.get(counts.device, (None,))[0]
         if total is None:
             total = torch.zeros(1, dtype=torch.int32, device=counts.device)  # [1], kept across replays
@@ -97,7 +98,7 @@ def raise_landed(wait: bool = False) -> None:
     """Drop every queued check whose copy has landed; raise ValueError (topk_idx) if one of them counted bad
     ids. Never blocks unless wait=True (then it synchronizes on every queued event first: a host sync). Inside a
     CUDA graph capture it does nothing (no event may be queried there)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return
     landed, still = [], []
     for check in _PENDING:

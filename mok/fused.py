@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from mok import bad_ids, mx_cache, ops, reference
-from mok.checks import fail
+from mok.checks import check_optional_int, fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
@@ -138,8 +138,7 @@ DEFAULT_MX_WEIGHTS = mx_weights_from_env()
 
 
 def _check_options(num_sms, mx_weights) -> None:
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
-        fail("num_sms", "None (every SM) or an int >= 1", repr(num_sms))
+    check_optional_int("num_sms", num_sms, 1)
     if mx_weights not in MX_WEIGHTS:
         fail("mx_weights", f"one of {MX_WEIGHTS}", repr(mx_weights))
 

@@ -35,11 +35,9 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _runs(name: str, precision: str) -> bool:
-    """Whether level `name` is built and runs `precision` (a level may list its PRECISIONS)."""
-    if importlib.util.find_spec(LEVELS[name]) is None:
-        return False
-    return precision in getattr(get_level(name), "PRECISIONS", PRECISIONS)
+def _lists(name: str, attr: str, value, default=()) -> bool:
+    """Whether level `name` is built and its `attr` (PRECISIONS, OPTIONS; `default` where it has none) holds `value`."""
+    return importlib.util.find_spec(LEVELS[name]) is not None and value in getattr(get_level(name), attr, default)
 
 
 def resolve_backend(backend: str, device: torch.device, precision: str = "bf16") -> str:
@@ -48,7 +46,7 @@ def resolve_backend(backend: str, device: torch.device, precision: str = "bf16")
     if backend == "auto":
         if _is_hopper(device):
             for name in HOPPER_LEVELS:
-                if _runs(name, precision):
+                if _lists(name, "PRECISIONS", precision, PRECISIONS):
                     return name
         return "torch"
     if backend not in LEVELS:
@@ -69,12 +67,8 @@ def _level_options(backend: str, **options) -> dict:
     for name, value in given.items():
         if name not in takes:
             fail(name, f"None for backend {backend!r} (levels that take it: "
-                       f"{[n for n in LEVELS if n != backend and _has_option(n, name)]})", repr(value))
+                       f"{[n for n in LEVELS if n != backend and _lists(n, 'OPTIONS', name)]})", repr(value))
     return given
-
-
-def _has_option(name: str, option: str) -> bool:
-    return importlib.util.find_spec(LEVELS[name]) is not None and option in getattr(get_level(name), "OPTIONS", ())
 
 
 class _Slot(int):
