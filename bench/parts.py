@@ -98,10 +98,17 @@ def _expert_forward_steps(p: str, real: int, padded: int, width: int, hidden: in
             Step(p + "gemm2", "fwd", gemm2, **_rows_gemm(real, padded, hidden, width))]
 
 
-def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms) -> list[Step]:
+def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: int, limit, num_sms,
+                           routes: bool = False) -> list[Step]:
     """The level's steps dgrad_swiglu (which also recomputes h) and dgrad_gate_up, then the three weight gradients
-    of one expert group (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before."""
+    of one expert group (fused._experts_dgrad, fused._weight_grads); x_rows and dy_rows come from the steps before.
+    routes: the routed experts, whose dgrad_swiglu weights the unweighted d_out rows and gives d_topk_weights."""
     def dgrad_swiglu(s):
+        if routes:
+            d_gate, d_up, h, d_topk_weights = fused.dgrad_swiglu_route_grads(
+                s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"], s[p + "up"], s["topk_weights"], s[p + "sched"],
+                limit, num_sms)  # [R, I] x3, [T, K]
+            return {p + "d_gate": d_gate, p + "d_up": d_up, p + "h_rows": h, "d_topk_weights": d_topk_weights}
         d_gate, d_up, h = fused.dgrad_swiglu(s[p + "dy_rows"], s[p + "w_down"], s[p + "gate"], s[p + "up"],
                                              s[p + "sched"], limit, num_sms)  # [R, I] each
         return {p + "d_gate": d_gate, p + "d_up": d_up, p + "h_rows": h}
@@ -140,10 +147,6 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
         return {"out": ops.combine_rows(s["y_rows"], s["sched"].route_to_row, s["topk_weights"], y_shared,
                                         check_rows=False)}  # [T, H]
 
-    def route_grads_prep(s):
-        dy_rows, d_topk_weights = ops.route_grads_prep(s["d_out"], s["topk_weights"], s["y_rows"], s["sched"])
-        return {"dy_rows": dy_rows, "d_topk_weights": d_topk_weights}  # [R, H], [T, K]
-
     def combine_dx(s):
         dx_shared = s["shared_dx_rows"][:T] if shared else None  # [T, H]
         return {"d_x": ops.combine_rows(s["dx_rows"], s["sched"].route_to_row, None, dx_shared, check_rows=False)}
@@ -153,13 +156,13 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     shared_in = tok if shared else 0  # the shared expert's [T, H] output or d_x part
     fwd = [Step("schedule", "fwd", make_schedule, nbytes=_schedule_bytes(sched)),
            *_expert_forward_steps("", *routed)]
-    routed_bwd = _expert_backward_steps("", *routed)  # dgrad x2, then the weight gradients
-    bwd = [Step("route_grads_prep", "bwd", route_grads_prep,  # d_out, y rows, weights in; dy_rows, d_topk_weights out
-                nbytes=tok + routes_in + 2 * R * FP32_B + sched.tile_num_rows.nbytes + row_buf),
+    routed_bwd = _expert_backward_steps("", *routed, routes=True)  # dgrad x2, then the weight gradients
+    # token-major: each token's row in once, its routes' row ids, both views of each row, rows out
+    gather_bytes = tok + R * INT64_B + rows * (INT32_B + INT64_B) + row_buf
+    bwd = [Step("gather_d_out", "bwd", lambda s: {"dy_rows": ops.gather_rows_cuda(s["d_out"], s["sched"])},
+                nbytes=gather_bytes),  # the unweighted d_out rows: no y saved
            *routed_bwd[:2],
-           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])},
-                # token-major: each token's x row in once, its routes' row ids, both views of each row, rows out
-                nbytes=tok + R * INT64_B + rows * (INT32_B + INT64_B) + row_buf),
+           Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])}, nbytes=gather_bytes),
            *routed_bwd[2:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
@@ -191,7 +194,7 @@ def backward_state(inputs: dict, saved: fused.FusedSaved) -> dict:
     """What the backward steps start from: the level's saved state and d_out."""
     names = ("w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
     state = {"x": saved.x, "topk_weights": saved.topk_weights, "d_out": inputs["d_out"], "sched": saved.sched,
-             "y_rows": saved.y_rows, "gate": saved.gate, "up": saved.up,  # [R, H], [R, I] x2
+             "gate": saved.gate, "up": saved.up,  # [R, I] each
              **_group_weights(dict(zip(names, saved.weights)))}
     if saved.shared_rows is not None:
         state.update(shared_sched=fused.shared_schedule(saved.x.shape[0], saved.x.device),

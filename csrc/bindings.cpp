@@ -264,6 +264,26 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
              "grouped_gemm_bf16_dgrad_swiglu");
 }
 
+void gemm_dgrad_swiglu_route_grads(const at::Tensor& d_out_rows, const at::Tensor& w_down, const at::Tensor& gate,
+                                   const at::Tensor& up, const at::Tensor& topk_weights,
+                                   const at::Tensor& row_to_route, const at::Tensor& row_to_token,
+                                   const at::Tensor& tile_to_expert, const std::optional<at::Tensor>& counts,
+                                   at::Tensor& d_gate, at::Tensor& d_up, at::Tensor& h, at::Tensor& d_topk_weights,
+                                   double swiglu_limit, bool has_limit, int64_t num_sms) {
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  mok::DownDgradSwiGLU args =
+      down_dgrad(d_out_rows, w_down, gate, up, {}, {}, d_gate, d_up, h, swiglu_limit, has_limit);
+  check_arg(topk_weights, "topk_weights"), check_arg(row_to_route, "row_to_route");
+  check_arg(d_topk_weights, "d_topk_weights");
+  args.route_weights = topk_weights.data_ptr<float>();
+  args.row_to_route = row_to_route.data_ptr<int64_t>();
+  args.d_topk_weights = d_topk_weights.data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(d_out_rows.device());
+  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_route_grads(args, sched, static_cast<int>(num_sms),
+                                                             c10::cuda::getCurrentCUDAStream()),
+             "grouped_gemm_bf16_dgrad_swiglu_route_grads");
+}
+
 void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate_data,
                              const at::Tensor& gate_scales, const at::Tensor& up_data, const at::Tensor& up_scales,
                              const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
@@ -561,6 +581,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the down dgrad, then the SwiGLU backward",
         py::kw_only(), py::arg("dy_rows"), py::arg("w_down"), py::arg("gate"), py::arg("up"), py::arg("row_to_token"),
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("d_gate"), py::arg("d_up"), py::arg("h"),
+        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
+  m.def("grouped_gemm_bf16_dgrad_swiglu_route_grads", &gemm_dgrad_swiglu_route_grads,
+        "the down dgrad of unweighted rows, then the SwiGLU backward weighted by route, with the route gradients",
+        py::kw_only(), py::arg("d_out_rows"), py::arg("w_down"), py::arg("gate"), py::arg("up"),
+        py::arg("topk_weights"), py::arg("row_to_route"), py::arg("row_to_token"), py::arg("tile_to_expert"),
+        py::arg("counts"), py::arg("d_gate"), py::arg("d_up"), py::arg("h"), py::arg("d_topk_weights"),
         py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_dgrad_swiglu_mxfp8", &gemm_dgrad_swiglu_mxfp8,
         "the same from row-wise MXFP8 gate and up",

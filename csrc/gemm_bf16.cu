@@ -42,7 +42,8 @@ cudaError_t dgrad_then_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sc
   return moe::launch_swiglu_backward_rows(args.d_gate, args.gate, args.up, sched.row_to_token, sched.real_num_rows,
                                           args.d_gate, args.d_up, args.h, sched.num_rows, args.intermediate,
                                           args.swiglu.limit, args.swiglu.has_limit, stream, args.gate_scales,
-                                          args.up_scales);
+                                          args.up_scales, args.route_weights, args.row_to_route,
+                                          args.d_topk_weights);
 }
 
 }  // namespace
@@ -50,12 +51,21 @@ cudaError_t dgrad_then_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sc
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                            cudaStream_t stream) {
   if (args.gate_scales != nullptr || args.up_scales != nullptr) return cudaErrorInvalidValue;  // bf16 gate/up
+  if (args.route_weights != nullptr) return cudaErrorInvalidValue;  // ..._route_grads
+  return dgrad_then_swiglu(args, sched, num_sms, stream);
+}
+
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_route_grads(const DownDgradSwiGLU& args, const RowSchedule& sched,
+                                                       int num_sms, cudaStream_t stream) {
+  if (args.gate_scales != nullptr || args.up_scales != nullptr) return cudaErrorInvalidValue;  // bf16 gate/up
+  if (args.route_weights == nullptr) return cudaErrorInvalidValue;
   return dgrad_then_swiglu(args, sched, num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                                  cudaStream_t stream) {
   if (args.gate_scales == nullptr || args.up_scales == nullptr) return cudaErrorInvalidValue;  // MXFP8 gate/up
+  if (args.route_weights != nullptr) return cudaErrorInvalidValue;
   return dgrad_then_swiglu(args, sched, num_sms, stream);
 }
 

@@ -28,11 +28,16 @@ forward:
                                                grouped_gemm_mxfp8_nt_contiguous)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
 backward:
-    route_grads_prep                           kernel: d_topk_weights (fixed order) and dy_rows, one pass
-    grouped_gemm_bf16_dgrad_swiglu             kernels: d_h = dy·W_down (read transposed), then the SwiGLU
-                                               backward in place (swiglu_backward_rows: d_gate, d_up, and h
-                                               recomputed from gate/up for d_w_down)
-                                               mx: dual-quantize dy_rows (row-wise here, column-wise for
+    gather_rows_cuda(d_out)                    kernel: the unweighted d_out rows (bf16; y is not saved)
+    grouped_gemm_bf16_dgrad_swiglu_route_grads kernels: g = d_out_rows·W_down (read transposed), then the SwiGLU
+                                               backward in place on d_h = w·g (swiglu_backward_rows: d_gate,
+                                               d_up, h recomputed from gate/up and written as w·h for d_w_down,
+                                               and d_topk_weights = Σ_i g·h per route, fixed order: DESIGN §3's
+                                               router gradient without y)
+                                               mx: route_grads_prep first (dy_rows = bf16(w·d_out), the recipe's
+                                               operand, and d_topk_weights from the saved y_rows), then
+                                               grouped_gemm_bf16_dgrad_swiglu on dy_rows;
+                                               dual-quantize dy_rows (row-wise here, column-wise for
                                                d_w_down), dq both; q+dq w_down along hidden (dim -2); the
                                                op is grouped_gemm_bf16_dgrad_swiglu_mxfp8, whose SwiGLU
                                                kernel reads the saved MXFP8 gate/up (dequantized in registers)
@@ -84,8 +89,9 @@ from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule
 
 __all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "OPTIONS", "PRECISIONS",
-           "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "experts_forward", "forward", "gather_x_rows",
-           "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env", "pad_rows", "shared_schedule"]
+           "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "dgrad_swiglu_route_grads", "experts_forward",
+           "forward", "gather_x_rows", "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env", "pad_rows",
+           "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -103,10 +109,12 @@ OPTIONS = ("num_sms", "mx_weights")  # the keyword options this level takes beyo
 
 @dataclass(eq=False)
 class FusedSaved(Saved):
-    """L0's Saved, with the routed outputs kept in the schedule's row layout (`y` stays None). In mxfp8 the
-    routed gate/up are kept as MXFP8 in gate_mx/up_mx and `gate`/`up` are None."""
+    """L0's Saved in the schedule's row layout (`y` stays None). In bf16 nothing of size [rows, hidden] is kept: the
+    router gradient comes from the expert backward. In mxfp8 the routed outputs are kept in y_rows (the recipe's
+    dy = bf16(w·d_out) is what its dgrad quantizes, so d_topk_weights is ⟨d_out, y⟩), and the routed gate/up as
+    MXFP8 in gate_mx/up_mx (`gate`/`up` None)."""
 
-    y_rows: torch.Tensor | None = None  # [num_rows, H]
+    y_rows: torch.Tensor | None = None  # [num_rows, H], mxfp8 only
     shared_rows: tuple | None = None  # (gate, up) [R_sh, I_sh] of the shared expert, padding rows included
     num_sms: int | None = None  # the forward's grid size, reused by the backward kernels
     mx_weights: str = "dequantize"  # the forward's weight path (MX_WEIGHTS), which the backward's cache lookups follow
@@ -299,8 +307,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                        w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
-                       sched=sched, y_rows=y_rows, shared_rows=shared_rows, num_sms=num_sms, mx_weights=mx_weights,
-                       gate_mx=gate_mx, up_mx=up_mx)
+                       sched=sched, y_rows=y_rows if precision == "mxfp8" else None, shared_rows=shared_rows,
+                       num_sms=num_sms, mx_weights=mx_weights, gate_mx=gate_mx, up_mx=up_mx)
     return out, saved
 
 
@@ -322,6 +330,13 @@ def dgrad_swiglu(dy_rows, w_down, gate, up, sched, swiglu_limit, num_sms, precis
                  num_sms=num_sms)
 
 
+def dgrad_swiglu_route_grads(d_out_rows, w_down, gate, up, topk_weights, sched, swiglu_limit, num_sms):
+    """Step `dgrad_swiglu` in bf16, two kernels: g = d_out_rows·W_down from the unweighted rows, then the SwiGLU
+    backward on w·g, with the router gradient: (d_gate, d_up, w·h) [R, I] and d_topk_weights [T, K]."""
+    return ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(d_out_rows, w_down, gate, up, topk_weights, sched,
+                                                          swiglu_limit=swiglu_limit, num_sms=num_sms)
+
+
 def dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms, precision="bf16", mx_weights="dequantize"):
     """Step `dgrad_gate_up`, one kernel: dx_rows [R, H] = bf16(d_gate·W_gate + d_up·W_up), one fp32 sum over
     2·intermediate; the weights MXFP8 along intermediate in mxfp8, d_gate/d_up as the GEMM reads them."""
@@ -331,17 +346,23 @@ def dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms, precision="bf16", 
 
 
 def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16",
-                   mx_weights="dequantize"):
-    """dgrad_swiglu then dgrad_gate_up over `sched`, gate/up as saved: (dx_rows [R, H], h [R, I], and (dy, d_gate,
-    d_up) as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8)."""
-    p = precision
+                   mx_weights="dequantize", topk_weights=None):
+    """dgrad_swiglu then dgrad_gate_up over `sched`, gate/up as saved: (dx_rows [R, H], h [R, I], (dy, d_gate, d_up)
+    as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8, and d_topk_weights).
+    With topk_weights (bf16): dy_rows are the unweighted d_out rows, h comes back as w·h, and d_topk_weights [T, K]
+    from dgrad_swiglu_route_grads; else dy_rows = bf16(w·d_out) rows and d_topk_weights None."""
+    p, d_topk_weights = precision, None
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
-    d_gate, d_up, h = dgrad_swiglu(dy_k, w_down, gate, up, sched, limit, num_sms, p, mx_weights)  # [R, I] each
+    if topk_weights is None:
+        d_gate, d_up, h = dgrad_swiglu(dy_k, w_down, gate, up, sched, limit, num_sms, p, mx_weights)  # [R, I] each
+    else:
+        d_gate, d_up, h, d_topk_weights = dgrad_swiglu_route_grads(dy_k, w_down, gate, up, topk_weights, sched,
+                                                                   limit, num_sms)  # [R, I] x3, [T, K]
     del dy_k
     (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p, sched), _mx_dual(d_up, p, sched)  # [R, I] each
     del d_gate, d_up
     dx_rows = dgrad_gate_up(d_gate_k, d_up_k, w_gate, w_up, sched, num_sms, p, mx_weights)  # [R, H]
-    return dx_rows, h, (dy_w, d_gate_w, d_up_w)
+    return dx_rows, h, (dy_w, d_gate_w, d_up_w), d_topk_weights
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
@@ -354,8 +375,8 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
     sh = shared_schedule(T, d_out.device)
     dy_rows, x_rows = pad_rows(d_out, sh.num_rows), pad_rows(s.x, sh.num_rows)  # [R_sh, H] each
     gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
-    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
-                                                ws_down[None], sh, s.swiglu_limit, s.num_sms)
+    dx_rows, h_rows, wgrad_ops, _ = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
+                                                   ws_down[None], sh, s.swiglu_limit, s.num_sms)
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sh, s.num_sms)
     return dx_rows[:T], [w[0] for w in d_w]
 
@@ -398,12 +419,17 @@ def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
         return reference.backward(saved, d_out)
     s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
     w_gate, w_up, w_down = s.weights[:3]
-    dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
     gate, up = _saved_gate_up(s)  # [R, I] each, bf16 or MXFP8
-    dx_rows, h_rows, wgrad_ops = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, s.num_sms, p,
-                                                s.mx_weights)
+    if p == "bf16":  # the router gradient comes from the expert backward (no y saved): the rows unweighted
+        dy_rows = ops.gather_rows_cuda(d_out, sched)  # [R, H]
+        dx_rows, h_rows, wgrad_ops, d_topk_weights = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched,
+                                                                    limit, s.num_sms, topk_weights=s.topk_weights)
+    else:  # the recipe's dy = bf16(w·d_out) is the dgrad's quantized operand, so ⟨d_out, y⟩ from the saved y
+        dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
+        dx_rows, h_rows, wgrad_ops, _ = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit,
+                                                       s.num_sms, p, s.mx_weights)
     del dy_rows, gate, up
-    h_rows = _mx(h_rows, -2, p, sched)  # [R, I]: h recomputed from the saved gate/up (L0's), for d_w_down
+    h_rows = _mx(h_rows, -2, p, sched)  # [R, I]: h recomputed from the saved gate/up for d_w_down (w·h in bf16)
     x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
     d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
     del h_rows, x_rows, wgrad_ops

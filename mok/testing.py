@@ -1,8 +1,8 @@
 """Problems and comparisons shared by tests, benchmarks and notebooks.
 
-`make_inputs` draws a fresh MoE problem (never zeros); `rel_err` is DESIGN §9's metric
-Σ|Δ|/Σ|ref|; `TOLERANCES` names every bound a level is held to; `saved_nbytes` measures what a
-forward keeps for its backward.
+`make_inputs` draws a fresh MoE problem (never zeros); `fp64_moe` evaluates it in fp64 without
+roundings; `rel_err` is DESIGN §9's metric Σ|Δ|/Σ|ref|; `TOLERANCES` names every bound a level is
+held to; `saved_nbytes` measures what a forward keeps for its backward.
 """
 
 from __future__ import annotations
@@ -168,3 +168,46 @@ def saved_nbytes(saved, include_inputs: bool = False) -> int:
         if key(t) not in skip:
             storages[key(t)] = t.untyped_storage().nbytes()
     return sum(storages.values())
+
+
+def twin_level_mismatches(grads, grads0, precision: str) -> list[str]:
+    """Which gradients of the `fused` level on its kernels' L0 twins (mok.twins) differ from L0's grads0: each must
+    be L0's bits, but the bf16 routed ones, which round in other places (the dgrad on the unweighted d_out rows,
+    weighted in the SwiGLU backward; d_topk_weights = ⟨d_out·W_down, h⟩ without y, DESIGN §3) and are held to
+    TOLERANCES["bf16_vs_l0"] (as close to fp64 as L0's: 0.85-1.03x its error, median over the tiny shapes)."""
+    bad = []
+    for name, g, g0 in zip(GRAD_NAMES, grads, grads0):
+        if g is None or g0 is None:
+            ok = g is None and g0 is None
+        elif precision == "bf16" and "shared" not in name:
+            ok = bool(torch.isfinite(g).all()) and rel_err(g, g0) <= TOLERANCES["bf16_vs_l0"]
+        else:
+            ok = bitwise_equal(g, g0)
+        bad += [] if ok else [name]
+    return bad
+
+
+def fp64_moe(inputs: dict, swiglu_limit):
+    """The same function in fp64 with no intermediate rounding, differentiable by autograd.
+    Returns (out, grads in GRAD_NAMES order)."""
+    names = ("x", "topk_weights", "w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
+    leaves = {n: inputs[n].double().requires_grad_() for n in names if inputs[n] is not None}
+    x, w = leaves["x"], leaves["topk_weights"]
+
+    def swiglu(g, u):
+        if swiglu_limit is not None:
+            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+        return torch.nn.functional.silu(g) * u
+
+    out = torch.zeros_like(x)  # [T, H]
+    for k in range(inputs["topk_idx"].shape[1]):
+        e = inputs["topk_idx"][:, k]  # [T]
+        gate = torch.einsum("th,tih->ti", x, leaves["w_gate"][e])  # [T, I]
+        up = torch.einsum("th,tih->ti", x, leaves["w_up"][e])  # [T, I]
+        y = torch.einsum("ti,thi->th", swiglu(gate, up), leaves["w_down"][e])  # [T, H]
+        out = out + w[:, k, None] * y
+    if "w_shared_gate" in leaves:
+        h = swiglu(x @ leaves["w_shared_gate"].T, x @ leaves["w_shared_up"].T)  # [T, I_sh]
+        out = out + h @ leaves["w_shared_down"].T
+    out.backward(inputs["d_out"].double())
+    return out.detach(), tuple(leaves[n].grad if n in leaves else None for n in names)

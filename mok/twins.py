@@ -22,7 +22,7 @@ from mok.torch_native import route_grads
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
            "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
-           "grouped_gemm_bf16_dgrad_gate_up",
+           "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_dgrad_gate_up",
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
@@ -101,6 +101,25 @@ def grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, gate_mx, up_mx, sched,
     """grouped_gemm_bf16_dgrad_swiglu on the dequantized row-wise MXFP8 gate/up ((data, scales) each)."""
     return grouped_gemm_bf16_dgrad_swiglu(dy_rows, w_down, mxfp8_dequantize(*gate_mx), mxfp8_dequantize(*up_mx),
                                           sched, swiglu_limit)
+
+
+def grouped_gemm_bf16_dgrad_swiglu_route_grads(d_out_rows, w_down, gate, up, topk_weights, sched,
+                                               swiglu_limit=None, num_sms=None):
+    """(d_gate, d_up, h [num_rows, I], d_topk_weights [T, K]): g = bf16(d_out_rows·Wd[e]) unweighted, w the row's
+    route weight; bf16(swiglu_backward(gate, up, w·g)), h = bf16(w·swiglu(gate, up)), d_topk_weights =
+    Σ_i g·bf16(swiglu(gate, up)) (torch's sum order), NaN for a route without a row."""
+    d_gate, d_up, h = (_zeros(sched, gate.shape[1], gate) for _ in range(3))  # [num_rows, I] each
+    d_topk_weights = torch.full_like(topk_weights, float("nan"))  # [T, K]
+    for e in range(sched.num_experts):
+        rows = _rows_of(sched, e)  # [n]
+        routes = sched.row_to_route[rows]  # [n]
+        w = topk_weights.reshape(-1)[routes][:, None]  # [n, 1] fp32
+        g = mm(d_out_rows[rows], w_down[e].T).to(BF16).float()  # [n, I]: K = hidden
+        dg, du = swiglu_backward(gate[rows], up[rows], w * g, swiglu_limit)  # [n, I] fp32 each
+        hs = swiglu(gate[rows], up[rows], swiglu_limit)  # [n, I] fp32
+        d_gate[rows], d_up[rows], h[rows] = dg.to(BF16), du.to(BF16), (w * hs).to(BF16)
+        d_topk_weights.view(-1)[routes] = (g * hs.to(BF16).float()).sum(-1)
+    return d_gate, d_up, h, d_topk_weights
 
 
 def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=None):

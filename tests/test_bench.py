@@ -281,7 +281,7 @@ def test_rounded_routing_rows_pad_only_the_remainder(twin_calls, monkeypatch):
 # ---- the L2 breakdown (mok.bench_parts): its steps are the fused level's, on the kernels' L0 twins ----------
 
 FWD_STEPS = ["schedule", "gemm1", "gemm2", "combine"]
-BWD_STEPS = ["route_grads_prep", "dgrad_swiglu", "dgrad_gate_up", "gather_x", "wgrad_gate", "wgrad_up", "wgrad_down",
+BWD_STEPS = ["gather_d_out", "dgrad_swiglu", "dgrad_gate_up", "gather_x", "wgrad_gate", "wgrad_up", "wgrad_down",
              "combine_dx"]
 SHARED_FWD_STEPS = ["shared_gemm1", "shared_gemm2"]
 SHARED_BWD_STEPS = ["shared_pad_rows", "shared_dgrad_swiglu", "shared_dgrad_gate_up", "shared_wgrad_gate",

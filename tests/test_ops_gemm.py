@@ -249,6 +249,32 @@ def test_dgrad_swiglu_matches_l0(case, limit):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dgrad_swiglu_route_grads_matches_l0(case, limit):
+    """The same from unweighted rows, weighted by route in the SwiGLU backward, with the route gradients (no y):
+    d_gate, d_up, w·h as the twin's, and d_topk_weights within the level's tolerance (another fp32 sum order)."""
+    seed = fresh_seed()
+    inputs, sched = _problem(case, seed)
+    cfg = CASES[case][0]
+    b = _backward_operands(sched, cfg.intermediate, cfg.hidden, seed)
+    wd, weights = inputs["w_down"], inputs["topk_weights"]  # [E, H, I], [T, K]
+    expected = twins.grouped_gemm_bf16_dgrad_swiglu_route_grads(b["dy_rows"], wd, b["gate"], b["up"], weights, sched,
+                                                                limit)
+    poison_allocator(2 * 3 * sched.num_rows * cfg.intermediate * 2)
+    got = ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(b["dy_rows"].cuda(), wd.cuda(), b["gate"].cuda(),
+                                                         b["up"].cuda(), weights.cuda(), sched.to("cuda"),
+                                                         swiglu_limit=limit)
+    for name, a, e in zip(("d_gate", "d_up", "h"), got, expected):
+        _assert_close(a, e, f"{case} limit={limit} {name}", seed)
+    d_topk, d_topk0 = got[3].cpu(), expected[3]
+    assert torch.isfinite(d_topk).all(), f"{case}: a route's d_topk_weights unwritten (seed {seed})"
+    err = rel_err(d_topk, d_topk0)
+    assert err <= TOLERANCES["bf16_vs_l0"], f"{case} limit={limit}: d_topk_weights rel_err {err:.3e} (seed {seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("extremes", [False, True], ids=["plain", "extremes"])
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("case", MX_OUT_CASES)
@@ -419,8 +445,10 @@ def _every_kind(inputs: dict, sched, num_sms, what: str) -> dict[str, torch.Tens
     assert bitwise_equal(h_again, h), f"{what}: h recomputed after the dgrad differs"
     dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched, num_sms=num_sms)
     d_w_down = ops.grouped_gemm_bf16_weight_grad(y_rows, h, sched, num_sms=num_sms)
+    routed = ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(y_rows, wd, gate, up, inputs["topk_weights"].cuda(),
+                                                            sched, 1.5, num_sms=num_sms)
     outs = {"h": h, "gate": gate, "up": up, "y_rows": y_rows, "d_gate": d_gate, "d_up": d_up, "dx_rows": dx_rows,
-            "d_w_down": d_w_down}
+            "d_w_down": d_w_down, **dict(zip(("routed_d_gate", "routed_d_up", "routed_h", "d_topk"), routed))}
     if wg.shape[1] % ops.BLOCK_SIZE == 0:  # the MXFP8 forward's GEMM1 (row-wise blocks of intermediate)
         h_mx, gate_mx, up_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out(x, wg, wu, sched, swiglu_limit=1.5,
                                                                              num_sms=num_sms)

@@ -7,38 +7,12 @@ import torch
 from mok import reference as L0
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.routing import hot_expert_routing
-from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, make_inputs, moe_args, rel_err, run_level
+from mok.testing import GRAD_NAMES, TOLERANCES, bitwise_equal, fp64_moe, make_inputs, moe_args, rel_err, run_level
 
 # Grid: every tiny shape covers one irregularity (T not a tile multiple, K = 1, K = 8, no shared);
 # the limit is chosen so that a good share of gate/up values are clamped on N(0,1) inputs.
 SHAPES = list(TINY_SHAPES.values())
 LIMITS = [None, 0.5]
-
-
-def fp64_moe(inputs: dict, swiglu_limit):
-    """The same function in fp64 with no intermediate rounding, differentiable by autograd.
-    Returns (out, grads in GRAD_NAMES order)."""
-    names = ("x", "topk_weights", "w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
-    leaves = {n: inputs[n].double().requires_grad_() for n in names if inputs[n] is not None}
-    x, w = leaves["x"], leaves["topk_weights"]
-
-    def swiglu(g, u):
-        if swiglu_limit is not None:
-            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
-        return torch.nn.functional.silu(g) * u
-
-    out = torch.zeros_like(x)  # [T, H]
-    for k in range(inputs["topk_idx"].shape[1]):
-        e = inputs["topk_idx"][:, k]  # [T]
-        gate = torch.einsum("th,tih->ti", x, leaves["w_gate"][e])  # [T, I]
-        up = torch.einsum("th,tih->ti", x, leaves["w_up"][e])  # [T, I]
-        y = torch.einsum("ti,thi->th", swiglu(gate, up), leaves["w_down"][e])  # [T, H]
-        out = out + w[:, k, None] * y
-    if "w_shared_gate" in leaves:
-        h = swiglu(x @ leaves["w_shared_gate"].T, x @ leaves["w_shared_up"].T)  # [T, I_sh]
-        out = out + h @ leaves["w_shared_down"].T
-    out.backward(inputs["d_out"].double())
-    return out.detach(), tuple(leaves[n].grad if n in leaves else None for n in names)
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: c.name)

@@ -201,12 +201,40 @@ def grouped_gemm_bf16_dgrad_swiglu(dy_rows: torch.Tensor, w_down: torch.Tensor, 
     return d_gate, d_up, h
 
 
-def _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms) -> tuple:
+def grouped_gemm_bf16_dgrad_swiglu_route_grads(d_out_rows: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor,
+                                               up: torch.Tensor, topk_weights: torch.Tensor, sched,
+                                               swiglu_limit: float | None = None, num_sms: int | None = None
+                                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grouped_gemm_bf16_dgrad_swiglu from *unweighted* rows, with the route gradients and no saved y (DESIGN §3):
+    g = bf16(d_out_rows[r]·w_down[e]); with w = topk_weights of row r's route (t, k), (d_gate[r], d_up[r]) =
+    bf16(swiglu_backward(gate[r], up[r], w·g)), h[r] = bf16(w·swiglu(gate[r], up[r])) (d_w_down's operand beside
+    the unweighted rows), and d_topk_weights[t, k] = Σ_i g[i]·bf16(swiglu(...))[i] (= Σ_h d_out[t, h]·y[t, k, h]),
+    fp32 in a fixed order: per lane in column order, then a butterfly over the warp. d_out_rows [num_rows, hidden]
+    (gather_rows_cuda(d_out)); topk_weights fp32 [num_tokens, num_topk]. Returns (d_gate, d_up, h) bf16
+    [num_rows, intermediate] each and d_topk_weights fp32 [num_tokens, num_topk], NaN for a route without a row
+    (an expert id outside [0, E))."""
+    intermediate, kwargs = _dgrad_swiglu_args(d_out_rows, w_down, sched, swiglu_limit, num_sms, "d_out_rows")
+    check_layout("gate", gate, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    check_layout("up", up, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    check_layout("topk_weights", topk_weights, torch.float32, (sched.num_tokens, sched.num_topk),
+                 "[num_tokens, num_topk]")
+    _check_devices(d_out_rows.device, d_out_rows=d_out_rows, w_down=w_down, gate=gate, up=up,
+                   topk_weights=topk_weights)
+    d_gate, d_up, h = (torch.empty_like(gate) for _ in range(3))  # [num_rows, intermediate] each
+    d_topk_weights = torch.full_like(topk_weights, float("nan"))  # [T, K]: every route with a row is written
+    load_extension().grouped_gemm_bf16_dgrad_swiglu_route_grads(
+        d_out_rows=d_out_rows, w_down=w_down, gate=gate, up=up, topk_weights=topk_weights,
+        row_to_route=sched.row_to_route.to(d_out_rows.device).contiguous(), d_gate=d_gate, d_up=d_up, h=h,
+        d_topk_weights=d_topk_weights, **gemm_schedule_kwargs(sched, d_out_rows.device), **kwargs)
+    return d_gate, d_up, h, d_topk_weights
+
+
+def _dgrad_swiglu_args(dy_rows, w_down, sched, swiglu_limit, num_sms, rows_name="dy_rows") -> tuple:
     """The down dgrad's argument checks but gate/up's and the devices: (intermediate, the binding's swiglu_limit,
-    has_limit and num_sms by name)."""
-    check_layout("dy_rows", dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
+    has_limit and num_sms by name). rows_name: what the caller calls dy_rows."""
+    check_layout(rows_name, dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
-    _check_gemm_dim("dy_rows", hidden, "hidden (dim 1)")
+    _check_gemm_dim(rows_name, hidden, "hidden (dim 1)")
     check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, None),
                  "[num_experts, hidden, intermediate]")
     intermediate = w_down.shape[2]

@@ -119,10 +119,21 @@ struct DownDgradSwiGLU {
   void* h;
   int64_t hidden, intermediate, num_experts;
   SwiGLULimit swiglu;
+  // The route gradients (grouped_gemm_bf16_dgrad_swiglu_route_grads; else all null): dy_rows holds the unweighted
+  // d_out rows, the SwiGLU backward weights d_h by route_weights[row_to_route[r]], writes h weighted likewise and
+  // d_topk_weights[row_to_route[r]] = Σ_i d_h[r, i]·h[r, i] (unweighted d_h, fixed order).
+  const float* route_weights;    // fp32 [num_tokens · num_topk]
+  const int64_t* row_to_route;   // int64 [num_rows], -1 for padding rows
+  float* d_topk_weights;         // fp32 [num_tokens · num_topk]; routes without a row are not written
 };
 
 cudaError_t grouped_gemm_bf16_dgrad_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                                            cudaStream_t stream);
+
+// The same from unweighted rows, weighted by route in the SwiGLU backward, with the route gradients (the fields
+// above): no saved y. bf16 gate/up.
+cudaError_t grouped_gemm_bf16_dgrad_swiglu_route_grads(const DownDgradSwiGLU& args, const RowSchedule& sched,
+                                                       int num_sms, cudaStream_t stream);
 
 // The same with the forward's saved row-wise MXFP8 gate and up, dequantized in the SwiGLU kernel to
 // mxfp8_dequantize's bits: the outputs are the BF16 op's on the dequantized gate/up. intermediate % 32 == 0.

@@ -39,66 +39,99 @@ MOK_DEVICE uint4 load_gate_up8(const void* m, const uint8_t* scales, int64_t at)
   }
 }
 
-// One 16-byte vector (8 columns) per thread per step, grid-stride over rows x (n / 8) vectors.
+// Optional route gradients (route_weights non-null): d_h holds the *unweighted* down dgrad g = bf16(d_out[t]·Wd[e])
+// of row r's route (t, k) with weight w = route_weights[row_to_route[r]]; the SwiGLU backward runs on d_h = w·g,
+// h is written as bf16(w·h) (d_w_down's operand beside the unweighted d_out rows: Σ d_outᵀ·(w·h) = Σ dyᵀ·h), and
+// d_topk_weights[row_to_route[r]] = Σ_i g[i]·bf16(h[i]) (= ⟨d_out[t], y[t, k]⟩, DESIGN §3, without y): each lane
+// sums its vectors in column order, then a fixed butterfly over the warp, so the bits do not depend on the grid.
+//
+// One warp per row, grid-stride over rows; lane l takes the row's 8-column vectors l, l + 32, ...
 template <bool kMx>
 __global__ void __launch_bounds__(kSwiGLUThreads)
     swiglu_backward_rows_kernel(const uint16_t* d_h, const void* gate, const void* up, const uint8_t* gate_scales,
                                 const uint8_t* up_scales, const int32_t* row_to_token, const int32_t* real_num_rows,
+                                const float* route_weights, const int64_t* row_to_route, float* d_topk_weights,
                                 uint16_t* d_gate, uint16_t* d_up, uint16_t* h, int64_t num_rows, int64_t n,
                                 float limit, bool has_limit) {
   if (real_num_rows != nullptr && *real_num_rows < num_rows) num_rows = *real_num_rows < 0 ? 0 : *real_num_rows;
-  const int64_t vecs_per_row = n / 8, num_vecs = num_rows * vecs_per_row;
-  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vecs;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t at = v * 8;  // first element: row v / vecs_per_row, n % 8 == 0
-    uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
-    if (row_to_token[v / vecs_per_row] >= 0) {
-      const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
-      const uint4 g4 = load_gate_up8<kMx>(gate, gate_scales, at), u4 = load_gate_up8<kMx>(up, up_scales, at);
-      const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
-      const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
-      float g[8], u[8], dh[8];  // element 2i + j = word i's half j (j = 0: low)
+  const int lane = static_cast<int>(lane_id());
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarpSize);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+       r < num_rows; r += warps) {
+    const bool real = row_to_token[r] >= 0;
+    const int64_t route = real && route_weights != nullptr ? row_to_route[r] : -1;
+    const float w = route >= 0 ? route_weights[route] : 1.0f;
+    float dot = 0.0f;
+    for (int64_t at = r * n + lane * 8; at < (r + 1) * n; at += kWarpSize * 8) {
+      uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
+      if (real) {
+        const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
+        const uint4 g4 = load_gate_up8<kMx>(gate, gate_scales, at), u4 = load_gate_up8<kMx>(up, up_scales, at);
+        const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
+        const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
+        float g[8], u[8], dh[8], dg[8];  // element 2i + j = word i's half j (j = 0: low)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        g[2 * i] = bf16_lo_as_f32(g_w[i]), g[2 * i + 1] = bf16_hi_as_f32(g_w[i]);
-        u[2 * i] = bf16_lo_as_f32(u_w[i]), u[2 * i + 1] = bf16_hi_as_f32(u_w[i]);
-        dh[2 * i] = bf16_lo_as_f32(dh_w[i]), dh[2 * i + 1] = bf16_hi_as_f32(dh_w[i]);
+        for (int i = 0; i < 4; ++i) {
+          g[2 * i] = bf16_lo_as_f32(g_w[i]), g[2 * i + 1] = bf16_hi_as_f32(g_w[i]);
+          u[2 * i] = bf16_lo_as_f32(u_w[i]), u[2 * i + 1] = bf16_hi_as_f32(u_w[i]);
+          dg[2 * i] = bf16_lo_as_f32(dh_w[i]), dg[2 * i + 1] = bf16_hi_as_f32(dh_w[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dh[i] = route >= 0 ? w * dg[i] : dg[i];
+        swiglu_backward_n(g, u, dh, limit, has_limit);  // g, u, dh <- d_gate, d_up, h
+        if (route >= 0) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            dot = fmaf(dg[i], __bfloat162float(__float2bfloat16_rn(dh[i])), dot);  // ⟨g, h⟩, h as GEMM2 read it
+            dh[i] = w * dh[i];
+          }
+        }
+        out_g = make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
+                           pack_bf16x2(g[6], g[7]));
+        out_u = make_uint4(pack_bf16x2(u[0], u[1]), pack_bf16x2(u[2], u[3]), pack_bf16x2(u[4], u[5]),
+                           pack_bf16x2(u[6], u[7]));
+        out_h = make_uint4(pack_bf16x2(dh[0], dh[1]), pack_bf16x2(dh[2], dh[3]), pack_bf16x2(dh[4], dh[5]),
+                           pack_bf16x2(dh[6], dh[7]));
       }
-      swiglu_backward_n(g, u, dh, limit, has_limit);  // g, u, dh <- d_gate, d_up, h
-      out_g = make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
-                         pack_bf16x2(g[6], g[7]));
-      out_u = make_uint4(pack_bf16x2(u[0], u[1]), pack_bf16x2(u[2], u[3]), pack_bf16x2(u[4], u[5]),
-                         pack_bf16x2(u[6], u[7]));
-      out_h = make_uint4(pack_bf16x2(dh[0], dh[1]), pack_bf16x2(dh[2], dh[3]), pack_bf16x2(dh[4], dh[5]),
-                         pack_bf16x2(dh[6], dh[7]));
+      st_v4(d_gate + at, out_g);
+      st_v4(d_up + at, out_u);
+      st_v4(h + at, out_h);
     }
-    st_v4(d_gate + at, out_g);
-    st_v4(d_up + at, out_u);
-    st_v4(h + at, out_h);
+    if (route_weights != nullptr) {  // warp-uniform
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(kFullMask, dot, offset);
+      if (lane == 0 && route >= 0) d_topk_weights[route] = dot;
+    }
   }
 }
 
 // rows = the row buffers' rows (the grid is sized for them); real_num_rows: int32 [1] on the device or null;
 // n = intermediate (% 8 == 0; % 32 with scales); every pointer 16-byte aligned. gate_scales, up_scales: null for
-// bf16 gate/up, else gate/up are row-wise MXFP8 data with these scales.
+// bf16 gate/up, else gate/up are row-wise MXFP8 data with these scales. route_weights (fp32 [T·K]), row_to_route
+// (int64 [rows]) and d_topk_weights (fp32 [T·K]): all null, or all set for the route gradients (above).
 inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate, const void* up,
                                                const int32_t* row_to_token, const int32_t* real_num_rows,
                                                void* d_gate, void* d_up, void* h, int64_t num_rows, int64_t n,
                                                float limit, bool has_limit, cudaStream_t stream,
-                                               const void* gate_scales = nullptr, const void* up_scales = nullptr) {
-  const bool mx = gate_scales != nullptr;
+                                               const void* gate_scales = nullptr, const void* up_scales = nullptr,
+                                               const float* route_weights = nullptr,
+                                               const int64_t* row_to_route = nullptr,
+                                               float* d_topk_weights = nullptr) {
+  const bool mx = gate_scales != nullptr, routes = route_weights != nullptr;
   if (n % (mx ? mxfp8::kBlockSize : 8) != 0 || mx != (up_scales != nullptr)) return cudaErrorInvalidValue;
-  const int64_t num_vecs = num_rows * (n / 8);
-  if (num_vecs == 0) return cudaSuccess;
-  int device = 0, num_sms = 0;  // elementwise: the grid size changes no bits, so always one full wave
+  if (routes != (row_to_route != nullptr) || routes != (d_topk_weights != nullptr)) return cudaErrorInvalidValue;
+  if (num_rows * n == 0) return cudaSuccess;
+  int device = 0, num_sms = 0;  // a row's bits do not depend on the grid, so always one full wave
   cudaError_t err = cudaGetDevice(&device);
   if (err || (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device))) return err;
-  const int64_t blocks_needed = (num_vecs + kSwiGLUThreads - 1) / kSwiGLUThreads;
+  constexpr int kRowsPerBlock = kSwiGLUThreads / kWarpSize;
+  const int64_t blocks_needed = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t resident = static_cast<int64_t>(num_sms) * (2048 / kSwiGLUThreads);
   const int grid = static_cast<int>(blocks_needed < resident ? blocks_needed : resident);
   (mx ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>)<<<grid, kSwiGLUThreads, 0, stream>>>(
       static_cast<const uint16_t*>(d_h), gate, up, static_cast<const uint8_t*>(gate_scales),
-      static_cast<const uint8_t*>(up_scales), row_to_token, real_num_rows, static_cast<uint16_t*>(d_gate),
+      static_cast<const uint8_t*>(up_scales), row_to_token, real_num_rows, route_weights, row_to_route,
+      d_topk_weights, static_cast<uint16_t*>(d_gate),
       static_cast<uint16_t*>(d_up), static_cast<uint16_t*>(h), num_rows, n, limit, has_limit);
   return cudaGetLastError();
 }
