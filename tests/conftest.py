@@ -11,8 +11,8 @@ import torch
 BIGMEM_GIB = 72  # tests/test_fused_large.py peaks at 62 GB (H200, 78e18e2): an 80 GB H100 runs it
 
 
-def _reason(mark: pytest.Mark) -> str | None:
-    """Why a test with this hardware mark must skip here, or None when the hardware is there."""
+def _reason(mark: pytest.Mark, item: pytest.Item) -> str | None:
+    """Why `item`, with this hardware mark, must skip here, or None when the hardware is there."""
     if not torch.cuda.is_available():
         return "no CUDA GPU on this machine"
     if mark.name == "sm90":
@@ -21,7 +21,8 @@ def _reason(mark: pytest.Mark) -> str | None:
     if mark.name == "multigpu":
         return None if torch.cuda.device_count() >= 2 else "needs 2 or more CUDA GPUs"
     if mark.name == "bigmem":
-        need, gib = mark.kwargs.get("gib", BIGMEM_GIB), torch.cuda.get_device_properties(0).total_memory / 2**30
+        need = max(m.kwargs.get("gib", BIGMEM_GIB) for m in item.iter_markers("bigmem"))  # a param's may be larger
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         return None if gib >= need else f"needs a GPU with {need} GiB, found {gib:.0f}"
     return None
 
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in ("gpu", "sm90", "multigpu", "bigmem"):
             mark = item.get_closest_marker(name)
-            if mark and (reason := _reason(mark)):
+            if mark and (reason := _reason(mark, item)):
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
 

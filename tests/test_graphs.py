@@ -46,7 +46,7 @@ def test_captured_step_replays_eagers_bits(precision, cached):
     inputs = make_inputs(CFG, device="cuda", seed=fresh_seed(), draw_on="cuda")
     args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in moe_args(inputs)]
     with mok.mxfp8_weight_cache() if cached else contextlib.nullcontext():
-        eager = [t.clone() for t in _step(args, inputs["d_out"], precision)]
+        eager = [t.detach().clone() for t in _step(args, inputs["d_out"], precision)]  # no eager graph kept alive
         graph, outs = _captured(lambda: _step(args, inputs["d_out"], precision))
         for _ in range(2):
             graph.replay()
@@ -64,7 +64,7 @@ def test_module_step_with_its_router_replays():
         out = layer(x)
         return (out, *torch.autograd.grad(out, [x, *layer.parameters()], torch.ones_like(out)))
 
-    eager = [t.clone() for t in step()]
+    eager = [t.detach().clone() for t in step()]
     graph, outs = _captured(step)
     graph.replay()
     torch.cuda.synchronize()
