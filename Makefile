@@ -50,7 +50,7 @@ $(VENV)/.notebooks: pyproject.toml $(VENV)/.torch
 	touch $@
 
 test: $(VENV)/.dev $(VENV)/.notebooks
-	$(PY) -m ruff check mok bench tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks examples
 	$(PY) -m pytest -q
 
 figures: $(VENV)/.notebooks
@@ -70,7 +70,7 @@ notebook-data: $(VENV)/.notebooks
 	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) notebooks/precompute.py
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check mok bench tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks examples
 
 clean:
 	rm -rf build .cache
