@@ -12,8 +12,8 @@ mok.MoE does; only the experts' implementation changes:
     torch      mok.moe at L1 (torch._grouped_mm on CUDA): mok's schedule, gathers and a fixed-order combine (it has no
                index_add), so its run-to-run bits depend on torch._grouped_mm alone
     index_add  what training code commonly writes: routes sorted by expert, torch._grouped_mm (a per-expert loop off
-               CUDA), scaled, index_add_ into the tokens, all through autograd. On CUDA both index_add_ (repeated token
-               ids, forward) and the backward of the gather x[token] add with float atomics: their order varies
+               CUDA), scaled, index_add_ into the tokens, all through autograd. On CUDA index_add_ with repeated token
+               ids adds with float atomics, in an order that varies (torch lists it as nondeterministic)
     liger      Liger-Kernel's Triton fused MoE (`liger_kernel`, CUDA only; its backward uses float atomics)
 Writes data/examples/determinism.csv (impl, step, loss_run1, loss_run2, abs_diff + provenance) and
 docs/figures/determinism.png. Needs the notebooks extra (pandas, seaborn, tqdm).
@@ -67,11 +67,11 @@ def index_add_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down):
     order = torch.argsort(topk_idx.flatten(), stable=True)  # [T·K] route ids, expert-major
     token = order // num_topk  # [T·K]
     offs = torch.bincount(topk_idx.flatten(), minlength=w_gate.shape[0]).cumsum(0).to(torch.int32)  # [E] segment ends
-    x_rows = x[token]  # [T·K, H]; backward: index_put_ with accumulate (float atomics on CUDA)
+    x_rows = x[token]  # [T·K, H]; backward: index_put_ with accumulate (sorted, deterministic on CUDA)
     h = F.silu(gmm(x_rows, w_gate.transpose(1, 2), offs)) * gmm(x_rows, w_up.transpose(1, 2), offs)  # [T·K, I]
     y = gmm(h, w_down.transpose(1, 2), offs).float() * topk_weights.flatten()[order, None]  # [T·K, H] fp32
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
-    return out.index_add_(0, token, y).to(x.dtype)  # float atomics on CUDA (each token's K routes)
+    return out.index_add_(0, token, y).to(x.dtype)  # float atomics on CUDA: each token's K routes, in any order
 
 
 def liger_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down):
