@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make test      create/reuse .venv, install mok[dev], run the pytest suite
+#   make test      create/reuse .venv, install mok[dev,integrations], run the pytest suite
 #   make figures   create/reuse .venv, install mok[notebooks], run every notebook headless into build/ (~40 s on
 #                  2 CPU cores); it writes only under build/, never a tracked file
 # Both are quick when .venv is already up to date (stamp files track pyproject.toml). Two explicit ones change the tree:
@@ -39,8 +39,9 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	touch $@
 
+# The integrations extra (transformers, torchtitan, triton: ~30 s on a fresh machine) lets tests/test_integrations.py run.
 $(VENV)/.dev: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,integrations]"
 	touch $@
 
 $(VENV)/.notebooks: pyproject.toml $(VENV)/.torch
@@ -49,7 +50,7 @@ $(VENV)/.notebooks: pyproject.toml $(VENV)/.torch
 	touch $@
 
 test: $(VENV)/.dev $(VENV)/.notebooks
-	$(PY) -m ruff check mok bench tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks examples
 	$(PY) -m pytest -q
 
 figures: $(VENV)/.notebooks
@@ -69,7 +70,7 @@ notebook-data: $(VENV)/.notebooks
 	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) notebooks/precompute.py
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check mok bench tests tools notebooks
+	$(PY) -m ruff check mok bench tests tools notebooks examples
 
 clean:
 	rm -rf build .cache
