@@ -185,9 +185,10 @@ def gantt(panels: dict, *, title: str, xlabel: str = "time (µs)", figsize=None)
 
 
 def hline(ax, y: float, text: str, *, color="0.35", style="--", where="right", va="bottom", fontsize=8):
-    """A horizontal reference line with its label written on it (what the line means, not a bare number)."""
+    """A horizontal reference line with its label written on it (what the line means, not a bare number). where:
+    "left", "right", or the label's centre as a fraction of the axes' width (to keep it off the data)."""
     ax.axhline(y, color=color, linestyle=style, linewidth=1, zorder=1)
-    x, ha = (0.99, "right") if where == "right" else (0.01, "left")
+    x, ha = {"right": (0.99, "right"), "left": (0.01, "left")}.get(where, (where, "center"))
     ax.text(x, y, f" {text} ", transform=ax.get_yaxis_transform(), ha=ha, va=va, fontsize=fontsize, color=color)
 
 
