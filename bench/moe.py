@@ -14,8 +14,10 @@ the backward; mok levels only), and provenance: gpu, torch, cuda, commit, date.
 - With the fused level each pass also gets a `bound` row (level cublas-executed): the ceiling's GEMMs over the
   rows the level executes, each expert's routes rounded up to its tile: the most a kernel that multiplies those
   padding rows can reach. --routing rounded rounds the draw's routes to the tile first (mok.routing.round_to_tiles).
-- Peers run side by side when importable: Liger-Kernel's Triton fused MoE, and SonicMoE (bench.sonic; routed
-  experts only: its rows are on the shapes' routed part, `shared_intermediate` 0).
+- Peers run side by side when importable (PEERS): Liger-Kernel's Triton fused MoE and SonicMoE (bench.sonic; routed
+  experts only: its rows are on the shapes' routed part, `shared_intermediate` 0) beside the bf16 rows, and TorchAO's
+  FP8 rowwise grouped GEMM (bench.torchao_fp8, `torchao-fp8`, sm_90 only, routed experts only; rows with precision
+  `fp8_rowwise`) beside the mxfp8 rows: the FP8 baseline that runs on Hopper.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench import sonic
+from bench import sonic, torchao_fp8
 from bench.timing import (
     DATA,
     QUEUED,
@@ -172,6 +174,30 @@ def sonic_pass_fn(inputs: dict, pass_: str):
     return sonic.pass_fn(inputs, pass_)
 
 
+def torchao_fp8_pass_fn(inputs: dict, pass_: str):
+    """TorchAO's FP8 rowwise grouped GEMM in mok's routed experts (bench.torchao_fp8) on shapes without a shared
+    expert; None, with the reason printed, where it cannot run (no torchao, not sm_90, a shared expert)."""
+    if inputs["w_shared_gate"] is not None:
+        print(f"peer {torchao_fp8.NAME} skipped: the shape has a shared expert (use its -routed twin)", file=sys.stderr)
+        return None
+    reason = torchao_fp8.unavailable_reason(inputs["x"].device)
+    if reason is not None:
+        print(f"peer {torchao_fp8.NAME} skipped: {reason}", file=sys.stderr)
+        return None
+    return torchao_fp8.pass_fn(inputs, pass_)
+
+
+# name -> (the mok precision its rows stand beside, its rows' precision, the L0 precision of its err_vs_l0, pass_fn,
+# its rows' note). A peer runs when its mok precision is benchmarked and `peers` names it.
+PEERS = {
+    "liger": ("bf16", "bf16", "bf16", liger_pass_fn,
+              lambda: "LIGER_FUSED_MOE_AUTOTUNE=" + os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1")),
+    "sonic": ("bf16", "bf16", "bf16", sonic_pass_fn, lambda: f"sonic-moe {sonic.version()}"),
+    torchao_fp8.NAME: ("mxfp8", torchao_fp8.PRECISION, torchao_fp8.REF_PRECISION, torchao_fp8_pass_fn,
+                       lambda: f"torchao {torchao_fp8.version()}, FP8 e4m3 rowwise scales (not MX blocks)"),
+}
+
+
 def _forward_out(fn) -> torch.Tensor:
     """The forward output of a pass callable: a level's returns (out, saved), a peer's returns out."""
     out = fn()
@@ -234,19 +260,15 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                         rows[-1]["notes"] += "; mxfp8_weight_cache"
                         rows[-1]["mx_cache_gb"] = cache_gb
                 del fn
-            if precision != "bf16":
-                continue
-            for peer, pass_fn, note in (("liger", liger_pass_fn, lambda: "LIGER_FUSED_MOE_AUTOTUNE="
-                                         + os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1")),
-                                        ("sonic", sonic_pass_fn, lambda: f"sonic-moe {sonic.version()}")):
-                fn = pass_fn(inputs, pass_) if peer in peers else None
+            for peer, (beside, peer_precision, ref_precision, pass_fn, note) in PEERS.items():
+                fn = pass_fn(inputs, pass_) if peer in peers and beside == precision else None
                 if fn is None:
                     continue
-                if (peer, precision) not in errors:
-                    errors[peer, precision] = err_vs_l0(pass_fn(inputs, "fwd"), precision)
+                if peer not in errors:
+                    errors[peer] = err_vs_l0(pass_fn(inputs, "fwd"), ref_precision)
                 ms, clock = clocked(time_fn, fn, n)
-                row(peer, "peer", "bf16", pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
-                rows[-1].update(notes=note(), err_vs_l0=errors[peer, precision])
+                row(peer, "peer", peer_precision, pass_, ms, ceiling_ms, peak_mem_gb(fn), clock)
+                rows[-1].update(notes=note(), err_vs_l0=errors[peer])
                 del fn
     torch_ms = {(r["precision"], r["pass"]): r["time_ms"] for r in rows if r["level"] == "torch"}
     for r in rows:
@@ -323,7 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, fused)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
-    p.add_argument("--peers", nargs="*", default=["liger", "sonic"], help="peers to run when importable")
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
+                   help="peers to run when importable: liger and sonic beside the bf16 rows, torchao-fp8 beside mxfp8")
     p.add_argument("--iters", type=int, default=20, help="timed runs of a forward (half, ≥ 10, with backward)")
     p.add_argument("--mx-weight-cache", action="store_true",
                    help="time the fused level's mxfp8 rows inside mok.mxfp8_weight_cache(), warmed by the warm-up")

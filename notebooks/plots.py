@@ -179,3 +179,81 @@ def gantt(panels: dict, *, title: str, xlabel: str = "time (µs)", figsize=None)
     axes[-1, 0].set_xlabel(xlabel)
     fig.suptitle(title, fontweight="bold")
     return fig
+
+
+# ---- marks on a plot: goal lines, points, axes in the values that matter ---------------------------------------
+
+
+def hline(ax, y: float, text: str, *, color="0.35", style="--", where="right", va="bottom", fontsize=8):
+    """A horizontal reference line with its label written on it (what the line means, not a bare number). where:
+    "left", "right", or the label's centre as a fraction of the axes' width (to keep it off the data)."""
+    ax.axhline(y, color=color, linestyle=style, linewidth=1, zorder=1)
+    x, ha = {"right": (0.99, "right"), "left": (0.01, "left")}.get(where, (where, "center"))
+    ax.text(x, y, f" {text} ", transform=ax.get_yaxis_transform(), ha=ha, va=va, fontsize=fontsize, color=color)
+
+
+def mark_point(ax, x: float, y: float, text: str, *, color="black", dx=-8, dy=10, ha="right"):
+    """Ring a point and label it with an arrow-free offset annotation (e.g. 'NVL72: 1.10×')."""
+    ax.plot([x], [y], marker="o", markersize=10, markerfacecolor="none", markeredgecolor=color, markeredgewidth=1.5,
+            zorder=5)
+    ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, fontsize=8, color=color,
+                fontweight="bold")
+
+
+def value_ticks(ax, values, *, axis="x", fmt="{:g}"):
+    """Ticks at the values themselves (e.g. EP degrees 1, 2, 4, …, 72 on a log axis), not at powers of two."""
+    values = list(values)
+    if axis == "x":
+        ax.set_xticks(values, [fmt.format(v) for v in values])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+    else:
+        ax.set_yticks(values, [fmt.format(v) for v in values])
+        ax.yaxis.set_minor_locator(plt.NullLocator())
+
+
+# ---- notebook 04: ratios and shares -----------------------------------------------------------------------------
+
+
+def ratio_heatmap(values: pd.DataFrame, labels: pd.DataFrame, *, ax, norm, title: str, xlabel: str = "",
+                  ylabel: str = "", cmap="RdBu", missing: str = "not measured"):
+    """Cells coloured by a ratio on a shared norm (pass the same matplotlib norm to every compared panel) and
+    written with labels (same index/columns as values; NaN cells are greyed and say `missing`). Returns the image,
+    for one colorbar shared by the panels."""
+    data = values.to_numpy(dtype=float)
+    image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, norm=norm, aspect="auto")
+    ax.set_facecolor("0.92")
+    for (i, j), v in np.ndenumerate(data):
+        text = missing if np.isnan(v) else labels.iat[i, j]
+        shade = 0.0 if np.isnan(v) else abs(norm(v) - 0.5)
+        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if shade > 0.33 else "black")
+    ax.set_xticks(range(values.shape[1]), values.columns)
+    ax.set_yticks(range(values.shape[0]), values.index)
+    ax.tick_params(length=0)
+    ax.grid(False)
+    for edge in np.arange(-0.5, values.shape[0], 1.0):
+        ax.axhline(edge, color="white", lw=1.5)
+    for edge in np.arange(-0.5, values.shape[1], 1.0):
+        ax.axvline(edge, color="white", lw=1.5)
+    label(ax, title, xlabel, ylabel)
+    return image
+
+
+def stacked_shares(table: pd.DataFrame, *, ax, colors: dict, title: str, xlabel: str, ylabel: str = "",
+                   min_label: float = 0.06):
+    """Horizontal stacked bars, one per row of table (columns: the parts, values: shares summing to ~1), each part
+    in its colour, parts of at least min_label written with their share."""
+    left = np.zeros(len(table))
+    for part in table.columns:
+        share = table[part].to_numpy(dtype=float)
+        ax.barh(range(len(table)), share, left=left, color=colors[part], edgecolor="white", height=0.7, label=part)
+        for i, (x0, w) in enumerate(zip(left, share)):
+            if w >= min_label:
+                ax.text(x0 + w / 2, i, f"{w:.0%}", ha="center", va="center", fontsize=8, color="white",
+                        fontweight="bold")
+        left += share
+    ax.set_yticks(range(len(table)), table.index)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.0, left.max()))
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
+    label(ax, title, xlabel, ylabel)
+    return ax

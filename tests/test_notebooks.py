@@ -54,7 +54,8 @@ def test_parameter_contract(path):
     for name, kind in CONTRACT.items():
         assert name in params and params[name][0] == kind, f"{path.name}: missing `{name}: {kind}`"
     assert params["smoke"][1] is False and params["source"][1] in ("precomputed", "live")
-    assert params["level"][1] == "reference" and params["device"][1] == "cpu"
+    # the notebooks step down the ladder from L1 ("torch") by default (issue 44); "reference" until each is rewritten
+    assert params["level"][1] in ("torch", "reference") and params["device"][1] == "cpu"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
