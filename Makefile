@@ -27,7 +27,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 FIGDIR := build/figures
 # the figures the README shows: regenerated here, committed under docs/figures/
-README_FIGURES := 01_route_placement 02_sqnr 03_timeline 04_tflops
+README_FIGURES := 01_route_placement 02_sqnr 03_timeline 04_mok_figure
 
 .PHONY: test figures readme-figures notebook-data lint clean
 
