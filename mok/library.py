@@ -9,7 +9,9 @@
 
 A custom op is opaque to Dynamo, which runs its fake (shapes and dtypes) while tracing: inside the ops run, at run
 time and as in eager, what Dynamo cannot trace: the level lookup (importlib), the levels' dataclass state, and the
-checks that read device values on the host (expert ids in range, finite router logits).
+checks that read device values on the host (expert ids in range, finite router logits). Eager calls the same ops:
+it pays torch's custom-op dispatch (Python, per call) over the autograd.Function it replaces, and in exchange eager
+and compiled run the same code, so their bits agree by construction.
 
 Saved state. A level's forward returns (out, saved), saved a dataclass (mok.reference.Saved or a subclass) holding
 tensors, tuples, a mok.schedule.Schedule and options. An op returns tensors only, so moe_forward returns saved's
@@ -114,8 +116,8 @@ def _level(backend: str, x: Tensor, precision: str, num_sms, mx_weights):
 
 def _saved_spec(level, inputs: tuple, precision: str, swiglu_limit, options: dict):
     """(spec, leaves) of the level's saved_like on the meta device: where each tensor of the op goes in its saved.
-    Cached: building it costs ~100 us of Python per backward, and it depends on nothing else than the key, the
-    level's module defaults (DEFAULT_*, which its saved_like may read: fused's, from the environment) included."""
+    Cached (building it is a meta tensor per saved tensor, before the backward's first launch): it depends on nothing
+    but the key, the level's module defaults included (DEFAULT_*, which its saved_like may read: fused's)."""
     defaults = tuple((k, v) for k, v in vars(level).items() if k.startswith("DEFAULT_"))
     shapes = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
     return _saved_spec_of(level.__name__, shapes, precision, swiglu_limit, tuple(sorted(options.items())), defaults)
@@ -205,13 +207,17 @@ def _moe_backward(ctx, d_out, _d_saved):
     return (d_x, None, d_tw, *d_w) + (None,) * 6  # topk_idx and the six options take none
 
 
+def _keep_nothing(ctx, inputs, output):
+    """setup_context of a backward op: its own backward only raises."""
+
+
 def _no_double_backward(ctx, *_):
     raise RuntimeError("mok.moe: double backward is not supported (its backward is once-differentiable): "
                        "the gradients of a create_graph=True backward through it cannot be differentiated")
 
 
 moe_forward.register_autograd(_moe_backward, setup_context=_moe_setup_context)
-moe_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+moe_backward.register_autograd(_no_double_backward, setup_context=_keep_nothing)
 
 
 # ---- mok::softmax_topk_router: mok.MoE's router -------------------------------------------------------------------
@@ -291,4 +297,4 @@ def _router_no_double_backward(ctx, *_):
 
 
 softmax_topk_router.register_autograd(_router_backward, setup_context=_router_setup_context)
-softmax_topk_router_backward.register_autograd(_router_no_double_backward, setup_context=lambda ctx, i, o: None)
+softmax_topk_router_backward.register_autograd(_router_no_double_backward, setup_context=_keep_nothing)
