@@ -91,19 +91,19 @@ def _from_spec(spec, tensors: tuple):
 
 def _unaliased(outputs: list, others) -> list:
     """outputs, each one sharing memory with a tensor of `others` or an earlier output replaced by a copy (what an
-    op may return); the copies in one foreach copy (one launch on a GPU)."""
+    op may return); the copies one foreach copy per dtype (one launch each on a GPU: its fast path takes one dtype)."""
     seen = {t.untyped_storage()._cdata for t in others if t is not None}  # torch's own aliasing test
-    shared = []
+    shared = {}  # dtype -> positions in outputs
     for i, t in enumerate(outputs):
         key = t.untyped_storage()._cdata
         if key in seen:
-            shared.append(i)
+            shared.setdefault(t.dtype, []).append(i)
         seen.add(key)
-    if shared:
-        copies = [torch.empty_like(outputs[i]) for i in shared]
-        torch._foreach_copy_(copies, [outputs[i] for i in shared])
-        outputs = list(outputs)
-        for i, c in zip(shared, copies):
+    outputs = list(outputs)
+    for positions in shared.values():
+        copies = [torch.empty_like(outputs[i]) for i in positions]
+        torch._foreach_copy_(copies, [outputs[i] for i in positions])
+        for i, c in zip(positions, copies):
             outputs[i] = c
     return outputs
 

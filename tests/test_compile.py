@@ -163,6 +163,24 @@ def test_fused_wiring_compiles_with_twins(monkeypatch, precision):
     _check_moe_compiles("fused", precision)
 
 
+def test_saved_tensors_sharing_memory_are_copied():
+    """What the fused kernels save on the GPU and the twins do not: schedule arrays carved from one allocation,
+    MXFP8 data and scales in one buffer, a view of an input. An op may not return those as they are: each one
+    sharing memory with an input or an earlier output becomes a copy, of the same bits; the others stay."""
+    carve = torch.arange(40, dtype=torch.int64)  # make_schedule_cuda: one allocation, narrowed per array
+    mx = torch.arange(80, dtype=torch.uint8)  # grouped_gemm_..._mxfp8_out: data [2, 32] e4m3, then scales [2, 1]
+    x = torch.randn(4, 8)
+    fresh = torch.randn(3)
+    outputs = [carve[:8], carve[8:16], carve[16:40].view(4, 6), mx[:64].view(torch.float8_e4m3fn).view(2, 32),
+               mx[64:66].view(2, 1), x[1:], fresh]
+    got = mok.library._unaliased(outputs, (x, None))
+    assert got[0] is outputs[0] and got[3] is outputs[3] and got[6] is fresh  # the first of each storage stays
+    storages = [t.untyped_storage()._cdata for t in (*got, x)]
+    assert len(set(storages)) == len(storages)
+    for a, b in zip(got, outputs):
+        assert a.dtype == b.dtype and a.shape == b.shape and bitwise_equal(a, b)
+
+
 def test_host_checks_still_raise_under_compile():
     """The checks that read device values run inside the ops, at run time: the same errors as in eager."""
     inputs = make_inputs(CFG, seed=3)
