@@ -86,12 +86,12 @@ import torch
 from mok import bad_ids, mx_cache, ops, reference
 from mok.checks import check_optional_int, fail
 from mok.reference import BF16, Saved
-from mok.schedule import Schedule, make_schedule
+from mok.schedule import Schedule, make_schedule, max_num_rows, schedule_like
 
 __all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "OPTIONS", "PRECISIONS",
            "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "dgrad_swiglu_route_grads", "experts_forward",
            "forward", "gather_x_rows", "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env", "pad_rows",
-           "shared_schedule"]
+           "saved_like", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -102,17 +102,19 @@ NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset o
 #                 about half the forward's peak memory on dsv4pro-rank)
 MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
 MX_WEIGHTS = ("dequantize", "mainloop")
-PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.layer.resolve_backend reads it)
+PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.levels.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
 OPTIONS = ("num_sms", "mx_weights")  # the keyword options this level takes beyond precision and swiglu_limit
 
 
 @dataclass(eq=False)
 class FusedSaved(Saved):
-    """L0's Saved in the schedule's row layout (`y` stays None). In bf16 nothing of size [rows, hidden] is kept: the
-    router gradient comes from the expert backward. In mxfp8 the routed outputs are kept in y_rows (the recipe's
-    dy = bf16(w·d_out) is what its dgrad quantizes, so d_topk_weights is ⟨d_out, y⟩), and the routed gate/up as
-    MXFP8 in gate_mx/up_mx (`gate`/`up` None)."""
+    """L0's Saved in the schedule's row layout (`y` stays None), the shared expert's gate/up in shared_rows
+    (`shared_gate`/`shared_up` stay None: views of them, which a custom op could not return beside them,
+    mok.library). In bf16 nothing of size [rows, hidden] is kept: the router gradient comes from the expert
+    backward. In mxfp8 the routed outputs are kept in y_rows (the recipe's dy = bf16(w·d_out) is what its dgrad
+    quantizes, so d_topk_weights is ⟨d_out, y⟩), and the routed gate/up as MXFP8 in gate_mx/up_mx (`gate`/`up`
+    None)."""
 
     y_rows: torch.Tensor | None = None  # [num_rows, H], mxfp8 only
     shared_rows: tuple | None = None  # (gate, up) [R_sh, I_sh] of the shared expert, padding rows included
@@ -283,13 +285,12 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
                                  w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
     # The shared expert first: its schedule is cached, so its GEMMs start at once and run while the host
     # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
-    shared, shared_gate, shared_up, shared_rows = None, None, None, None
+    shared, shared_rows = None, None
     if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
         sh = shared_schedule(T, x.device)  # cached; read-only
         rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
                                swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
-        shared, shared_gate, shared_up = (t[:T] for t in rows)  # row t = token t: contiguous prefixes
-        shared_rows = rows[1:]
+        shared, shared_rows = rows[0][:T], rows[1:]  # row t = token t: a contiguous prefix
 
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
@@ -306,10 +307,43 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     bad_ids.raise_landed()  # earlier calls' counts that have reached the host
     bad_ids.defer(sched)  # this call's count of ids outside [0, E), checked once it has landed
     saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-                       w_shared_down), gate, up, None, shared_gate, shared_up, precision, swiglu_limit,
+                       w_shared_down), gate, up, None, None, None, precision, swiglu_limit,
                        sched=sched, y_rows=y_rows if precision == "mxfp8" else None, shared_rows=shared_rows,
                        num_sms=num_sms, mx_weights=mx_weights, gate_mx=gate_mx, up_mx=up_mx)
     return out, saved
+
+
+def saved_like(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+               w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None, mx_weights=None,
+               dynamic_size=None) -> Saved:
+    """forward's saved state with empty tensors of its shapes and dtypes, from the inputs' shapes (mok.levels): row
+    buffers of max_num_rows rows (make_schedule_cuda without a sync), or of an id-dependent count from dynamic_size()
+    where make_schedule_cuda falls back to make_schedule; an empty batch's is L0's."""
+    num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
+    mx_weights = DEFAULT_MX_WEIGHTS if mx_weights is None else mx_weights
+    (T, H), (E, I, _) = x.shape, w_gate.shape
+    if T == 0:
+        return reference.saved_like(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                                    w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
+    K = topk_idx.shape[1]
+    num_rows = max_num_rows(T, K, E, BLOCK_M)
+    if E > ops.SCHEDULE_MAX_EXPERTS or num_rows >= 2**31:  # make_schedule_cuda's fallback: make_schedule (syncs)
+        num_rows = dynamic_size()
+    shared_rows = None
+    if w_shared_gate is not None:  # shared_schedule(T): the tokens in order, padded to BLOCK_M
+        shared_rows = tuple(x.new_empty((T + BLOCK_M - 1) // BLOCK_M * BLOCK_M, w_shared_gate.shape[0])
+                            for _ in range(2))  # [R_sh, I_sh] each
+    gate, up, gate_mx, up_mx = None, None, None, None
+    if precision == "mxfp8":  # row-wise MXFP8: (data e4m3 [R, I], scales uint8 [R, I / 32]) each
+        gate_mx, up_mx = ((x.new_empty(num_rows, I, dtype=torch.float8_e4m3fn),
+                           x.new_empty(num_rows, I // ops.BLOCK_SIZE, dtype=torch.uint8)) for _ in range(2))
+    else:
+        gate, up = x.new_empty(num_rows, I), x.new_empty(num_rows, I)  # [R, I] bf16 each
+    return FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
+                      gate, up, None, None, None, precision, swiglu_limit,
+                      sched=schedule_like(T, K, E, BLOCK_M, num_rows, x.device),
+                      y_rows=x.new_empty(num_rows, H) if precision == "mxfp8" else None,
+                      shared_rows=shared_rows, num_sms=num_sms, mx_weights=mx_weights, gate_mx=gate_mx, up_mx=up_mx)
 
 
 # ---- backward -------------------------------------------------------------------------------------------

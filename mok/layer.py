@@ -1,150 +1,24 @@
 """The differentiable functional op `mok.moe` and the `nn.Module` `mok.MoE` (DESIGN §3).
 
-Every level is a module with the same two functions, so the ladder is one dictionary:
-    forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_*, *, precision, swiglu_limit)
-        -> (out [T, H] bf16, saved)
-    backward(saved, d_out [T, H] bf16) -> (d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_*)
+Both run mok's custom ops (mok.library), in eager and under torch.compile(fullgraph=True) alike: `mok.moe` is
+mok::moe_forward with its autograd formula, `mok.MoE` adds its router, mok::softmax_topk_router. The levels they run
+are mok.levels' ladder (its names are importable from here too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import importlib.util
 import math
 
 import torch
 from torch import nn
 
-from mok import routing
-from mok.checks import check_expert_ids, check_int, check_moe_inputs, fail
+from mok import library  # noqa: F401  registers the mok:: ops
+from mok.checks import check_int, check_moe_inputs, check_optional_int, fail
 from mok.config import PRECISIONS
 from mok.layouts import GATE_UP_LAYOUTS, split_gate_up
+from mok.levels import HOPPER_LEVELS, LEVELS, get_level, level_options, resolve_backend  # noqa: F401  (API)
 
-# level name -> module implementing forward/backward (DESIGN §6)
-LEVELS = {
-    "reference": "mok.reference",  # L0
-    "torch": "mok.torch_native",  # L1
-    "fused": "mok.fused",  # L2 (Hopper kernels; bf16)
-    "megakernel": "mok.megakernel",  # L3/L4 (not built yet)
-}
-HOPPER_LEVELS = ("megakernel", "fused")  # run only on sm_90 (Hopper); "auto" tries them deepest first
-
-
-def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def _lists(name: str, attr: str, value, default=()) -> bool:
-    """Whether level `name` is built and its `attr` (PRECISIONS, OPTIONS; `default` where it has none) holds `value`."""
-    return importlib.util.find_spec(LEVELS[name]) is not None and value in getattr(get_level(name), attr, default)
-
-
-def resolve_backend(backend: str, device: torch.device, precision: str = "bf16") -> str:
-    """"auto" picks the deepest level that exists and runs `precision` on `device`: the Hopper levels
-    on an sm_90 GPU only; L1 ("torch") everywhere else."""
-    if backend == "auto":
-        if _is_hopper(device):
-            for name in HOPPER_LEVELS:
-                if _lists(name, "PRECISIONS", precision, PRECISIONS):
-                    return name
-        return "torch"
-    if backend not in LEVELS:
-        raise ValueError(f"backend: expected 'auto' or one of {list(LEVELS)}, got {backend!r}")
-    if importlib.util.find_spec(LEVELS[backend]) is None:
-        raise NotImplementedError(f"backend: level {backend!r} is not built yet; use 'reference' or 'torch'")
-    return backend
-
-
-def get_level(backend: str):
-    return importlib.import_module(LEVELS[backend])
-
-
-def _level_options(backend: str, **options) -> dict:
-    """The options given (not None), checked against what level `backend` takes (its OPTIONS)."""
-    given = {name: value for name, value in options.items() if value is not None}
-    takes = getattr(get_level(backend), "OPTIONS", ())
-    for name, value in given.items():
-        if name not in takes:
-            fail(name, f"None for backend {backend!r} (levels that take it: "
-                       f"{[n for n in LEVELS if n != backend and _lists(n, 'OPTIONS', name)]})", repr(value))
-    return given
-
-
-class _Slot(int):
-    """A tensor's position in ctx.saved_tensors, standing in for it in the level's Saved on ctx."""
-
-
-def _to_slots(value, tensors: list, slots: dict):
-    """value with every tensor (also inside tuples) replaced by its _Slot, appending new tensors to `tensors`."""
-    if isinstance(value, torch.Tensor):
-        if id(value) not in slots:
-            slots[id(value)] = _Slot(len(tensors))
-            tensors.append(value)
-        return slots[id(value)]
-    if isinstance(value, tuple):
-        return tuple(_to_slots(v, tensors, slots) for v in value)
-    return value
-
-
-def _from_slots(value, tensors: tuple):
-    if isinstance(value, _Slot):
-        return tensors[value]
-    if isinstance(value, tuple):
-        return tuple(_from_slots(v, tensors) for v in value)
-    return value
-
-
-class _MoEFunction(torch.autograd.Function):
-    """Every tensor of the level's Saved (the inputs x, topk_idx, topk_weights and weights first, then its own
-    activations) goes through save_for_backward: autograd checks their versions (an input modified in place
-    raises), keeps them for retain_graph and frees them after the last backward. Other fields (a schedule,
-    options) stay on ctx as they are."""
-
-    @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                precision, swiglu_limit, backend, options):
-        level = get_level(backend)
-        inputs = (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        out, saved = level.forward(*inputs, precision=precision, swiglu_limit=swiglu_limit, **options)
-        tensors, slots = [], {}
-        _to_slots(inputs, tensors, slots)  # the inputs first, whether or not the level's Saved holds them
-        ctx.saved = dataclasses.replace(saved, **{f.name: _to_slots(getattr(saved, f.name), tensors, slots)
-                                                  for f in dataclasses.fields(saved)})
-        ctx.save_for_backward(*tensors)
-        ctx.level = level
-        ctx.mark_non_differentiable(topk_idx)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        tensors = ctx.saved_tensors  # raises if an input was modified in place since the forward
-        saved = dataclasses.replace(ctx.saved, **{f.name: _from_slots(getattr(ctx.saved, f.name), tensors)
-                                                  for f in dataclasses.fields(ctx.saved)})
-        with torch.no_grad():
-            d_x, d_tw, *d_w = ctx.level.backward(saved, d_out.contiguous())
-        grads = (d_x, d_tw, *d_w)
-        # torch's once_differentiable, but for the saved inputs too: under create_graph=True the gradients
-        # depend on x and the weights even when d_out needs no grad (a loss's ones), and would otherwise come
-        # back as constants, a silently missing second-order term.
-        if torch.is_grad_enabled():
-            grads = _NoDoubleBackward.apply(len(grads), *grads, d_out, *tensors)
-        d_x, d_tw, *d_w = grads
-        return (d_x, None, d_tw, *d_w, None, None, None, None)
-
-
-class _NoDoubleBackward(torch.autograd.Function):
-    """The identity on a create_graph=True backward's gradients, linked to what they depend on (d_out and the
-    saved inputs); differentiating them raises."""
-
-    @staticmethod
-    def forward(ctx, num_grads, *grads_then_inputs):  # the inputs only link the gradients to the graph
-        return tuple(g if g is None else g.view_as(g) for g in grads_then_inputs[:num_grads])
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError("mok.moe: double backward is not supported (its backward is once-differentiable): "
-                           "the gradients of a create_graph=True backward through it cannot be differentiated")
+__all__ = ["HOPPER_LEVELS", "LEVELS", "MoE", "get_level", "level_options", "moe", "resolve_backend"]
 
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
@@ -165,18 +39,23 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_s
     memory, slower; the same bits). Giving one to a level that has no such option raises ValueError."""
     check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                      w_shared_down, precision=precision, swiglu_limit=swiglu_limit, check_ids=False)
-    backend = resolve_backend(backend, x.device, precision)
-    options = _level_options(backend, num_sms=num_sms, mx_weights=mx_weights)
-    if check or not getattr(get_level(backend), "CHECKS_IDS_ON_DEVICE", False):
-        check_expert_ids(topk_idx, w_gate.shape[0])
-    return _MoEFunction.apply(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate,
-                              w_shared_up, w_shared_down, precision, swiglu_limit, backend, options)
+    # The op's schema takes these types only (it would refuse others with a less clear error, or turn True into 1);
+    # the values are the level's to check, inside the op, where the level is resolved.
+    if not isinstance(backend, str):
+        fail("backend", f"'auto' or one of {list(LEVELS)}", repr(backend))
+    check_optional_int("num_sms", num_sms, 1)
+    if mx_weights is not None and not isinstance(mx_weights, str):
+        fail("mx_weights", "None or a str (the fused level's weight path)", repr(mx_weights))
+    out, _ = torch.ops.mok.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+                                       w_shared_down, backend, precision, swiglu_limit, num_sms, mx_weights,
+                                       bool(check))
+    return out
 
 
 class MoE(nn.Module):
     """A routed SwiGLU MoE block (plus an optional shared expert) with a softmax top-k router.
 
-    x [..., hidden] -> [..., hidden] in x's dtype. The router runs in fp32 in plain PyTorch and receives
+    x [..., hidden] -> [..., hidden] in x's dtype. The router runs in fp32 (an op of its own, mok.library) and receives
     gradients through topk_weights; the experts run at the chosen level and precision on bf16 x and bf16
     weights. The module follows `.to(dtype)`: parameters in fp32 (master weights) or fp16 are cast to bf16
     at the call, and their gradients come back in their own dtype.
@@ -247,12 +126,11 @@ class MoE(nn.Module):
             fail("x", f"a tensor [..., hidden={self.hidden}]", list(getattr(x, "shape", [type(x).__name__])))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [num_tokens, hidden]
-        logits = x2.float() @ self.w_router.float().T  # [num_tokens, num_experts] fp32
         tile = self.route_tile
         if tile is not None and x2.shape[0] * self.num_topk < tile * self.num_experts:
             tile = None  # too few routes to round: plain top-k (class docstring)
-        routes = routing.softmax_topk(logits, self.num_topk, tile=tile)
-        topk_idx, topk_weights = (t.contiguous() for t in routes)
+        # routing.softmax_topk on fp32 logits, in an op: eager's bits under torch.compile too (mok.library)
+        topk_idx, topk_weights, _ = torch.ops.mok.softmax_topk_router(x2, self.w_router, self.num_topk, tile)
         gate_up = ((self.w_gate, self.w_up) if self.gate_up_layout is None
                    else split_gate_up(self.w_gate_up, self.gate_up_layout))  # [E, I, H] each
         weights = (*gate_up, self.w_down, self.w_shared_gate, self.w_shared_up, self.w_shared_down)

@@ -190,5 +190,19 @@ def moe_backward(saved: Saved, d_out: torch.Tensor) -> tuple:
     return (d_x.to(BF16), d_topk_weights, *d_w, *d_shared)
 
 
-# The level interface of mok.layer (every level exposes forward/backward with these signatures).
+def saved_like(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+               w_shared_down=None, *, precision="bf16", swiglu_limit=None, dynamic_size=None) -> Saved:
+    """moe_forward's Saved with empty tensors of its shapes and dtypes, from the inputs' shapes (mok.levels); no size
+    here depends on the ids, so dynamic_size (a source of data-dependent sizes) goes unused."""
+    T, H = x.shape
+    K, I = topk_idx.shape[1], w_gate.shape[1]
+    gate, up = x.new_empty(T * K, I), x.new_empty(T * K, I)  # [T·K, I] bf16 each
+    shared_gate, shared_up = None, None
+    if w_shared_gate is not None:
+        shared_gate, shared_up = (x.new_empty(T, w_shared_gate.shape[0]) for _ in range(2))  # [T, I_sh] each
+    return Saved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
+                 gate, up, x.new_empty(T, K, H), shared_gate, shared_up, precision, swiglu_limit)
+
+
+# The level interface of mok.levels (every level exposes forward/backward/saved_like with these signatures).
 forward, backward = moe_forward, moe_backward

@@ -45,6 +45,8 @@ def _check_logits(logits) -> torch.Tensor:
         raise TypeError(f"logits: expected a floating dtype, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits: expected num_experts >= 1, got shape with 0 columns")
+    if torch.compiler.is_compiling():  # a host read would break the graph (mok.MoE's router checks inside its op)
+        return logits
     finite = torch.isfinite(logits).all()
     if logits.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no host read, a device assert
         torch._assert_async(finite, "logits: expected finite values, found NaN or Inf")
@@ -74,6 +76,11 @@ def softmax_topk(
     With `tile`, the choice is rounded to it (`round_to_tiles` on the probabilities) before the
     weights are taken.
     """
+    return _softmax_topk(logits, num_topk, normalize, tile)[:2]
+
+
+def _softmax_topk(logits, num_topk: int, normalize: bool = True, tile: int | None = None) -> tuple:
+    """softmax_topk, and its softmax: (topk_idx, topk_weights, probs fp32 [num_tokens, num_experts])."""
     logits = _check_logits(logits)
     check_int("num_topk", num_topk, 1, logits.shape[1])
     probs = logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
@@ -83,7 +90,7 @@ def softmax_topk(
         topk_weights = probs.gather(1, topk_idx)  # [num_tokens, num_topk]
     if normalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)  # [num_tokens, num_topk]
-    return topk_idx, topk_weights
+    return topk_idx, topk_weights, probs
 
 
 def sigmoid_bias_topk(
@@ -118,7 +125,7 @@ def sigmoid_bias_topk(
         )
     if bias.device != logits.device:
         raise ValueError(f"bias: expected device {logits.device}, got {bias.device}")
-    if not bool(torch.isfinite(bias).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(bias).all()):  # a host read breaks a graph
         raise ValueError("bias: expected finite values, found NaN or Inf")
     if (
         not isinstance(routed_scaling, (int, float))

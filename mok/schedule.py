@@ -32,7 +32,7 @@ import torch
 from mok.checks import check_int, check_topk_idx, fail
 
 __all__ = ["ROW_FIELDS", "TILE_FIELDS", "Schedule", "gather_rows", "make_schedule", "max_num_rows", "scatter_routes",
-           "segment"]
+           "schedule_like", "segment"]
 
 ROW_FIELDS = ("row_to_token", "row_to_k", "row_to_route", "row_to_expert")  # [num_rows] each
 TILE_FIELDS = ("tile_to_expert", "tile_num_rows")  # [num_rows / block_m] each
@@ -189,6 +189,22 @@ def make_schedule(topk_idx: torch.Tensor, num_experts: int, block_m: int = 128) 
         tile_num_rows=tile_num_rows,
         counts=counts,
     )
+
+
+def schedule_like(num_tokens: int, num_topk: int, num_experts: int, block_m: int, num_rows: int, device) -> Schedule:
+    """A Schedule of empty tensors with the shapes and dtypes of one with `num_rows` rows (spare rows included): what
+    a level's saved_like holds for its schedule (mok.levels). The ints may be symbolic (torch.compile's fake)."""
+    def empty(*shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    num_tiles = num_rows // block_m
+    return Schedule(
+        num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts, block_m=block_m, num_rows=num_rows,
+        tokens_per_expert=empty(num_experts), padded_per_expert=empty(num_experts),
+        expert_offsets=empty(num_experts + 1), row_to_token=empty(num_rows), row_to_k=empty(num_rows),
+        row_to_route=empty(num_rows), row_to_expert=empty(num_rows), route_to_row=empty(num_tokens, num_topk),
+        tile_offsets=empty(num_experts + 1), tile_to_expert=empty(num_tiles), tile_num_rows=empty(num_tiles),
+        counts=empty(2, dtype=torch.int32))
 
 
 # ---- helpers for the reference -----------------------------------------------------------------

@@ -96,6 +96,23 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     return out, saved
 
 
+def saved_like(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
+               w_shared_down=None, *, precision="bf16", swiglu_limit=None, dynamic_size=None) -> Saved:
+    """forward's Saved with empty tensors of its shapes and dtypes (mok.levels). Its schedule has T·K rows in bf16
+    (block_m 1: no padding); in mxfp8 (block_m 32) a count that depends on the ids, taken from dynamic_size()."""
+    T, H = x.shape
+    K, E, I = topk_idx.shape[1], w_gate.shape[0], w_gate.shape[1]
+    block_m = 32 if precision == "mxfp8" else 1
+    num_rows = T * K if block_m == 1 else dynamic_size()
+    sched = sch.schedule_like(T, K, E, block_m, num_rows, x.device)
+    shared_gate, shared_up = None, None
+    if w_shared_gate is not None:
+        shared_gate, shared_up = (x.new_empty(T, w_shared_gate.shape[0]) for _ in range(2))  # [T, I_sh] each
+    return Saved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
+                 x.new_empty(num_rows, I), x.new_empty(num_rows, I), x.new_empty(T, K, H), shared_gate, shared_up,
+                 precision, swiglu_limit, sched=sched)  # gate/up [R, I] in the schedule's rows, y [T, K, H]
+
+
 def weight_grads(x_rows, h, dy_rows, d_gate, d_up, offs, p):
     """Routed weight gradients as k-grouped GEMMs over each expert's rows (K = its tokens):
     (d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I])."""

@@ -414,7 +414,6 @@ def _edge_batch_is_l0(cfg, device: str, precision: str) -> None:
 def test_edge_batches_on_the_twins(monkeypatch, num_tokens, precision):
     """Empty and single-token batches through the fused level's wiring (kernels as twins, on the CPU)."""
     _use_twins(monkeypatch)
-    monkeypatch.setattr(mok.layer, "resolve_backend", lambda backend, device, precision="bf16": backend)
     _edge_batch_is_l0(TINY_SHAPES["tiny"].scaled(num_tokens=num_tokens), "cpu", precision)
 
 

@@ -190,6 +190,17 @@ def test_double_backward_raises(backend, d_out_requires_grad):
         torch.autograd.grad(d_x.float().square().sum() + d_w_gate.float().sum(), args[3])
 
 
+def test_module_double_backward_raises():
+    """The router (its own op) and the experts: a create_graph=True backward, then differentiating it raises."""
+    torch.manual_seed(0)
+    layer = mok.MoE(64, 96, num_experts=4, num_topk=2, backend="reference")
+    x = torch.randn(5, 64).bfloat16().requires_grad_()
+    out = layer(x)
+    (d_x,) = torch.autograd.grad(out, x, torch.ones_like(out), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(d_x.float().square().sum(), layer.w_router)
+
+
 # ---- mok.MoE: dtypes, arguments, small batches (issue 43) --------------------------------------------------------
 
 def _module(**kwargs):

@@ -193,11 +193,11 @@ def test_bad_ids_of_a_cpu_schedule_raise_at_once(no_pending):
 @pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("level", ["torch", "fused"])
 def test_moe_reads_ids_on_the_host_unless_the_level_checks_them(monkeypatch, level, check):
-    """mok.moe skips its min/max read (a host sync) on a level that checks ids on the device (fused), unless
+    """mok.moe (its op) skips its min/max read (a host sync) on a level that checks ids on the device (fused), unless
     check=True; every other level keeps it."""
     _use_twins(monkeypatch)
     calls = []
-    monkeypatch.setattr(mok.layer, "check_expert_ids", lambda idx, e: calls.append(e))
+    monkeypatch.setattr(mok.library, "check_expert_ids", lambda idx, e: calls.append(e))  # inside mok::moe_forward
     inputs = make_inputs(TINY_SHAPES["tiny"], seed=fresh_seed())
     mok.moe(*moe_args(inputs), backend=level, check=check)
     assert len(calls) == (1 if check or level != "fused" else 0)
