@@ -103,6 +103,38 @@ def heatmap(table: pd.DataFrame, *, title: str, xlabel: str, ylabel: str, cbar_l
     return fig
 
 
+# ---- readable figures (notebooks 01, 02) ------------------------------------------------------------
+
+MAX_PX = 1600  # the widest PNG a figure may be: readable when the README shows it at page width
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels of a PNG file, read from its header."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path}: not a PNG file")
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def save_checked(fig, out_dir, name: str, *, smoke: bool = False, max_px: int = MAX_PX) -> Path:
+    """`save`, then check that the PNG is at most max_px wide (raises otherwise). Returns the path."""
+    path = save(fig, out_dir, name, smoke=smoke)
+    width, _ = png_size(path)
+    if width > max_px:
+        raise ValueError(f"{path.name}: {width} px wide, more than {max_px}: draw it narrower")
+    return path
+
+
+def goal_line(ax, y: float, text: str, *, color="0.25", ls="--", x: float = 0.99, va="bottom", ha="right"):
+    """A horizontal reference line with its label written beside it, in axes coordinates along x (no legend to
+    look up)."""
+    ax.axhline(y, color=color, ls=ls, lw=1.2, zorder=1)
+    ax.text(x, y, text, transform=ax.get_yaxis_transform(), ha=ha, va=va, fontsize=9, color=color,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5})
+    return ax
+
+
 # ---- notebook 01: route placement --------------------------------------------------------------
 
 
@@ -115,7 +147,7 @@ def route_placement(sched, title: str = "Route placement: the expert-major row b
     idx = sched.row_to_expert.new_zeros(sched.num_tokens, sched.num_topk)  # [T, K]
     real = (sched.row_to_route >= 0).nonzero().squeeze(1)  # real rows
     idx.view(-1)[sched.row_to_route[real]] = sched.row_to_expert[real]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.32 * max(sched.num_tokens, 2 * sched.num_tiles) + 1.6),
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9.6, 0.32 * max(sched.num_tokens, 2 * sched.num_tiles) + 1.6),
                                layout="constrained", gridspec_kw={"width_ratios": [1, 1.6]})
     for t in range(sched.num_tokens):
         for k in range(sched.num_topk):

@@ -54,8 +54,8 @@ def test_parameter_contract(path):
     for name, kind in CONTRACT.items():
         assert name in params and params[name][0] == kind, f"{path.name}: missing `{name}: {kind}`"
     assert params["smoke"][1] is False and params["source"][1] in ("precomputed", "live")
-    # the notebooks step down the ladder from L1 ("torch") by default (issue 44); "reference" until each is rewritten
-    assert params["level"][1] in ("torch", "reference") and params["device"][1] == "cpu"
+    # every notebook steps down the ladder from L1 ("torch", which runs on the CPU) against L0 by default
+    assert params["level"][1] == "torch" and params["device"][1] == "cpu"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
