@@ -210,5 +210,7 @@ def test_fused_compiles_with_eagers_bits(precision):
     torch._dynamo.reset()
     _check_module_compiles("fused", precision, device="cuda")
     torch._dynamo.reset()
-    _opcheck_moe("fused", precision, device="cuda", num_tokens=37)
+    # opcheck's AOT-dispatch test sums every output, which CUDA cannot for the saved float8 gate/up (torch 2.11)
+    utils = None if precision == "bf16" else ("test_schema", "test_autograd_registration", "test_faketensor")
+    _opcheck_moe("fused", precision, device="cuda", num_tokens=37, utils=utils)
     mok.check_errors()  # clean ids: nothing queued raises
