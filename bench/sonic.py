@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import peer_pass
+
 REPO = Path(__file__).resolve().parents[1]
 # Where compiled kernels persist between processes (tools/gpu_env.sh exports the same; git-ignored .cache/):
 # CuTe-DSL's own file cache (compiled MLIR with its cubin), QuACK's exported .o per kernel, and QuACK's autotuning
@@ -140,12 +142,4 @@ def pass_fn(inputs: dict, pass_: str):
     dict, routed experts only (its shared expert, if any, is left out: SonicMoE has none). The backward passes
     differentiate x, topk_weights and the weights with autograd.grad (no .grad accumulation)."""
     peer = moe_fn(*(inputs[n] for n in ("x", "topk_idx", "topk_weights", "w_gate", "w_up", "w_down")))
-    d_out = inputs["d_out"]
-    if pass_ == "fwd":
-        return peer
-    if pass_ == "bwd":
-        out = peer()
-        return lambda: peer.grads(out, d_out, retain_graph=True)
-    if pass_ == "fwd+bwd":
-        return lambda: peer.grads(peer(), d_out)
-    raise ValueError(f"unknown pass {pass_!r}")
+    return peer_pass(peer, inputs["d_out"], pass_)

@@ -141,6 +141,19 @@ def timings(pass_: str, iters: int) -> int:
     return iters if pass_ == "fwd" else max(10, iters // 2)
 
 
+def peer_pass(peer, d_out: torch.Tensor, pass_: str):
+    """A no-argument callable timing one pass ("fwd", "bwd", "fwd+bwd") of a peer: `peer()` runs its forward,
+    `peer.grads(out, d_out, retain_graph=...)` differentiates with autograd.grad (nothing accumulates in .grad)."""
+    if pass_ == "fwd":
+        return peer
+    if pass_ == "bwd":
+        out = peer()
+        return lambda: peer.grads(out, d_out, retain_graph=True)
+    if pass_ == "fwd+bwd":
+        return lambda: peer.grads(peer(), d_out)
+    raise ValueError(f"pass_: expected one of fwd, bwd, fwd+bwd, got {pass_!r}")
+
+
 def peak_mem_gb(fn) -> float:
     """GB allocated by one call of fn on top of what was allocated before it (0 on the CPU)."""
     if not torch.cuda.is_available():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.timing import peer_pass
 from mok import schedule as sch
 
 NAME = "torchao-fp8"  # the peer's name in `--peers` and its rows' `level`
@@ -125,12 +126,4 @@ def pass_fn(inputs: dict, pass_: str, grouped_mm=None):
     weights with autograd.grad."""
     peer = TorchaoFp8Peer(*(inputs[n] for n in ("x", "topk_idx", "topk_weights", "w_gate", "w_up", "w_down")),
                           grouped_mm=grouped_mm)
-    d_out = inputs["d_out"]
-    if pass_ == "fwd":
-        return peer
-    if pass_ == "bwd":
-        out = peer()
-        return lambda: peer.grads(out, d_out, retain_graph=True)
-    if pass_ == "fwd+bwd":
-        return lambda: peer.grads(peer(), d_out)
-    raise ValueError(f"unknown pass {pass_!r}")
+    return peer_pass(peer, inputs["d_out"], pass_)

@@ -16,14 +16,11 @@ back, as `mok.MoE` does. Undo a swap with `del module.forward`.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from mok.checks import fail
-from mok.config import PRECISIONS
-from mok.layer import LEVELS, moe
+from mok.integrations.common import swap_forwards
+from mok.layer import moe
 from mok.layouts import split_gate_up
 
 BF16 = torch.bfloat16
@@ -76,24 +73,10 @@ def swap_experts(model: nn.Module, *, backend: str = "auto", precision: str = "b
     """Run every experts module of `model` (a transformers model or any module holding some) through mok.moe at
     `backend` and `precision`; returns their names. Raises ValueError naming what it found when there is no experts
     module or one that mok cannot compute exactly (then nothing is swapped)."""
-    if backend != "auto" and backend not in LEVELS:
-        fail("backend", f"'auto' or one of {list(LEVELS)}", repr(backend))
-    if precision not in PRECISIONS:
-        fail("precision", f"one of {PRECISIONS}", repr(precision))
     found = [(name, m) for name, m in model.named_modules() if _is_experts(m)]
-    if not found:
-        moe_like = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()
-                           or "moe" in type(m).__name__.lower()})
-        fail("model", "a transformers >= 5 model with experts modules (@use_experts_implementation: 3D gate_up_proj "
-                      "and down_proj)", f"{type(model).__name__} with MoE-like modules {moe_like or 'none'}")
-    for name, m in found:
-        if (why := unsupported(m)) is not None:
-            fail(f"model.{name}" if name else "model", "experts mok computes exactly (SwiGLU, no bias, [E, 2I, H])",
-                 f"{type(m).__name__} with {why}")
-        if precision == "mxfp8" and (m.gate_up_proj.shape[-1] % 32 or m.down_proj.shape[-1] % 32):
-            fail(f"model.{name}", "hidden and intermediate multiples of 32 for precision='mxfp8'",
-                 f"gate_up_proj {list(m.gate_up_proj.shape)}")
-    for _, m in found:
-        m.mok_backend, m.mok_precision = backend, precision
-        m.forward = types.MethodType(experts_forward, m)  # shadows the class's forward on this instance only
-    return [name for name, _ in found]
+    return swap_forwards(model, found, experts_forward, backend=backend, precision=precision,
+                         wanted="a transformers >= 5 model with experts modules (@use_experts_implementation: 3D "
+                                "gate_up_proj and down_proj)",
+                         exact="experts mok computes exactly (SwiGLU, no bias, [E, 2I, H])", unsupported=unsupported,
+                         dims=lambda m: (f"gate_up_proj {list(m.gate_up_proj.shape)}", m.gate_up_proj.shape[-1],
+                                         m.down_proj.shape[-1]))

@@ -17,14 +17,11 @@ imports triton at import time (its EP kernels), so it needs the `triton` package
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from mok.checks import fail
-from mok.config import PRECISIONS
-from mok.layer import LEVELS, moe
+from mok.integrations.common import swap_forwards
+from mok.layer import moe
 
 BF16 = torch.bfloat16
 
@@ -74,25 +71,10 @@ def swap_experts(model: nn.Module, *, backend: str = "auto", precision: str = "b
     """Run the routed experts of every torchtitan MoE block in `model` (a model or one block) through mok.moe at
     `backend` and `precision`; returns the names of the swapped RoutedExperts. Raises ValueError naming what it found
     when there is none or one that mok cannot compute exactly (then nothing is swapped)."""
-    if backend != "auto" and backend not in LEVELS:
-        fail("backend", f"'auto' or one of {list(LEVELS)}", repr(backend))
-    if precision not in PRECISIONS:
-        fail("precision", f"one of {PRECISIONS}", repr(precision))
     _, routed_experts, _ = _classes()
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, routed_experts)]
-    if not found:
-        moe_like = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()
-                           or "moe" in type(m).__name__.lower()})
-        fail("model", "a torchtitan model or MoE block holding RoutedExperts (torchtitan.models.common.moe)",
-             f"{type(model).__name__} with MoE-like modules {moe_like or 'none'}")
-    for name, m in found:
-        if (why := unsupported(m)) is not None:
-            fail(f"model.{name}" if name else "model", "routed experts mok computes exactly (GroupedExperts, no EP)",
-                 f"{type(m).__name__} with {why}")
-        if precision == "mxfp8" and any(s % 32 for s in m.inner_experts.w1_EFD.shape[1:]):
-            fail(f"model.{name}", "hidden and intermediate multiples of 32 for precision='mxfp8'",
-                 f"w1_EFD {list(m.inner_experts.w1_EFD.shape)}")
-    for _, m in found:
-        m.mok_backend, m.mok_precision = backend, precision
-        m.forward = types.MethodType(routed_experts_forward, m)  # shadows the class's forward on this instance only
-    return [name for name, _ in found]
+    return swap_forwards(model, found, routed_experts_forward, backend=backend, precision=precision,
+                         wanted="a torchtitan model or MoE block holding RoutedExperts (torchtitan.models.common.moe)",
+                         exact="routed experts mok computes exactly (GroupedExperts, no EP)", unsupported=unsupported,
+                         dims=lambda m: (f"w1_EFD {list(m.inner_experts.w1_EFD.shape)}",
+                                         *m.inner_experts.w1_EFD.shape[1:]))
