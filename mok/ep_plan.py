@@ -34,9 +34,9 @@ __all__ = ["PHASES", "EPPlan", "RankPlan", "Task", "check_plan", "expert_ranges"
 # Task kinds of each pass, phase by phase; a rank's tickets list its phases in this order (shared expert first
 # inside a phase: it needs no remote row, so it runs while the pulls land).
 PHASES = {
-    "forward": (("pull_x",), ("shared_gate_up", "gate_up"), ("shared_down", "down"), ("combine",)),
-    "backward": (("pull_dy",), ("shared_dgrad_down", "dgrad_down"), ("shared_dgrad_gate_up", "dgrad_gate_up"),
-                 ("wgrad", "shared_wgrad"), ("combine_dx",)),
+    "forward": (("pull_x",), ("shared_gate_up", "gate_up"), ("shared_down", "down", "notify_y"), ("combine",)),
+    "backward": (("pull_dy",), ("shared_dgrad_down", "dgrad_down"),
+                 ("shared_dgrad_gate_up", "dgrad_gate_up", "notify_dx"), ("wgrad", "shared_wgrad"), ("combine_dx",)),
 }
 PHASE_OF = {kind: p for phases in PHASES.values() for p, kinds in enumerate(phases) for kind in kinds}
 WHICH = ("gate", "up", "down")  # the weight gradients, in task order
@@ -219,8 +219,10 @@ def _forward_tasks(plan: EPPlan, r: int, feeds: dict, ctr: _Counters, out_rows: 
             add("shared_down", c, n, wait=ctr(r, f"shared_h_ready[{c}]"), signals=[ctr(r, f"y_ready[{c}]")])
     for m, e in enumerate(experts):
         for n in range(n_h):
-            add("down", m, n, e, wait=ctr(r, f"h_ready[{m}]"),
-                signals=[ctr(h, f"y_ready[{c}]") for h, c in feeds.get((r, m), ())])
+            add("down", m, n, e, wait=ctr(r, f"h_ready[{m}]"), signals=[ctr(r, f"y_done[{m}]")])
+        # one remote signal per combine tile the row tile feeds, not one per n tile (see notify in docs/megakernel.md)
+        add("notify_y", m, wait=ctr(r, f"y_done[{m}]"),
+            signals=[ctr(h, f"y_ready[{c}]") for h, c in feeds.get((r, m), ())])
     for c in range(plan.token_tiles(r)):  # y rows pulled from their owners, summed in increasing k, then shared
         add("combine", c, wait=ctr(r, f"y_ready[{c}]"))
     return tasks
@@ -248,8 +250,9 @@ def _backward_tasks(plan: EPPlan, r: int, feeds: dict, ctr: _Counters, out_rows:
                 signals=[ctr(r, f"dx_ready[{c}]")])
     for m, e in enumerate(experts):
         for n in range(n_h):  # K = 2·intermediate: every dgrad_down tile of m
-            add("dgrad_gate_up", m, n, e, wait=ctr(r, f"dgate_ready[{m}]"),
-                signals=[ctr(h, f"dx_ready[{c}]") for h, c in feeds.get((r, m), ())])
+            add("dgrad_gate_up", m, n, e, wait=ctr(r, f"dgate_ready[{m}]"), signals=[ctr(r, f"dx_done[{m}]")])
+        add("notify_dx", m, wait=ctr(r, f"dx_done[{m}]"),
+            signals=[ctr(h, f"dx_ready[{c}]") for h, c in feeds.get((r, m), ())])
     for e in rp.experts:  # an expert without rows waits on a counter of target 0 and writes zeros
         for which in WHICH:
             for n in range(plan.tiles(out_rows[which])):

@@ -257,10 +257,15 @@ def _combine_dx(run, r, t):
     b["d_topk_weights"][tok] = (b["d_out"][tok].float()[:, None, :] * b["y"][tok].float()).sum(-1)  # [n, K]
 
 
-BODIES = {"pull_x": _pull_x, "gate_up": _gate_up, "down": _down, "shared_gate_up": _shared_gate_up,
-          "shared_down": _shared_down, "combine": _combine, "pull_dy": _pull_dy, "dgrad_down": _dgrad_down,
-          "dgrad_gate_up": _dgrad_gate_up, "wgrad": _wgrad, "shared_dgrad_down": _shared_dgrad_down,
-          "shared_dgrad_gate_up": _shared_dgrad_gate_up, "shared_wgrad": _shared_wgrad, "combine_dx": _combine_dx}
+def _notify(run, r, t):
+    """Nothing to compute: the counter it waits on is complete, the ones it increments are its consumers'."""
+
+
+BODIES = {"pull_x": _pull_x, "gate_up": _gate_up, "down": _down, "notify_y": _notify, "combine": _combine,
+          "shared_gate_up": _shared_gate_up, "shared_down": _shared_down, "pull_dy": _pull_dy,
+          "dgrad_down": _dgrad_down, "dgrad_gate_up": _dgrad_gate_up, "notify_dx": _notify, "wgrad": _wgrad,
+          "shared_dgrad_down": _shared_dgrad_down, "shared_dgrad_gate_up": _shared_dgrad_gate_up,
+          "shared_wgrad": _shared_wgrad, "combine_dx": _combine_dx}
 
 
 def poison_buffers(plan: EPPlan, pass_: str, rank: int, buf: dict) -> None:
