@@ -30,7 +30,9 @@ from mok.config import PRECISIONS
 from mok.ep_plan import PHASES, EPPlan, task_order
 
 BF16 = torch.bfloat16
-INPUTS = ("x", "topk_weights", "w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down", "d_out")
+TOKEN_INPUTS = ("x", "topk_weights", "d_out")  # [T, ...]: cut by tokens
+ROUTED_WEIGHTS = ("w_gate", "w_up", "w_down")  # [E, ...]: cut by experts
+SHARED_WEIGHTS = ("w_shared_gate", "w_shared_up", "w_shared_down")  # replicated
 SHARED_GRADS = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 
 
@@ -59,12 +61,9 @@ def rank_buffers(plan: EPPlan, rank: int, inputs: dict) -> dict:
     rp = plan.ranks[rank]
     tokens = slice(rp.token_offset, rp.token_offset + rp.num_tokens)
     experts = slice(rp.experts.start, rp.experts.stop)
-    buf = {}
-    for name in INPUTS:
-        v = inputs.get(name)
-        if v is not None:
-            buf[name] = v[tokens] if name in ("x", "topk_weights", "d_out") else v[experts] if name in (
-                "w_gate", "w_up", "w_down") else v
+    buf = {name: inputs[name][tokens] for name in TOKEN_INPUTS if inputs.get(name) is not None}
+    buf.update({name: inputs[name][experts] for name in ROUTED_WEIGHTS})
+    buf.update({name: inputs[name] for name in SHARED_WEIGHTS if inputs.get(name) is not None})
     return buf
 
 

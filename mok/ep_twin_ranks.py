@@ -9,6 +9,8 @@ stays NaN and shows in the result. Phase by phase with collectives between is on
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -44,7 +46,7 @@ def _exchange(run: PassRun, me: int, name: str, how: str, group) -> None:
     R, own = run.plan.ep_size, run.bufs[me][name]
     send = [_read_rows(run.plan, d, me, how) if d != me else torch.arange(0) for d in range(R)]
     recv = [_read_rows(run.plan, me, s, how) if s != me else torch.arange(0) for s in range(R)]
-    width = own[0].numel() if own.shape[0] else int(torch.tensor(own.shape[1:]).prod())
+    width = math.prod(own.shape[1:])
     out = own.new_empty(sum(map(len, recv)), width)  # [rows received, width]
     dist.all_to_all_single(out, torch.cat([own[i].reshape(len(i), width) for i in send]),
                            [len(i) for i in recv], [len(i) for i in send], group=group)
@@ -66,6 +68,8 @@ def run_rank_pass(plan: EPPlan, pass_: str, rank: int, buf: dict, *, precision: 
     this rank's tokens, experts and buffers. Phase by phase: the peer rows the phase reads (READS), then this
     rank's tasks of the phase in ticket order; at the end of the backward, an all_gather of the shared weight
     gradients' tiles. Returns buf, filled (bitwise run_pass's bufs[rank])."""
+    if pass_ not in PHASES:
+        fail("pass_", f"one of {tuple(PHASES)}", repr(pass_))
     if dist.get_world_size(group) != plan.ep_size or dist.get_rank(group) != rank:
         fail("group", f"a group of {plan.ep_size} ranks in which this is rank {rank}",
              f"{dist.get_world_size(group)} ranks, this one {dist.get_rank(group)}")
