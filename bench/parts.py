@@ -123,10 +123,10 @@ def _expert_backward_steps(p: str, real: int, padded: int, width: int, hidden: i
         return Step(p + name, "bwd", run, **_wgrad_gemm(m, n, real, padded))
 
     return [Step(p + "dgrad_swiglu", "bwd", dgrad_swiglu, **_rows_gemm(real, padded, width, hidden)),
+            wgrad("wgrad_down", "d_w_down", "dy_rows", "h_rows", hidden, width),
             Step(p + "dgrad_gate_up", "bwd", dgrad_gate_up, **_rows_gemm(real, padded, hidden, 2 * width)),
             wgrad("wgrad_gate", "d_w_gate", "d_gate", "x_rows", width, hidden),
-            wgrad("wgrad_up", "d_w_up", "d_up", "x_rows", width, hidden),
-            wgrad("wgrad_down", "d_w_down", "dy_rows", "h_rows", hidden, width)]
+            wgrad("wgrad_up", "d_w_up", "d_up", "x_rows", width, hidden)]
 
 
 def steps_of(saved: fused.FusedSaved) -> list[Step]:
@@ -159,20 +159,23 @@ def steps_of(saved: fused.FusedSaved) -> list[Step]:
     routed_bwd = _expert_backward_steps("", *routed, routes=True)  # dgrad x2, then the weight gradients
     # token-major: each token's row in once, its routes' row ids, both views of each row, rows out
     gather_bytes = tok + R * INT64_B + rows * (INT32_B + INT64_B) + row_buf
+    # the level's order (fused._experts_backward): the shared expert first, then the routed steps with the combine
+    # of d_x before the x rows are gathered
     bwd = [Step("gather_d_out", "bwd", lambda s: {"dy_rows": ops.gather_rows_cuda(s["d_out"], s["sched"])},
                 nbytes=gather_bytes),  # the unweighted d_out rows: no y saved
-           *routed_bwd[:2],
+           *routed_bwd[:3],
+           Step("combine_dx", "bwd", combine_dx, nbytes=routes_in + shared_in + tok),
            Step("gather_x", "bwd", lambda s: {"x_rows": fused.gather_x_rows(s["x"], s["sched"])}, nbytes=gather_bytes),
-           *routed_bwd[2:]]
+           *routed_bwd[3:]]
     if shared:
         I_sh, R_sh = saved.weights[3].shape[0], fused.shared_schedule(T, saved.x.device).num_rows
         fwd[:0] = _expert_forward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)  # the level runs it first
-        bwd.append(Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
+        shared_bwd = _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
+        bwd[:0] = [Step("shared_pad_rows", "bwd", lambda s: {"shared_dy_rows": fused.pad_rows(s["d_out"], R_sh),
                                                              "shared_x_rows": fused.pad_rows(s["x"], R_sh)},
-                        nbytes=2 * (T + R_sh) * H * BF16_B if R_sh > T else 0))  # no padding: no copy
-        bwd += _expert_backward_steps("shared_", T, R_sh, I_sh, H, limit, num_sms)
+                        nbytes=2 * (T + R_sh) * H * BF16_B if R_sh > T else 0),  # no padding: no copy
+                   *shared_bwd]
     fwd.append(Step("combine", "fwd", combine, nbytes=routes_in + R * FP32_B + shared_in + tok))
-    bwd.append(Step("combine_dx", "bwd", combine_dx, nbytes=routes_in + shared_in + tok))
     return fwd + bwd
 
 

@@ -27,7 +27,9 @@ forward:
                                                mx: q+dq w_down along intermediate (mainloop: q,
                                                grouped_gemm_mxfp8_nt_contiguous)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
-backward:
+backward (in this order: at most one [rows, hidden] buffer alive beside the [rows, I] ones, _experts_backward):
+    shared expert                              all its steps below on its one-expert schedule (BF16), first: its
+                                               d_x part is ready for the routed combine
     gather_rows_cuda(d_out)                    kernel: the unweighted d_out rows (bf16; y is not saved)
     grouped_gemm_bf16_dgrad_swiglu_route_grads kernels: g = d_out_rows·W_down (read transposed), then the SwiGLU
                                                backward in place on d_h = w·g (swiglu_backward_rows: d_gate,
@@ -41,19 +43,17 @@ backward:
                                                d_w_down), dq both; q+dq w_down along hidden (dim -2); the
                                                op is grouped_gemm_bf16_dgrad_swiglu_mxfp8, whose SwiGLU
                                                kernel reads the saved MXFP8 gate/up (dequantized in registers)
+    grouped_gemm_bf16_weight_grad              kernel: d_w_down, k-grouped over each expert's rows (then the
+                                               d_out rows and h go); mx: q+dq h_rows column-wise
     grouped_gemm_bf16_dgrad_gate_up            kernel: dx_rows = d_gate·W_gate + d_up·W_up, one fp32 sum
                                                mx: dual-quantize d_gate, d_up, dq both; q+dq w_gate, w_up
                                                along intermediate (dim -2)
-    shared expert dgrad                        the same two kernels on its one-expert schedule (BF16)
-    grouped_gemm_bf16_weight_grad              kernel, 3 launches: k-grouped d_w_down, d_w_gate, d_w_up over
-                                               each expert's rows (x rows gathered first:
-                                               gather_rows_cuda, a copy kernel)
-                                               mx: every operand column-wise (blocks along the rows):
-                                               x_rows gathered and q+dq'd in one kernel
-                                               (mxfp8_fake_quantize_gathered), q+dq h_rows; dy, d_gate,
-                                               d_up from the duals
-    shared expert weight gradients             the same kernel on its one-expert schedule (BF16)
-    combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum
+    combine_rows(dx_rows, weights None, dx_shared)   kernel: the fixed-order d_x sum (then dx_rows goes)
+    grouped_gemm_bf16_weight_grad              kernel, 2 launches: d_w_gate, d_w_up over the x rows, gathered
+                                               now (gather_rows_cuda, a copy kernel); mx: every operand
+                                               column-wise (blocks along the rows): x_rows gathered and q+dq'd in
+                                               one kernel (mxfp8_fake_quantize_gathered); d_gate, d_up from the
+                                               duals
 
 Numerics: the forward has exactly L0's rounding points (DESIGN §3); the GEMMs' fp32 sums run in another
 order than L0's, so results agree within DESIGN §9's tolerance (most elements bit for bit). In mxfp8 the
@@ -379,24 +379,34 @@ def dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms, precision="bf16", 
                                                _mx_weight(w_up, -2, p, mx_weights), sched, num_sms=num_sms)
 
 
-def _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit, num_sms, precision="bf16",
-                   mx_weights="dequantize", topk_weights=None):
-    """dgrad_swiglu then dgrad_gate_up over `sched`, gate/up as saved: (dx_rows [R, H], h [R, I], (dy, d_gate, d_up)
-    as the weight-gradient GEMMs read them: [R, H], [R, I] x2, column-wise MXFP8 in mxfp8, and d_topk_weights).
-    With topk_weights (bf16): dy_rows are the unweighted d_out rows, h comes back as w·h, and d_topk_weights [T, K]
-    from dgrad_swiglu_route_grads; else dy_rows = bf16(w·d_out) rows and d_topk_weights None."""
-    p, d_topk_weights = precision, None
+def _experts_backward(make_dy, gate, up, make_x_rows, w_gate, w_up, w_down, sched, limit, num_sms, finish_dx,
+                      precision="bf16", mx_weights="dequantize", topk_weights=None) -> tuple:
+    """One expert group's backward over `sched`, gate/up as saved: (finish_dx(dx_rows), [d_w_gate, d_w_up, d_w_down],
+    d_topk_weights). make_dy() -> (dy rows [R, H], d_topk_weights or None); with topk_weights (bf16) they are the
+    unweighted d_out rows, weighted in the SwiGLU backward (dgrad_swiglu_route_grads), which gives d_topk_weights.
+    The steps run in the order that keeps the fewest row buffers alive (each step's bits do not depend on it): the
+    down dgrad, d_w_down (then dy and h go), the gate/up dgrad and finish_dx (the routed combine: then dx_rows
+    goes), and only then make_x_rows() and d_w_gate, d_w_up: at most one [R, H] buffer beside the [R, I] ones."""
+    p = precision
+    dy_rows, d_topk_weights = make_dy()
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
+    del dy_rows
     if topk_weights is None:
         d_gate, d_up, h = dgrad_swiglu(dy_k, w_down, gate, up, sched, limit, num_sms, p, mx_weights)  # [R, I] each
     else:
         d_gate, d_up, h, d_topk_weights = dgrad_swiglu_route_grads(dy_k, w_down, gate, up, topk_weights, sched,
                                                                    limit, num_sms)  # [R, I] x3, [T, K]
     del dy_k
+    # h recomputed from the saved gate/up (w·h beside unweighted rows), column-wise in mxfp8
+    d_w_down = ops.grouped_gemm_bf16_weight_grad(dy_w, _mx(h, -2, p, sched), sched, num_sms=num_sms)  # [E, H, I]
+    del dy_w, h
     (d_gate_k, d_gate_w), (d_up_k, d_up_w) = _mx_dual(d_gate, p, sched), _mx_dual(d_up, p, sched)  # [R, I] each
     del d_gate, d_up
-    dx_rows = dgrad_gate_up(d_gate_k, d_up_k, w_gate, w_up, sched, num_sms, p, mx_weights)  # [R, H]
-    return dx_rows, h, (dy_w, d_gate_w, d_up_w), d_topk_weights
+    dx = finish_dx(dgrad_gate_up(d_gate_k, d_up_k, w_gate, w_up, sched, num_sms, p, mx_weights))  # from [R, H]
+    del d_gate_k, d_up_k
+    x_rows = make_x_rows()  # [R, H]
+    d_w = [ops.grouped_gemm_bf16_weight_grad(d, x_rows, sched, num_sms=num_sms) for d in (d_gate_w, d_up_w)]
+    return dx, [*d_w, d_w_down], d_topk_weights
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
@@ -407,12 +417,10 @@ def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
         return None, [None, None, None]
     T = d_out.shape[0]
     sh = shared_schedule(T, d_out.device)
-    dy_rows, x_rows = pad_rows(d_out, sh.num_rows), pad_rows(s.x, sh.num_rows)  # [R_sh, H] each
-    gate_rows, up_rows = s.shared_rows  # [R_sh, I_sh] each
-    dx_rows, h_rows, wgrad_ops, _ = _experts_dgrad(dy_rows, gate_rows, up_rows, ws_gate[None], ws_up[None],
-                                                   ws_down[None], sh, s.swiglu_limit, s.num_sms)
-    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sh, s.num_sms)
-    return dx_rows[:T], [w[0] for w in d_w]
+    dx_shared, d_w, _ = _experts_backward(lambda: (pad_rows(d_out, sh.num_rows), None), *s.shared_rows,
+                                          lambda: pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
+                                          ws_down[None], sh, s.swiglu_limit, s.num_sms, lambda dx_rows: dx_rows[:T])
+    return dx_shared, [w[0] for w in d_w]
 
 
 def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -439,36 +447,22 @@ def pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
     return rows
 
 
-def _weight_grads(x_rows, h_rows, dy_rows, d_gate, d_up, sched, num_sms) -> list:
-    """[d_w_gate [E, I, H], d_w_up [E, I, H], d_w_down [E, H, I]]: the weight-gradient kernel, K = each
-    expert's rows; the operands as the GEMMs see them (already column-wise MXFP8 in mxfp8)."""
-    return [ops.grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched, num_sms=num_sms),
-            ops.grouped_gemm_bf16_weight_grad(d_up, x_rows, sched, num_sms=num_sms),
-            ops.grouped_gemm_bf16_weight_grad(dy_rows, h_rows, sched, num_sms=num_sms)]
-
-
 def backward(saved: FusedSaved, d_out: torch.Tensor) -> tuple:
     """Gradients in mok.reference.moe_backward's order (see the module docstring for what runs where)."""
     if not isinstance(saved, FusedSaved):  # the forward of an empty batch was L0's
         return reference.backward(saved, d_out)
-    s, sched, limit, p = saved, saved.sched, saved.swiglu_limit, saved.precision
-    w_gate, w_up, w_down = s.weights[:3]
-    gate, up = _saved_gate_up(s)  # [R, I] each, bf16 or MXFP8
+    s, sched, p = saved, saved.sched, saved.precision
+    dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None: first, for the combine of d_x
     if p == "bf16":  # the router gradient comes from the expert backward (no y saved): the rows unweighted
-        dy_rows = ops.gather_rows_cuda(d_out, sched)  # [R, H]
-        dx_rows, h_rows, wgrad_ops, d_topk_weights = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched,
-                                                                    limit, s.num_sms, topk_weights=s.topk_weights)
+        make_dy, route_weights = lambda: (ops.gather_rows_cuda(d_out, sched), None), s.topk_weights  # [R, H]
     else:  # the recipe's dy = bf16(w·d_out) is the dgrad's quantized operand, so ⟨d_out, y⟩ from the saved y
-        dy_rows, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
-        dx_rows, h_rows, wgrad_ops, _ = _experts_dgrad(dy_rows, gate, up, w_gate, w_up, w_down, sched, limit,
-                                                       s.num_sms, p, s.mx_weights)
-    del dy_rows, gate, up
-    h_rows = _mx(h_rows, -2, p, sched)  # [R, I]: h recomputed from the saved gate/up for d_w_down (w·h in bf16)
-    x_rows = _x_rows(s.x, sched, p)  # [R, H]: column-wise from BF16 x, not from the row-wise one
-    d_w = _weight_grads(x_rows, h_rows, *wgrad_ops, sched, s.num_sms)
-    del h_rows, x_rows, wgrad_ops
-    dx_shared, d_shared = _shared_backward(s, d_out)  # [T, H] bf16 or None
-    # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]) in fp32, increasing k (DESIGN §3)
-    d_x = ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]
+        make_dy, route_weights = lambda: ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched), None
+
+    def combine_dx(dx_rows):  # d_x[t] = bf16(Σ_k dx_rows[route_to_row[t, k]] + dx_shared[t]), fp32, increasing k
+        return ops.combine_rows(dx_rows, sched.route_to_row, None, dx_shared, check_rows=False)  # [T, H]
+
+    d_x, d_w, d_topk_weights = _experts_backward(
+        make_dy, *_saved_gate_up(s), lambda: _x_rows(s.x, sched, p),  # x rows column-wise from BF16 x in mxfp8
+        *s.weights[:3], sched, s.swiglu_limit, s.num_sms, combine_dx, p, s.mx_weights, route_weights)
     bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     return (d_x, d_topk_weights, *d_w, *d_shared)
