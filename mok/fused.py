@@ -27,7 +27,7 @@ forward:
                                                mx: q+dq w_down along intermediate (mainloop: q,
                                                grouped_gemm_mxfp8_nt_contiguous)
     combine_rows                               kernel: out = bf16(Σ_k w·y + shared), fp32, increasing k
-backward (in this order: at most one [rows, hidden] buffer alive beside the [rows, I] ones, _experts_backward):
+backward (in this order: at most one [rows, hidden] buffer alive beside the [rows, I] ones; _experts_backward):
     shared expert                              all its steps below on its one-expert schedule (BF16), first: its
                                                d_x part is ready for the routed combine
     gather_rows_cuda(d_out)                    kernel: the unweighted d_out rows (bf16; y is not saved)
@@ -386,7 +386,8 @@ def _experts_backward(make_dy, gate, up, make_x_rows, w_gate, w_up, w_down, sche
     unweighted d_out rows, weighted in the SwiGLU backward (dgrad_swiglu_route_grads), which gives d_topk_weights.
     The steps run in the order that keeps the fewest row buffers alive (each step's bits do not depend on it): the
     down dgrad, d_w_down (then dy and h go), the gate/up dgrad and finish_dx (the routed combine: then dx_rows
-    goes), and only then make_x_rows() and d_w_gate, d_w_up: at most one [R, H] buffer beside the [R, I] ones."""
+    goes), and only then make_x_rows() and d_w_gate, d_w_up: at most one [R, H] buffer beside the [R, I] ones (two in
+    mxfp8: dy's two round trips)."""
     p = precision
     dy_rows, d_topk_weights = make_dy()
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
