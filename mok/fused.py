@@ -88,10 +88,10 @@ from mok.checks import check_optional_int, fail
 from mok.reference import BF16, Saved
 from mok.schedule import Schedule, make_schedule, max_num_rows, schedule_like
 
-__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NUM_SMS_ENV", "OPTIONS", "PRECISIONS",
-           "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "dgrad_swiglu_route_grads", "experts_forward",
-           "forward", "gather_x_rows", "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env", "pad_rows",
-           "saved_like", "shared_schedule"]
+__all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NO_HOST_SYNC", "NUM_SMS_ENV", "OPTIONS",
+           "PRECISIONS", "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "dgrad_swiglu_route_grads",
+           "experts_forward", "forward", "gather_x_rows", "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env",
+           "pad_rows", "saved_like", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -104,6 +104,7 @@ MX_WEIGHTS_ENV = "MOK_MX_WEIGHTS"
 MX_WEIGHTS = ("dequantize", "mainloop")
 PRECISIONS = ("bf16", "mxfp8")  # what this level runs (mok.levels.resolve_backend reads it)
 CHECKS_IDS_ON_DEVICE = True  # mok.moe skips its host check of topk_idx's range (mok.bad_ids) unless check=True
+NO_HOST_SYNC = True  # neither pass reads the device on the host: mok.moe runs it inside a CUDA graph capture
 OPTIONS = ("num_sms", "mx_weights")  # the keyword options this level takes beyond precision and swiglu_limit
 
 

@@ -6,7 +6,8 @@ Every level is a module with the same functions, so the ladder is one dictionary
     backward(saved, d_out [T, H] bf16) -> (d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_*)
     saved_like(<forward's arguments>, dynamic_size) -> what forward's `saved` would be, with empty tensors of its
         shapes and dtypes, from the inputs' shapes alone (mok.library: torch.compile's fake and the backward's spec)
-Optional module attributes: PRECISIONS (what it runs), OPTIONS (its keyword options), CHECKS_IDS_ON_DEVICE.
+Optional module attributes: PRECISIONS (what it runs), OPTIONS (its keyword options), CHECKS_IDS_ON_DEVICE,
+NO_HOST_SYNC (runs inside a CUDA graph capture).
 """
 
 from __future__ import annotations

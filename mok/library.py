@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from mok import routing
-from mok.checks import check_expert_ids
+from mok.checks import check_expert_ids, fail
 from mok.levels import get_level, level_options, resolve_backend
 from mok.schedule import Schedule
 
@@ -132,6 +132,16 @@ def _saved_spec_of(module: str, shapes: tuple, precision: str, swiglu_limit, opt
     return _to_spec(like, meta, leaves), tuple(leaves)
 
 
+def _check_capturable(level, x: Tensor, check_ids: bool) -> None:
+    """Inside a CUDA graph capture only a level that never reads the device on the host can run (NO_HOST_SYNC: the
+    fused level, without check=True): another's first host read would invalidate the capture and leave the CUDA
+    context unusable, so it raises here first, before any launch."""
+    syncs = check_ids or not getattr(level, "NO_HOST_SYNC", False)
+    if syncs and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        fail("backend", "'fused' with check=False inside a CUDA graph capture (every other level and check=True read "
+                        "the device on the host)", f"{level.__name__.rsplit('.', 1)[-1]}, check={check_ids}")
+
+
 # ---- mok::moe_forward / mok::moe_backward --------------------------------------------------------------------------
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
@@ -143,6 +153,7 @@ def moe_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate: Tenso
     sync on a GPU), which every level without a device check of its own (CHECKS_IDS_ON_DEVICE) always does."""
     inputs = (x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     level, options = _level(backend, x, precision, num_sms, mx_weights)
+    _check_capturable(level, x, check_ids)
     if check_ids or not getattr(level, "CHECKS_IDS_ON_DEVICE", False):
         check_expert_ids(topk_idx, w_gate.shape[0])
     out, saved = level.forward(*inputs, precision=precision, swiglu_limit=swiglu_limit, **options)
@@ -172,6 +183,7 @@ def moe_backward(d_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tenso
     mok.reference.moe_backward's order, the shared expert's three only when it exists."""
     inputs = (x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     level, options = _level(backend, x, precision, num_sms, mx_weights)
+    _check_capturable(level, x, False)
     spec, like = _saved_spec(level, inputs, precision, swiglu_limit, options)
     if len(like) != len(saved) or any(a.dtype != b.dtype or a.dim() != b.dim() for a, b in zip(like, saved)):
         raise RuntimeError(f"mok::moe_backward: {level.__name__}.saved_like declares saved tensors "

@@ -81,3 +81,16 @@ def test_bad_ids_in_a_replay_raise_at_check_errors():
     with pytest.raises(ValueError, match="topk_idx: expected expert ids"):
         mok.check_errors()
     mok.check_errors()  # raised once, then reset
+
+
+@pytest.mark.parametrize("backend,check", [("torch", False), ("reference", False), ("fused", True)])
+def test_a_capture_of_a_level_that_reads_the_device_raises_and_leaves_cuda_usable(backend, check):
+    inputs = make_inputs(CFG, device="cuda", seed=fresh_seed(), draw_on="cuda")
+    args = list(moe_args(inputs))
+    mok.moe(*args, backend=backend)  # warm, outside the capture
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="inside a CUDA graph capture"):
+        _captured(lambda: mok.moe(*args, backend=backend, check=check), warmups=0)
+    out = mok.moe(*args, backend="fused")  # the context still works
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()

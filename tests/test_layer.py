@@ -1,10 +1,12 @@
 """The user-facing API: `mok.moe` (autograd) and `mok.MoE`, backend resolution, bad input."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import mok
-from mok import fused
+from mok import fused, library, torch_native
 from mok import reference as L0
 from mok.config import TINY_SHAPES
 from mok.testing import GRAD_NAMES, bitwise_equal, make_inputs, moe_args, run_level
@@ -293,3 +295,17 @@ def test_activation_checkpointing_recomputes_the_same_bits(backend):
         grads.append(torch.autograd.grad(out, [xi, *layer.parameters()], torch.ones_like(out)))
     for plain, recomputed in zip(*grads):
         assert bitwise_equal(plain, recomputed)
+
+
+def test_a_level_that_reads_the_device_refuses_a_cuda_graph_capture(monkeypatch):
+    """Inside a capture only the fused level without check=True runs: another level's first host read would
+    invalidate the capture and poison the CUDA context, so mok.moe raises before any launch (GPU: test_graphs)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = SimpleNamespace(is_cuda=True)  # what the check reads of x
+    for level in (L0, torch_native):
+        with pytest.raises(ValueError, match="backend: expected 'fused' with check=False inside a CUDA graph"):
+            library._check_capturable(level, x, check_ids=False)
+    with pytest.raises(ValueError, match=r"got fused, check=True"):
+        library._check_capturable(fused, x, check_ids=True)
+    library._check_capturable(fused, x, check_ids=False)  # no host read: runs
+    library._check_capturable(L0, SimpleNamespace(is_cuda=False), check_ids=True)  # CPU tensors: no capture
