@@ -289,3 +289,148 @@ def stacked_shares(table: pd.DataFrame, *, ax, colors: dict, title: str, xlabel:
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
     label(ax, title, xlabel, ylabel)
     return ax
+
+
+# ---- notebook 03: the megakernel's task graph and its grid ------------------------------------------------------
+
+TASK_COLORS = ("#0173b2", "#029e73", "#cc78bc", "#de8f05")  # forward phases 0-3: pull, gate/up, down, combine
+CROSS_RANK = "#d55e00"
+_COLUMN = {"pull_x": 0, "shared_gate_up": 1, "gate_up": 1, "shared_down": 2, "down": 2, "notify_y": 3, "combine": 5}
+_KIND_NOTE = {"pull_x": "pull_x (dispatch)", "gate_up": "gate_up + SwiGLU"}
+
+
+def _task_color(task) -> tuple:
+    """Its phase's colour; the shared expert's mixed half with white."""
+    rgb = np.array(plt.matplotlib.colors.to_rgb(TASK_COLORS[task.phase]))
+    return tuple(0.5 * rgb + 0.5) if task.kind.startswith("shared") else tuple(rgb)
+
+
+def _task_legend(ax, tasks, extra, **kw):
+    """Phase colours named by their routed kinds (in ticket order), the shared expert's shade, then extra
+    [(handle, label)]."""
+    kinds = {}  # phase -> {kind: None}
+    for t in tasks:
+        if not t.kind.startswith("shared"):
+            kinds.setdefault(t.phase, {})[t.kind] = None
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TASK_COLORS]
+    labels = [f"phase {p}: {', '.join(_KIND_NOTE.get(k, k) for k in kinds.get(p, ()))}"
+              for p in range(len(TASK_COLORS))]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="0.8"))
+    labels.append("lighter: shared expert (no remote rows)")
+    for h, text in extra:
+        handles.append(h)
+        labels.append(text)
+    return ax.legend(handles, labels, fontsize=8, **kw)
+
+
+def _task_places(plan) -> dict:
+    """(rank, ticket) -> (x, y) of the forward's boxes: a column per step, a block of slots per row tile m (routed
+    kinds) or token tile c (shared expert, combine), the n tiles stacked in the block's slots."""
+    slots = max(plan.tiles(plan.intermediate), plan.tiles(plan.hidden), plan.tiles(plan.shared_intermediate), 1)
+    places, y0 = {}, 0.0
+    for r, rp in enumerate(plan.ranks):
+        for i, t in enumerate(rp.tasks["forward"]):
+            block = t.m if t.kind in ("pull_x", "gate_up", "down", "notify_y") else rp.num_tiles + t.m
+            slot = t.n if t.n >= 0 else (slots - 1) / 2
+            places[r, i] = (1.7 * _COLUMN[t.kind], y0 + block * (slots + 0.6) + slot)
+        y0 += (rp.num_tiles + plan.token_tiles(r)) * (slots + 0.6) + 1.6
+    return places
+
+
+def task_graph(plan, *, title: str, figsize=(10.4, 9.0)):
+    """The forward's tasks of every rank as boxes (numbered by ticket, coloured by phase, the shared expert's
+    lighter), and an arrow from each producer to each consumer of a counter; arrows between ranks dashed."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    places, tasks = _task_places(plan), [rp.tasks["forward"] for rp in plan.ranks]
+    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
+    producers = {}  # (rank, counter) -> [(rank, ticket)]
+    for r, ts in enumerate(tasks):
+        for i, t in enumerate(ts):
+            for rank, c in t.signals:
+                producers.setdefault((rank, c), []).append((r, i))
+    for (r, i), (x, y) in places.items():
+        t = tasks[r][i]
+        shared = t.kind.startswith("shared")  # lighter: dark text
+        ax.add_patch(Rectangle((x - 0.45, y - 0.42), 0.9, 0.84, facecolor=_task_color(t), edgecolor="white", lw=0.5,
+                               zorder=3))
+        ax.text(x, y, str(i), ha="center", va="center", fontsize=7, color="black" if shared else "white",
+                fontweight="bold", zorder=4)
+        for pr, pi in producers.get((r, t.wait), ()) if t.wait >= 0 else ():
+            px, py = places[pr, pi]
+            cross = pr != r
+            ax.add_patch(FancyArrowPatch((px + 0.46, py), (x - 0.46, y), arrowstyle="-|>", mutation_scale=7,
+                                         color=CROSS_RANK if cross else "0.55", lw=1.1 if cross else 0.6,
+                                         ls="--" if cross else "-", zorder=2 if cross else 1))
+    heads = {0: "pull_x (m)", 1: "gate_up (m, n)\nshared_gate_up (c, n)", 2: "down (m, n)\nshared_down (c, n)",
+             3: "notify_y (m)", 5: "combine (c)"}
+    ax.set_xticks([1.7 * j for j in heads], list(heads.values()), fontsize=8)
+    ax.xaxis.tick_top()
+    ticks, names = [], []
+    for r, rp in enumerate(plan.ranks):
+        for m, e in enumerate(rp.tile_to_expert.tolist()):
+            rows = int(rp.tile_num_rows[m])
+            ticks.append(places[r, m][1])  # pull_x(m) is ticket m
+            names.append(f"rank {r} · m{m}: e{e}, {rows} row{'s' if rows > 1 else ''}")
+        for i, t in enumerate(tasks[r]):
+            if t.kind == "combine":
+                last = min((t.m + 1) * plan.block_m, rp.num_tokens) - 1
+                ticks.append(places[r, i][1])
+                names.append(f"rank {r} · c{t.m}: tokens {t.m * plan.block_m}–{last}")
+    ax.set_yticks(ticks, names, fontsize=7.5)
+    ax.set(xlim=(-0.6, 1.7 * max(_COLUMN.values()) + 0.6), ylim=(max(y for _, y in places.values()) + 0.8, -0.8))
+    ax.grid(False)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    _task_legend(ax, tasks[0], [(plt.Line2D([], [], color="0.55", lw=0.8), "counter: producer → consumer"),
+                                (plt.Line2D([], [], color=CROSS_RANK, ls="--", lw=1.1), "… on another rank (NVLink)")],
+                 loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3,
+                 title="box = task, number = its ticket (the order its rank's CTAs take it)")
+    ax.set_title(title)
+    return fig
+
+
+def cta_gantt(ax, runs: pd.DataFrame, *, title: str):
+    """One bar per task on its (rank, CTA) row, coloured by phase (the shared expert's lighter); a black line where
+    the CTA holds a ticket whose counter has not reached its target."""
+    rows = sorted(set(zip(runs["rank"], runs["cta"])))
+    for t in runs.itertuples():
+        y = rows.index((t.rank, t.cta))
+        ax.barh(y, t.end_ns - t.start_ns, left=t.start_ns, height=0.7, color=_task_color(t), edgecolor="white",
+                lw=0.4, zorder=2)
+        if t.start_ns > t.take_ns:
+            ax.plot([t.take_ns, t.start_ns], [y, y], color="black", lw=2, solid_capstyle="butt", zorder=3)
+    end = runs.end_ns.max()
+    ax.axvline(end, color="black", lw=1, ls="--")
+    ax.text(end, -0.45, f" {end:.0f} ns", va="bottom", fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"rank {r} · CTA {c}" for r, c in rows], fontsize=7.5)
+    ax.set_ylim(len(rows) - 0.5, -0.8)
+    ax.set_xlim(0, 1.08 * end)
+    ax.set_title(title, fontsize=10, loc="left")
+    return ax
+
+
+def grid_timeline(plan, runs: dict, show: int, critical_ns: float, *, title: str, title_b: str, figsize=(10.2, 6.4)):
+    """(a) the grid of 1 CTA per rank and (b) of `show` CTAs (title_b) as Gantt charts (simulated rows of
+    timeline.simulate_grid, per grid size in runs), (c) the makespan against the grid, the critical path its floor."""
+    fig = plt.figure(figsize=figsize, layout="constrained")
+    gs = fig.add_gridspec(2, 2, width_ratios=[2.5, 1], height_ratios=[1, 2 + 0.25 * show])
+    a, b, c = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[:, 1])
+    cta_gantt(a, runs[1], title="(a) grid = 1 CTA per rank: one task at a time, in ticket order, and it completes")
+    cta_gantt(b, runs[show], title=title_b)
+    a.set_xlabel("time (ns, model)", fontsize=9)
+    b.set_xlabel("time (ns, model)")
+    grids = sorted(runs)
+    span = [runs[g].end_ns.max() for g in grids]
+    c.plot(grids, span, marker="o", color="0.2")
+    c.set_xscale("log", base=2)
+    value_ticks(c, grids)
+    goal_line(c, critical_ns, f"critical path: {critical_ns:.0f} ns", x=0.03, ha="left", va="top")
+    c.set_ylim(0, 1.05 * max(span))
+    label(c, "(c) time against the grid", "CTAs per rank (grid)", "forward time (ns, model)")
+    _task_legend(fig, plan.ranks[0].tasks["forward"],
+                 [(plt.Line2D([], [], color="black", lw=2), "a CTA waits on its task's counter")],
+                 loc="outside lower center", ncol=4)
+    fig.suptitle(title, fontweight="bold")
+    return fig

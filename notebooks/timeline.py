@@ -22,6 +22,11 @@ Costs per rank (routing balanced, tokens_per_rank tokens of num_topk routes each
                     `sync_us` (flags, a barrier)
 NOTE: a model, not a measurement: no multi-GPU row exists in data/ yet. GEMM efficiency is taken as
 independent of the minibatch size, and routing as balanced.
+
+The megakernel's forward (mok.ep_plan, docs/megakernel.md) on a persistent grid of CTAs per rank: simulate_grid runs
+the plan's tickets and counters with a duration per task (task_cost_ns: FLOPs of a GEMM tile, bytes of a pull or a
+combine, at one SM's share of the rates); critical_path_ns is its floor, overlap_share how much two kinds overlap.
+Also a model: no NVLink latency, a counter seen the moment its last producer ends.
 """
 
 from __future__ import annotations
@@ -240,3 +245,99 @@ def gloo_phases_rank(rank: int, world_size: int, case: dict) -> dict:
     timings = [_task(f"rank {rank}", p, 0, (a - t0) * 1e6, (b - a) * 1e6)
                for p, a, b in (("dispatch", t0, t1), ("compute", t1, t2), ("combine", t2, t3))]
     return {"out": out, "timings": timings, "send_splits": state.send_splits}
+
+
+# ---- the megakernel's forward on a persistent grid (mok.ep_plan): a model ----------------------------------------
+
+
+def task_cost_ns(plan, rank: int, task, *, flops_per_ns: float, bytes_per_ns: float, notify_ns: float) -> float:
+    """Model of one forward task's time on one CTA (ns): a GEMM tile its FLOPs (every BLOCK_M row, padding too) at
+    flops_per_ns, a pull or a combine the BF16 rows it moves at bytes_per_ns, a notify notify_ns (it moves no data)."""
+    rp, bm, row = plan.ranks[rank], plan.block_m, bytes_per_row(plan.hidden, "bf16")
+
+    def width(size):  # the columns of output tile n
+        return min(plan.block_n, size - task.n * plan.block_n)
+
+    def tokens(c):  # real tokens of token tile c
+        return min(bm, rp.num_tokens - c * bm)
+
+    gemm = {"gate_up": 2 * 2 * bm * plan.hidden * width(plan.intermediate) if task.n >= 0 else 0,  # gate and up
+            "shared_gate_up": 2 * 2 * bm * plan.hidden * width(plan.shared_intermediate) if task.n >= 0 else 0,
+            "down": 2 * bm * plan.intermediate * width(plan.hidden) if task.n >= 0 else 0,
+            "shared_down": 2 * bm * plan.shared_intermediate * width(plan.hidden) if task.n >= 0 else 0}
+    if task.kind in gemm:
+        return gemm[task.kind] / flops_per_ns
+    if task.kind == "pull_x":  # the tile's real rows
+        return int(rp.tile_num_rows[task.m]) * row / bytes_per_ns
+    if task.kind == "combine":  # K routed rows per token, and the shared expert's
+        return tokens(task.m) * (plan.num_topk + (plan.shared_intermediate > 0)) * row / bytes_per_ns
+    if task.kind == "notify_y":
+        return notify_ns
+    fail("task.kind", "a forward kind of mok.ep_plan.PHASES", task.kind)
+
+
+def simulate_grid(plan, pass_: str, grid: int, cost) -> pd.DataFrame:
+    """Every rank a persistent grid of `grid` CTAs: a free CTA takes its rank's next ticket, holds it until the
+    task's counter reaches its target (seen the moment the last producer ends), then runs it for cost(rank, task)
+    ns. Tidy rows, one per task: rank, cta, ticket, kind, phase, take_ns, start_ns, end_ns (the CTA waits on the
+    counter from take to start). Raises RuntimeError on a deadlock."""
+    tasks = [rp.tasks[pass_] for rp in plan.ranks]
+    counts = [[0] * len(rp.targets[pass_]) for rp in plan.ranks]
+    free = [list(range(grid)) for _ in tasks]  # idle CTAs of each rank
+    next_ticket, held, running, rows, now = [0] * len(tasks), [], [], [], 0.0  # held: [rank, cta, ticket, take]
+    while len(rows) < sum(map(len, tasks)):
+        for r, ts in enumerate(tasks):
+            while free[r] and next_ticket[r] < len(ts):
+                held.append((r, free[r].pop(0), next_ticket[r], now))
+                next_ticket[r] += 1
+        for h in [h for h in held if tasks[h[0]][h[2]].wait < 0 or counts[h[0]][tasks[h[0]][h[2]].wait]
+                  >= plan.ranks[h[0]].targets[pass_][tasks[h[0]][h[2]].wait]]:
+            held.remove(h)
+            running.append((now + cost(h[0], tasks[h[0]][h[2]]), *h, now))
+        if not running:
+            raise RuntimeError(f"{pass_} deadlock with grid={grid} at {now:.1f} ns: {len(held)} CTAs wait")
+        now = min(run[0] for run in running)
+        for run in sorted(run for run in running if run[0] == now):
+            end, r, cta, i, take, start = run
+            running.remove(run)
+            free[r] = sorted(free[r] + [cta])
+            for rank, c in tasks[r][i].signals:
+                counts[rank][c] += 1
+            rows.append({"rank": r, "cta": cta, "ticket": i, "kind": tasks[r][i].kind, "phase": tasks[r][i].phase,
+                         "take_ns": take, "start_ns": start, "end_ns": end})
+    return pd.DataFrame(rows)
+
+
+def critical_path_ns(plan, pass_: str, cost, order) -> float:
+    """The longest chain of producer → consumer through the pass (ns): no grid finishes sooner. order: a
+    topological order of (rank, ticket), e.g. mok.ep_plan.task_order(plan, pass_, grid=None)."""
+    tasks = [rp.tasks[pass_] for rp in plan.ranks]
+    ready = {}  # (rank, counter) -> time its last producer so far ends
+    end = 0.0
+    for r, i in order:
+        t = tasks[r][i]
+        done = ready.get((r, t.wait), 0.0) + cost(r, t)
+        for rank, c in t.signals:
+            ready[(rank, c)] = max(ready.get((rank, c), 0.0), done)
+        end = max(end, done)
+    return end
+
+
+def overlap_share(runs: pd.DataFrame, kinds_a, kinds_b) -> float:
+    """Share of the time some CTA of a rank runs a task of kinds_a while another CTA of the same rank runs one of
+    kinds_b (e.g. pulls against GEMM tiles), over all ranks."""
+    def union(df):  # merged [start, end) intervals
+        out = []
+        for s, e in sorted(zip(df.start_ns, df.end_ns)):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    both = total = 0.0
+    for _, g in runs.groupby("rank"):
+        a, b = union(g[g.kind.isin(kinds_a)]), union(g[g.kind.isin(kinds_b)])
+        total += sum(e - s for s, e in a)
+        both += sum(max(0.0, min(e, f) - max(s, t)) for s, e in a for t, f in b)
+    return both / total if total else 0.0
