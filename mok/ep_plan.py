@@ -1,4 +1,4 @@
-"""The megakernel's plan (issue 45, docs/megakernel.md): what each rank of an expert-parallel (EP) group of R ranks
+"""The megakernel's plan (docs/megakernel.md): what each rank of an expert-parallel (EP) group of R ranks
 runs in its one persistent launch per pass, computed from the all-gathered routing ids alone, the same on every rank.
 
 - Tokens: rank-major. Rank r's local token i is global token token_offset[r] + i; route (t, k) has id t·K + k.

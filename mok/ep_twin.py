@@ -1,4 +1,4 @@
-"""The megakernel's CPU twin (issue 45, docs/megakernel.md): runs an EPPlan's tasks with L0's pieces
+"""The megakernel's CPU twin (docs/megakernel.md): runs an EPPlan's tasks with L0's pieces
 (mok.reference: mm, quant, swiglu, swiglu_backward, combine), rounding where L0 rounds, in any order its counters
 allow. The GPU kernel is meant to be a translation of these task bodies.
 

@@ -1,5 +1,5 @@
 """The megakernel's CPU twin on the ranks of a process group (gloo): each rank holds only its own tokens, experts and
-buffers, and runs its share of a pass phase by phase (issue 45, docs/megakernel.md; tests/test_ep_plan.py).
+buffers, and runs its share of a pass phase by phase (docs/megakernel.md; tests/test_ep_plan.py).
 
 Where the kernel loads a peer's row through symmetric memory, a rank here reads a NaN mirror of the peer's buffer,
 filled before the phase by one all_to_all_single of exactly the rows the plan names (READS): a row the plan forgot

@@ -338,7 +338,7 @@ def test_run_local_ep_times_out_on_a_missing_rank():
     assert time.monotonic() - start < 30
 
 
-# --- ranks that disagree (issue 43): a clear error on every rank, before any collective that could hang ---------
+# --- ranks that disagree: a clear error on every rank, before any collective that could hang ---------
 
 DISAGREEMENTS = {  # setting -> the change rank 1 makes; each names the setting, then every rank's value
     "num_experts": ({"e_local": 4}, "num_experts: expected the same value on every rank, got 4 on rank 0, 8 on rank 1"),

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) through mok (DESIGN §9, issue 43): mok.moe and mok.MoE are mok's custom ops
+"""torch.compile(fullgraph=True) through mok (DESIGN §9): mok.moe and mok.MoE are mok's custom ops
 (mok.library), which Dynamo traces without a graph break and inductor leaves as they are, so compiled and eager give
 the same bits, out and every gradient, router included.
 

@@ -1,5 +1,5 @@
 """The megakernel's plan (mok.ep_plan) and its CPU twin (mok.ep_twin), across EP degrees 1-4, in one process and on
-gloo ranks (issue 45, docs/megakernel.md).
+gloo ranks (docs/megakernel.md).
 
 Two GEMMs. `row_mm` (patched into mok.reference, so L0 and the twin share it) gives a row the same bits whatever the
 other rows of its GEMM, as the GPU kernel's tiles do: the twin must then equal L0 bit for bit for every EP degree and

@@ -142,7 +142,7 @@ def test_fused_options_are_checked_before_any_kernel(kwargs, match):
         fused.forward(*moe_args(inputs), **kwargs)
 
 
-# ---- the autograd contract (issue 43): version checks, retain_graph, no silent double backward ------------------
+# ---- the autograd contract: version checks, retain_graph, no silent double backward ------------------
 
 def _leaf_args(seed=1):
     inputs = make_inputs(CFG, seed=seed)
@@ -203,7 +203,7 @@ def test_module_double_backward_raises():
         torch.autograd.grad(d_x.float().square().sum(), layer.w_router)
 
 
-# ---- mok.MoE: dtypes, arguments, small batches (issue 43) --------------------------------------------------------
+# ---- mok.MoE: dtypes, arguments, small batches --------------------------------------------------------
 
 def _module(**kwargs):
     torch.manual_seed(0)

@@ -102,7 +102,7 @@ def test_reference_gpu_matches_cpu(precision, device):
 
 def test_l1_grouped_mm_fallback_is_per_call(monkeypatch):
     """A shape torch._grouped_mm does not take (bf16 rows of 36: strides not a multiple of 16 bytes) falls back
-    to the per-expert loop for that call only; a later call takes torch._grouped_mm again (issue 43)."""
+    to the per-expert loop for that call only; a later call takes torch._grouped_mm again."""
     ran, failed, grouped_mm = [], [], torch._grouped_mm
 
     def spy(*args, **kwargs):
