@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mok.checks import fail
 from mok.ep_plan import PHASES, EPPlan
-from mok.ep_twin import BODIES, SHARED_GRADS, PassRun, poison_buffers
+from mok.ep_twin import BODIES, SHARED_GRADS, PassRun
 
 # (pass, phase) -> the peer buffers that phase's tasks read, and which of their rows: "pull" (the pull list's
 # tokens), "combine" (the combine plan's rows), "all" (every row, to the ranks that own shared weight-gradient tiles).
@@ -73,9 +73,9 @@ def run_rank_pass(plan: EPPlan, pass_: str, rank: int, buf: dict, *, precision: 
     if dist.get_world_size(group) != plan.ep_size or dist.get_rank(group) != rank:
         fail("group", f"a group of {plan.ep_size} ranks in which this is rank {rank}",
              f"{dist.get_world_size(group)} ranks, this one {dist.get_rank(group)}")
-    poison_buffers(plan, pass_, rank, buf)
     bufs = [buf if s == rank else {} for s in range(plan.ep_size)]  # peers: mirrors, filled by the exchanges
     run = PassRun(plan, pass_, bufs, precision, swiglu_limit)
+    run.poison(rank)
     for phase in range(len(PHASES[pass_])):
         for name, how in READS.get((pass_, phase), ()):
             if how == "all" and not run.shared:
