@@ -122,6 +122,14 @@ mok::SwiGLULimit swiglu_limit_of(double swiglu_limit, bool has_limit) {
   return limit;
 }
 
+// A row-wise GEMM of the host API (mok/api.h) on `on`'s device and its current stream; raises naming `name`.
+template <class Args>
+void launch_rows(cudaError_t (*launch)(const Args&, const mok::RowSchedule&, int, cudaStream_t), const char* name,
+                 const Args& args, const mok::RowSchedule& sched, int64_t num_sms, const at::Tensor& on) {
+  const c10::cuda::CUDAGuard guard(on.device());
+  check_cuda(launch(args, sched, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()), name);
+}
+
 // GEMM1's operands: w_gate_scales, w_up_scales only with MXFP8 weights (`mx`).
 mok::GateUpGemm gate_up_gemm(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                              const std::optional<at::Tensor>& w_gate_scales,
@@ -153,10 +161,7 @@ void gemm_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at:
                         double swiglu_limit, bool has_limit, int64_t num_sms) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::GateUpGemm args = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate, up, swiglu_limit, has_limit);
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_bf16_swiglu_gather(args, sched, static_cast<int>(num_sms),
-                                                  c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_swiglu_gather");
+  launch_rows(mok::grouped_gemm_bf16_swiglu_gather, "grouped_gemm_bf16_swiglu_gather", args, sched, num_sms, x);
 }
 
 void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
@@ -168,10 +173,8 @@ void gemm_swiglu_gather_mxfp8_out(const at::Tensor& x, const at::Tensor& w_gate,
   const int64_t mx_bytes = h.numel() + h.numel() / 32;  // E4M3 data, then one scale byte per 32
   TORCH_CHECK(gate_mx.nbytes() == mx_bytes && up_mx.nbytes() == mx_bytes,
               "gate_mx, up_mx: expected the data and scales of h's shape in one buffer");
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out(args, sched, static_cast<int>(num_sms),
-                                                            c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_swiglu_gather_mxfp8_out");
+  launch_rows(mok::grouped_gemm_bf16_swiglu_gather_mxfp8_out, "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
+              args, sched, num_sms, x);
 }
 
 void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_gate_scales,
@@ -181,10 +184,7 @@ void gemm_mx_swiglu_gather(const at::Tensor& x, const at::Tensor& w_gate, const 
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::GateUpGemm args =
       gate_up_gemm(x, w_gate, w_up, w_gate_scales, w_up_scales, h, gate, up, swiglu_limit, has_limit);
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(mok::grouped_gemm_mxfp8_swiglu_gather(args, sched, static_cast<int>(num_sms),
-                                                   c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_mxfp8_swiglu_gather");
+  launch_rows(mok::grouped_gemm_mxfp8_swiglu_gather, "grouped_gemm_mxfp8_swiglu_gather", args, sched, num_sms, x);
 }
 
 // GEMM2's operands: w_scales only with MXFP8 weights.
@@ -208,10 +208,7 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
                         int64_t num_sms) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::DownGemm args = down_gemm(a_rows, w, {}, out);
-  const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_nt_contiguous(args, sched, static_cast<int>(num_sms),
-                                                  c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_nt_contiguous");
+  launch_rows(mok::grouped_gemm_bf16_nt_contiguous, "grouped_gemm_bf16_nt_contiguous", args, sched, num_sms, a_rows);
 }
 
 void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& w_scales,
@@ -219,10 +216,7 @@ void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const 
                            const std::optional<at::Tensor>& counts, at::Tensor& out, int64_t num_sms) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::DownGemm args = down_gemm(a_rows, w, w_scales, out);
-  const c10::cuda::CUDAGuard guard(a_rows.device());
-  check_cuda(mok::grouped_gemm_mxfp8_nt_contiguous(args, sched, static_cast<int>(num_sms),
-                                                   c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_mxfp8_nt_contiguous");
+  launch_rows(mok::grouped_gemm_mxfp8_nt_contiguous, "grouped_gemm_mxfp8_nt_contiguous", args, sched, num_sms, a_rows);
 }
 
 // The down dgrad's operands: gate_scales, up_scales only with MXFP8 gate/up.
@@ -258,10 +252,7 @@ void gemm_dgrad_swiglu(const at::Tensor& dy_rows, const at::Tensor& w_down, cons
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::DownDgradSwiGLU args =
       down_dgrad(dy_rows, w_down, gate, up, {}, {}, d_gate, d_up, h, swiglu_limit, has_limit);
-  const c10::cuda::CUDAGuard guard(dy_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu(args, sched, static_cast<int>(num_sms),
-                                                 c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_dgrad_swiglu");
+  launch_rows(mok::grouped_gemm_bf16_dgrad_swiglu, "grouped_gemm_bf16_dgrad_swiglu", args, sched, num_sms, dy_rows);
 }
 
 void gemm_dgrad_swiglu_route_grads(const at::Tensor& d_out_rows, const at::Tensor& w_down, const at::Tensor& gate,
@@ -278,10 +269,8 @@ void gemm_dgrad_swiglu_route_grads(const at::Tensor& d_out_rows, const at::Tenso
   args.route_weights = topk_weights.data_ptr<float>();
   args.row_to_route = row_to_route.data_ptr<int64_t>();
   args.d_topk_weights = d_topk_weights.data_ptr<float>();
-  const c10::cuda::CUDAGuard guard(d_out_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_route_grads(args, sched, static_cast<int>(num_sms),
-                                                             c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_dgrad_swiglu_route_grads");
+  launch_rows(mok::grouped_gemm_bf16_dgrad_swiglu_route_grads, "grouped_gemm_bf16_dgrad_swiglu_route_grads",
+              args, sched, num_sms, d_out_rows);
 }
 
 void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down, const at::Tensor& gate_data,
@@ -292,10 +281,8 @@ void gemm_dgrad_swiglu_mxfp8(const at::Tensor& dy_rows, const at::Tensor& w_down
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   const mok::DownDgradSwiGLU args = down_dgrad(dy_rows, w_down, gate_data, up_data, gate_scales, up_scales, d_gate,
                                                d_up, h, swiglu_limit, has_limit);
-  const c10::cuda::CUDAGuard guard(dy_rows.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8(args, sched, static_cast<int>(num_sms),
-                                                       c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_dgrad_swiglu_mxfp8");
+  launch_rows(mok::grouped_gemm_bf16_dgrad_swiglu_mxfp8, "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
+              args, sched, num_sms, dy_rows);
 }
 
 void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const at::Tensor& w_gate,
@@ -313,10 +300,7 @@ void gemm_dgrad_gate_up(const at::Tensor& d_gate, const at::Tensor& d_up, const 
   args.hidden = w_gate.size(2);
   args.intermediate = w_gate.size(1);
   args.num_experts = w_gate.size(0);
-  const c10::cuda::CUDAGuard guard(d_gate.device());
-  check_cuda(mok::grouped_gemm_bf16_dgrad_gate_up(args, sched, static_cast<int>(num_sms),
-                                                  c10::cuda::getCurrentCUDAStream()),
-             "grouped_gemm_bf16_dgrad_gate_up");
+  launch_rows(mok::grouped_gemm_bf16_dgrad_gate_up, "grouped_gemm_bf16_dgrad_gate_up", args, sched, num_sms, d_gate);
 }
 
 void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& expert_offsets,
