@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from bench.timing import peer_pass
+from mok import reference
 from mok import schedule as sch
 
 NAME = "torchao-fp8"  # the peer's name in `--peers` and its rows' `level`
@@ -96,21 +97,14 @@ class TorchaoFp8Peer:
         return self.x, self.topk_weights, self.w_gate_up, self.w_down
 
     def __call__(self) -> torch.Tensor:
-        T, K = self.topk_idx.shape
         I = self.w_down.shape[2]
         sched = sch.make_schedule(self.topk_idx, self.num_experts, block_m=GROUP_ROWS)
         offs = sched.expert_offsets[1:].to(torch.int32)  # [E] segment ends, multiples of 16
-        real = sched.row_to_token >= 0  # [R] real rows (padding rows: token -1)
-        rows = torch.where(real[:, None], self.x[sched.row_to_token.clamp(min=0)], 0.0)  # [R, H], zero padding
+        rows = sch.gather_rows(self.x, sched)  # [R, H], zero padding rows
         gate_up = self.gmm(rows, column_major_t(self.w_gate_up), offs)  # [R, 2I]
-        gate, up = gate_up[:, :I], gate_up[:, I:]  # [R, I] each
-        h = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)  # [R, I]
+        h = reference.swiglu(gate_up[:, :I], gate_up[:, I:], None).to(torch.bfloat16)  # [R, I]
         y_rows = self.gmm(h, column_major_t(self.w_down), offs)  # [R, H]
-        y = y_rows[sched.route_to_row]  # [T, K, H] each route's output, un-permuted
-        out = y[:, 0].float() * self.topk_weights[:, 0, None]  # [T, H] fp32
-        for k in range(1, K):  # increasing k, as L0's combine
-            out = out + y[:, k].float() * self.topk_weights[:, k, None]
-        return out.to(torch.bfloat16)  # [T, H]
+        return reference.combine(y_rows[sched.route_to_row], self.topk_weights, None)  # [T, H], increasing k
 
     def grads(self, out: torch.Tensor, d_out: torch.Tensor, retain_graph: bool = False) -> dict:
         """The gradients in mok's names and layouts (the routed five of mok.testing.GRAD_NAMES), by
