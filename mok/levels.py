@@ -12,6 +12,7 @@ NO_HOST_SYNC (runs inside a CUDA graph capture).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -34,9 +35,16 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+@functools.cache
+def _built(name: str) -> bool:
+    """Whether level `name`'s module exists: asked once per process (a search of the package for a missing module
+    costs tens to hundreds of µs, and every call of mok.moe resolves its level twice)."""
+    return importlib.util.find_spec(LEVELS[name]) is not None
+
+
 def _lists(name: str, attr: str, value, default=()) -> bool:
     """Whether level `name` is built and its `attr` (PRECISIONS, OPTIONS; `default` where it has none) holds `value`."""
-    return importlib.util.find_spec(LEVELS[name]) is not None and value in getattr(get_level(name), attr, default)
+    return _built(name) and value in getattr(get_level(name), attr, default)
 
 
 def resolve_backend(backend: str, device: torch.device, precision: str = "bf16") -> str:
@@ -50,7 +58,7 @@ def resolve_backend(backend: str, device: torch.device, precision: str = "bf16")
         return "torch"
     if backend not in LEVELS:
         raise ValueError(f"backend: expected 'auto' or one of {list(LEVELS)}, got {backend!r}")
-    if importlib.util.find_spec(LEVELS[backend]) is None:
+    if not _built(backend):
         raise NotImplementedError(f"backend: level {backend!r} is not built yet; use 'reference' or 'torch'")
     return backend
 
