@@ -1,6 +1,7 @@
-# The benchmark's peers (SonicMoE, Liger) on the GPU machine, from the carried, git-ignored .whl/. Run from the repo
-# root: `source tools/gpu_env.sh` (exports what Python needs; tools/gpu_run.sh sources it). Installs once per machine
-# into /tmp/site: the wheels by pip, CuTe-DSL's libraries from their xz archive when it was carried.
+# The benchmark's peers (SonicMoE, Liger, TorchAO) and the integrations' torchtitan (with spmd_types) on the GPU
+# machine, from the carried, git-ignored .whl/. Run from the repo root: `source tools/gpu_env.sh` (exports what Python
+# needs; tools/gpu_run.sh sources it). Installs once per machine into /tmp/site: the wheels by pip, CuTe-DSL's
+# libraries from their xz archive when it was carried.
 SITE=/tmp/site
 if [ ! -f "$SITE/.gpu_env_ok" ]; then
   mkdir -p "$SITE" &&
