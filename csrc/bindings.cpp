@@ -211,6 +211,21 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
   launch_rows(mok::grouped_gemm_bf16_nt_contiguous, "grouped_gemm_bf16_nt_contiguous", args, sched, num_sms, a_rows);
 }
 
+void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
+                const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
+                const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
+                at::Tensor& y, at::Tensor& h_ready, double swiglu_limit, bool has_limit, int64_t num_sms) {
+  const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
+  check_arg(h_ready, "h_ready");
+  TORCH_CHECK(h_ready.scalar_type() == at::kInt && h_ready.numel() == row_to_token.numel() / 128,
+              "h_ready: expected int32 zeros, one per 128 rows");
+  mok::ChainGemm args{};
+  args.gate_up = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate, up, swiglu_limit, has_limit);
+  args.down = down_gemm(h, w_down, {}, y);
+  args.h_ready = h_ready.data_ptr<int32_t>();
+  launch_rows(mok::grouped_gemm_bf16_chain, "grouped_gemm_bf16_chain", args, sched, num_sms, x);
+}
+
 void gemm_mx_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at::Tensor& w_scales,
                            const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                            const std::optional<at::Tensor>& counts, at::Tensor& out, int64_t num_sms) {
@@ -552,6 +567,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GEMM2: out = a_rows · w[e]ᵀ over the schedule",
         py::kw_only(), py::arg("a_rows"), py::arg("w"), py::arg("row_to_token"), py::arg("tile_to_expert"),
         py::arg("counts"), py::arg("out"), py::arg("num_sms"));
+  m.def("grouped_gemm_bf16_chain", &gemm_chain,
+        "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]",
+        py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("row_to_token"),
+        py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"), py::arg("y"),
+        py::arg("h_ready"), py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
         "GEMM1 with MXFP8 weights",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),

@@ -2,6 +2,7 @@
 // Torch-free.
 #include "mok/api.h"
 #include "mok/gemm/api_params.cuh"
+#include "mok/gemm/chain.cuh"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
 #include "mok/moe/swiglu_backward_rows.cuh"
 
@@ -23,6 +24,15 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSched
                                             cudaStream_t stream) {
   return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDown>(args.w, args.w, args.num_experts,
                                                            gemm::down_params(args, sched), num_sms, stream);
+}
+
+cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sched, int num_sms, cudaStream_t stream) {
+  if (args.down.a_rows != args.gate_up.h || args.down.k != args.gate_up.intermediate ||
+      args.down.num_experts != args.gate_up.num_experts || (args.h_ready == nullptr && sched.num_rows > 0))
+    return cudaErrorInvalidValue;
+  return gemm::launch_grouped_gemm_bf16_chain(args.gate_up.w_gate, args.gate_up.w_up, args.down.w,
+                                              args.gate_up.num_experts, gemm::gate_up_params(args.gate_up, sched),
+                                              gemm::down_params(args.down, sched), args.h_ready, num_sms, stream);
 }
 
 namespace {

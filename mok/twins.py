@@ -21,7 +21,7 @@ from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
-           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
+           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
            "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_dgrad_gate_up",
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
@@ -72,6 +72,12 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
         rows = _rows_of(sched, e)  # [n_e]
         out[rows] = mm(a_rows[rows], w[e]).to(BF16)  # [n_e, n]
     return out
+
+
+def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None):
+    """GEMM1 then GEMM2 (one launch on the GPU): (y_rows [num_rows, hidden], h, gate, up)."""
+    h, gate, up = grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each
+    return grouped_gemm_bf16_nt_contiguous(h, w_down, sched), h, gate, up
 
 
 def grouped_gemm_mxfp8_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):

@@ -136,6 +136,26 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
     return h, gate, up
 
 
+def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
+                            swiglu_limit: float | None = None, num_sms: int | None = None):
+    """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
+    grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
+    soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
+    intermediate]. Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate]), bf16."""
+    intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms)
+    hidden = x.shape[1]
+    check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
+                 "[num_experts, hidden, intermediate]")
+    _check_devices(x.device, w_down=w_down)
+    h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
+                   for _ in range(3))  # [num_rows, intermediate] each
+    y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
+    h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
+    load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate, up=up,
+                                             y=y_rows, h_ready=h_ready, **kwargs)
+    return y_rows, h, gate, up
+
+
 def _rowwise_mx_buffer(rows: int, cols: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One allocation for a row-wise MXFP8 matrix as the GEMM1 kernel writes it (E4M3 data, then the scales)
     and its views (data float8_e4m3fn [rows, cols], scales uint8 [rows, cols / 32]), as mxfp8_quantize_rowwise

@@ -94,6 +94,16 @@ cudaError_t grouped_gemm_bf16_swiglu_gather_mxfp8_out(const GateUpGemm& args, co
 cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream);
 
+// GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): gate_up as for GEMM1, down as for
+// GEMM2 with a_rows = gate_up.h; h_ready: int32 [num_rows / 128] on the device, zero at the call (GEMM2's tiles wait
+// on it). The bits of the two launches.
+struct ChainGemm {
+  GateUpGemm gate_up;
+  DownGemm down;
+  int32_t* h_ready;
+};
+cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sched, int num_sms, cudaStream_t stream);
+
 // GEMM1 and GEMM2 with MXFP8 weights, dequantized in the mainloop (csrc/gemm_mxfp8.cu): each weight is its E4M3
 // data [num_experts, n, k] (uint8) with its E8M0 scales (the *_scales fields) in the k-block layout
 // [num_experts, ceil(k / 64), n, 2] (uint8). Same bits as the BF16 kernels on the dequantized weights.

@@ -129,28 +129,34 @@ struct MxScales {
   const void *s0, *s1;  // of w_b0, w_b1
 };
 
+// The tensor maps of one kind's kernel parameters (unused ones stay zero).
+struct TaskMaps {
+  CUtensorMap a, a2, b0, b1, s0, s1, out, gate, up;
+};
+
+// Sizes p's tiles (num_m_tiles, num_n_tiles, num_tasks) for kGemm and encodes its tensor maps; *num_tasks = 0: nothing
+// to run.
 template <Gemm kGemm>
-cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
-                                     int num_sms, cudaStream_t stream, MxScales mx = {nullptr, nullptr}) {
+cudaError_t prepare_tasks(const void* w_b0, const void* w_b1, int64_t num_experts, Params& p, MxScales mx,
+                          TaskMaps* maps, int64_t* num_tasks) {
   using T = Tile<kGemm>;
   constexpr bool kWeightGrad = kGemm == Gemm::kWeightGrad;
   p.num_m_tiles = static_cast<int>(ceil_div(kWeightGrad ? p.m : p.num_rows, BLOCK_M));
   p.num_n_tiles = static_cast<int>(ceil_div(p.n, T::kTaskN));
-  const int64_t num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
-  if (num_tasks == 0) return cudaSuccess;
-  if (num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
+  *num_tasks = (kWeightGrad ? num_experts : 1) * static_cast<int64_t>(p.num_m_tiles) * p.num_n_tiles;
+  if (*num_tasks == 0) return cudaSuccess;
+  if (*num_tasks > INT32_MAX || p.num_rows % BLOCK_M != 0) return cudaErrorInvalidValue;
   if (T::kMxOut && p.n % mxfp8::kBlockSize != 0) return cudaErrorInvalidValue;
-  p.num_tasks = static_cast<int>(num_tasks);
-  CUtensorMap tmap_a{}, tmap_a2{}, tmap_b0, tmap_b1;
+  p.num_tasks = static_cast<int>(*num_tasks);
+  *maps = TaskMaps{};
   cudaError_t err = cudaSuccess;
   if (kWeightGrad) {  // A rows [num_rows, m] read MN-major: dims (m, rows, 1), box (64, 64)
-    if ((err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.m, 64, BLOCK_K))) return err;
-  } else if (!T::kGather && (err = encode_rows_map(&tmap_a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) {
+    if ((err = encode_rows_map(&maps->a, p.a, 1, p.num_rows, p.m, 64, BLOCK_K))) return err;
+  } else if (!T::kGather && (err = encode_rows_map(&maps->a, p.a, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M))) {
     return err;
   }
-  if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&tmap_a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
+  if (kGemm == Gemm::kGateUpDgrad && (err = encode_rows_map(&maps->a2, p.a2, 1, p.num_rows, p.k, BLOCK_K, BLOCK_M)))
     return err;
-  CUtensorMap tmap_out{}, tmap_gate{}, tmap_up{};
   // K-major: dims (k, n, E), box (64 k, 128 n). MN-major: dims (n, k, E), box (64 n, 64 k); kWeightGrad's B
   // rows: dims (n, rows, 1).
   const auto encode_b = [&](CUtensorMap* map, const void* w) {
@@ -161,45 +167,59 @@ cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t
     return T::kMajorMN ? encode_rows_map(map, w, num_experts, p.k, p.n, 64, BLOCK_K)
                        : encode_rows_map(map, w, num_experts, p.n, p.k, BLOCK_K, BLOCK_N_B);
   };
-  if ((err = encode_b(&tmap_b0, w_b0)) || (err = encode_b(&tmap_b1, w_b1))) return err;
-  CUtensorMap tmap_s0{}, tmap_s1{};
+  if ((err = encode_b(&maps->b0, w_b0)) || (err = encode_b(&maps->b1, w_b1))) return err;
   if constexpr (T::kMx) {  // scales: dims (2n, k-blocks, E), box (256, 1, 1): a tile's 128 rows × 2 bytes
     const auto encode_s = [&](CUtensorMap* map, const void* scales) {
       return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, scales, num_experts, ceil_div(p.k, BLOCK_K),
                         2 * p.n, 2 * BLOCK_N_B, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
     };
-    if ((err = encode_s(&tmap_s0, mx.s0)) || (err = encode_s(&tmap_s1, mx.s1))) return err;
+    if ((err = encode_s(&maps->s0, mx.s0)) || (err = encode_s(&maps->s1, mx.s1))) return err;
   }
   // TMA stores: boxes of one warp's 16 rows × 64 columns; the map's dims clip N tails and kWeightGrad's rows
   // past m (dims (n, m, E): never into the next expert's dW).
-  {
-    const auto encode_out = [&](CUtensorMap* map, const void* out) {
-      return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)
-                         : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
-    };
-    if ((err = encode_out(&tmap_out, p.out))) return err;
-    // kGateUpMxOut: gate and up as E4M3, boxes of 16 rows × 128 bytes (one staging box, the same swizzle)
-    const auto encode_e4m3 = [&](CUtensorMap* map, const void* data) {
-      return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, data, 1, p.num_rows, p.n, BLOCK_N_B, kStoreBoxRows,
-                        CU_TENSOR_MAP_SWIZZLE_128B);
-    };
-    if (T::kMxOut && ((err = encode_e4m3(&tmap_gate, p.gate)) || (err = encode_e4m3(&tmap_up, p.up))))
-      return err;
-    if (T::kSwiGLU && !T::kMxOut &&
-        ((err = encode_out(&tmap_gate, p.gate)) || (err = encode_out(&tmap_up, p.up))))
-      return err;
-  }
-  const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes))) return err;
+  const auto encode_out = [&](CUtensorMap* map, const void* out) {
+    return kWeightGrad ? encode_rows_map(map, out, num_experts, p.m, p.n, kStoreBoxCols, kStoreBoxRows)
+                       : encode_rows_map(map, out, 1, p.num_rows, p.n, kStoreBoxCols, kStoreBoxRows);
+  };
+  if ((err = encode_out(&maps->out, p.out))) return err;
+  // kGateUpMxOut: gate and up as E4M3, boxes of 16 rows × 128 bytes (one staging box, the same swizzle)
+  const auto encode_e4m3 = [&](CUtensorMap* map, const void* data) {
+    return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, data, 1, p.num_rows, p.n, BLOCK_N_B, kStoreBoxRows,
+                      CU_TENSOR_MAP_SWIZZLE_128B);
+  };
+  if (T::kMxOut && ((err = encode_e4m3(&maps->gate, p.gate)) || (err = encode_e4m3(&maps->up, p.up)))) return err;
+  if (T::kSwiGLU && !T::kMxOut && ((err = encode_out(&maps->gate, p.gate)) || (err = encode_out(&maps->up, p.up))))
+    return err;
+  return cudaSuccess;
+}
+
+// The persistent grid of `kernel` for num_tasks tasks: min(num_sms or the device's SM count, num_tasks), with the
+// kernel's shared memory opted into.
+template <typename Kernel>
+cudaError_t persistent_gemm_grid(Kernel kernel, int64_t num_tasks, int num_sms, int* grid) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err) return err;
   if (num_sms <= 0) {
     int device = 0;
     if ((err = cudaGetDevice(&device)) ||
         (err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device)))
       return err;
   }
-  const int grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(tmap_a, tmap_a2, tmap_b0, tmap_b1, tmap_s0, tmap_s1, tmap_out,
-                                                    tmap_gate, tmap_up, p);
+  *grid = static_cast<int>(num_tasks < num_sms ? num_tasks : num_sms);
+  return cudaSuccess;
+}
+
+template <Gemm kGemm>
+cudaError_t launch_grouped_gemm_bf16(const void* w_b0, const void* w_b1, int64_t num_experts, Params p,
+                                     int num_sms, cudaStream_t stream, MxScales mx = {nullptr, nullptr}) {
+  TaskMaps m;
+  int64_t num_tasks = 0;
+  int grid = 0;
+  cudaError_t err = prepare_tasks<kGemm>(w_b0, w_b1, num_experts, p, mx, &m, &num_tasks);
+  if (err || num_tasks == 0) return err;
+  const auto kernel = grouped_gemm_bf16_kernel<kGemm>;
+  if ((err = persistent_gemm_grid(kernel, num_tasks, num_sms, &grid))) return err;
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(m.a, m.a2, m.b0, m.b1, m.s0, m.s1, m.out, m.gate, m.up, p);
   return cudaGetLastError();
 }
 

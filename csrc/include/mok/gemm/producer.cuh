@@ -95,6 +95,28 @@ MOK_DEVICE void dequantize_b_row(uint8_t* smem, uint32_t slot, uint32_t stage, u
   }
 }
 
+// Producer thread (row_in_tile, chunk) of a gathered A: the source rows of its kRowsPerThread rows of m-tile
+// m_tile (row_to_token; -1 = a zero row).
+MOK_DEVICE void gathered_tokens(const Params& p, int m_tile, uint32_t row_in_tile, int32_t (&token)[kRowsPerThread]) {
+#pragma unroll
+  for (int j = 0; j < kRowsPerThread; ++j) token[j] = p.row_to_token[m_tile * BLOCK_M + row_in_tile + kRowStride * j];
+}
+
+// Its 16-byte chunks of k-block kb of the gathered A into stage `stage` by cp.async, then its arrival on `full`
+// once they have landed.
+MOK_DEVICE void gather_a_stage(const Params& p, uint8_t* smem, uint32_t stage, uint64_t* full,
+                               const int32_t (&token)[kRowsPerThread], uint32_t row_in_tile, uint32_t chunk, int kb) {
+  uint8_t* a_tile = stage_a(smem, stage);
+  const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
+#pragma unroll
+  for (int j = 0; j < kRowsPerThread; ++j) {
+    const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
+    const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
+    ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
+  }
+  ptx::cp_async_mbarrier_arrive_noinc(full);
+}
+
 template <Gemm kGemm>
 MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, const CUtensorMap* tmap_b0,
                         const CUtensorMap* tmap_b1, const Landing& land, const Params& p,
@@ -116,11 +138,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
   for_each_task(num_tasks, [&](int task) {
     const Task t = decode_task<kGemm>(p, task, num_k_blocks, num_tasks);
     int32_t token[kRowsPerThread];  // source row of each of this thread's A rows, -1 = zero row
-    if constexpr (T::kGather) {
-#pragma unroll
-      for (int j = 0; j < kRowsPerThread; ++j)
-        token[j] = p.row_to_token[t.m_tile * BLOCK_M + row_in_tile + kRowStride * j];
-    }
+    if constexpr (T::kGather) gathered_tokens(p, t.m_tile, row_in_tile, token);
     for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
       const uint32_t stage = it % T::kStages, phase = (it / T::kStages) & 1;
       if constexpr (T::kMx) {  // before waiting for the stage: the landing runs ahead of the consumers too
@@ -132,17 +150,7 @@ MOK_DEVICE void produce(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a2, c
         if (thread == 0)
           issue_tma<kGemm>(tmap_a, tmap_a2, tmap_b0, tmap_b1, smem, &full[stage], stage, t, kb, p.k);
       }
-      if constexpr (T::kGather) {
-        uint8_t* a_tile = stage_a(smem, stage);
-        const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
-#pragma unroll
-        for (int j = 0; j < kRowsPerThread; ++j) {
-          const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
-          const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
-          ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
-        }
-        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
-      }
+      if constexpr (T::kGather) gather_a_stage(p, smem, stage, &full[stage], token, row_in_tile, chunk, kb);
       if constexpr (T::kMx) {
         const uint32_t slot = it % kNumLanding;
         ptx::mbarrier_wait_parity(&land.full[slot], (it / kNumLanding) & 1);

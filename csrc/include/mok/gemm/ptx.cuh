@@ -82,6 +82,33 @@ MOK_DEVICE void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
+// ---- counters between CTAs: one CTA's TMA stores, read by another CTA's TMA loads ------------------------
+// The writer waits for its stores (bulk_wait_group<0>), fences the async proxy's global writes against the generic
+// proxy, then increments with release; the reader loads with acquire until the count is reached, then fences before
+// its TMA loads (async proxy) read what the count announced. GPU scope: both CTAs on one device.
+
+MOK_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+MOK_DEVICE void red_release_gpu_add(int32_t* counter, int32_t value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
+}
+
+MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* counter) {
+  int32_t value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+
+// Spins until *counter >= target (acquire), faulting after kWaitTimeoutNs as mbarrier_wait_parity does.
+MOK_DEVICE void wait_counter(const int32_t* counter, int32_t target) {
+  uint64_t start = 0;
+  for (uint32_t spins = 0; ld_acquire_gpu(counter) < target; ++spins) {
+    if (spins == 0) start = global_timer_ns();
+    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs)
+      *reinterpret_cast<volatile uint32_t*>(uintptr_t{8}) = 1u;  // the null page: faults, never returns
+  }
+}
+
 MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
