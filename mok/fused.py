@@ -387,8 +387,8 @@ def _experts_backward(make_dy, gate, up, make_x_rows, w_gate, w_up, w_down, sche
     unweighted d_out rows, weighted in the SwiGLU backward (dgrad_swiglu_route_grads), which gives d_topk_weights.
     The steps run in the order that keeps the fewest row buffers alive (each step's bits do not depend on it): the
     down dgrad, d_w_down (then dy and h go), the gate/up dgrad and finish_dx (the routed combine: then dx_rows
-    goes), and only then make_x_rows() and d_w_gate, d_w_up: at most one [R, H] buffer beside the [R, I] ones (two in
-    mxfp8: dy's two round trips)."""
+    goes), and only then make_x_rows() and d_w_gate, d_w_up, d_gate's rows freed between them: at most one [R, H]
+    buffer beside the [R, I] ones (two in mxfp8: dy's two round trips)."""
     p = precision
     dy_rows, d_topk_weights = make_dy()
     dy_k, dy_w = _mx_dual(dy_rows, p, sched)  # [R, H] each: blocks along hidden (K here), along rows (K of d_w_down)
@@ -407,8 +407,10 @@ def _experts_backward(make_dy, gate, up, make_x_rows, w_gate, w_up, w_down, sche
     dx = finish_dx(dgrad_gate_up(d_gate_k, d_up_k, w_gate, w_up, sched, num_sms, p, mx_weights))  # from [R, H]
     del d_gate_k, d_up_k
     x_rows = make_x_rows()  # [R, H]
-    d_w = [ops.grouped_gemm_bf16_weight_grad(d, x_rows, sched, num_sms=num_sms) for d in (d_gate_w, d_up_w)]
-    return dx, [*d_w, d_w_down], d_topk_weights
+    d_w_gate = ops.grouped_gemm_bf16_weight_grad(d_gate_w, x_rows, sched, num_sms=num_sms)  # [E, I, H]
+    del d_gate_w  # before d_w_up exists: the pass's peak is here, beside three weight gradients
+    d_w_up = ops.grouped_gemm_bf16_weight_grad(d_up_w, x_rows, sched, num_sms=num_sms)  # [E, I, H]
+    return dx, [d_w_gate, d_w_up, d_w_down], d_topk_weights
 
 
 def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:

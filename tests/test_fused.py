@@ -14,6 +14,7 @@ allocator is poisoned with NaN before the level runs.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -313,6 +314,24 @@ def test_twins_have_the_kernels_signatures(name):
     kernel, twin = inspect.signature(getattr(ops, name)), inspect.signature(getattr(twins, name))
     assert list(kernel.parameters) == list(twin.parameters), name
     assert [p.default for p in kernel.parameters.values()] == [p.default for p in twin.parameters.values()], name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_backward_frees_d_gate_before_d_w_up(monkeypatch, precision):
+    """The backward's peak is beside the three weight gradients: each expert group's d_gate rows (d_w_gate's
+    operand) are gone before d_w_up is computed. The weight gradients come per group as d_w_down, d_w_gate, d_w_up."""
+    _use_twins(monkeypatch)
+    operands = []  # weakref of each weight gradient's a_rows, in call order
+
+    def spy(a_rows, b_rows, sched, num_sms=None):
+        if len(operands) % 3 == 2:  # d_w_up's call: d_w_gate's operand must be dead
+            assert operands[-1]() is None, f"call {len(operands)}: d_gate's rows still alive"
+        operands.append(weakref.ref(a_rows))
+        return twins.grouped_gemm_bf16_weight_grad(a_rows, b_rows, sched, num_sms)
+
+    monkeypatch.setattr(ops, "grouped_gemm_bf16_weight_grad", spy)
+    run_level(fused, make_inputs(TINY_SHAPES["tiny-top8"], seed=fresh_seed()), precision=precision)
+    assert len(operands) == 6, "the routed experts and the shared expert, three weight gradients each"
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-top8"])
