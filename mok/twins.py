@@ -21,7 +21,8 @@ from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
-           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_swiglu", "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
+           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_swiglu",
+           "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
            "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_dgrad_gate_up",
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
