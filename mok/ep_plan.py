@@ -29,7 +29,8 @@ import torch
 from mok.checks import check_int, check_topk_idx, fail
 from mok.schedule import Schedule, make_schedule
 
-__all__ = ["PHASES", "EPPlan", "RankPlan", "Task", "check_plan", "expert_ranges", "make_ep_plan", "task_order"]
+__all__ = ["COUNTERS", "PHASES", "EPPlan", "RankPlan", "Task", "check_plan", "counter_bases", "expert_ranges",
+           "make_ep_plan", "task_order"]
 
 # Task kinds of each pass, phase by phase; a rank's tickets list its phases in this order (shared expert first
 # inside a phase: it needs no remote row, so it runs while the pulls land).
@@ -116,14 +117,37 @@ def expert_ranges(num_experts: int, ep_size: int) -> list[range]:
     return [range(r * num_experts // ep_size, (r + 1) * num_experts // ep_size) for r in range(ep_size)]
 
 
-class _Counters:
-    """Counter ids (rank, index) by name, created on first use: a consumer and its producers name the same one."""
+# The counters of a rank, per pass: families in id order, each as long as what it is indexed by (m: the rank's row
+# tiles, c: its token tiles, e: its experts, 1: one). Every family exists on every rank (a counter no task signals
+# has target 0), so a counter's id is its family's base + its index: the kernel, or a GPU-built table, computes it.
+COUNTERS = {
+    "forward": (("x_ready", "m"), ("shared_h_ready", "c"), ("h_ready", "m"), ("y_ready", "c"), ("y_done", "m")),
+    "backward": (("dy_ready", "m"), ("shared_dgate_ready", "c"), ("shared_wgrad_ready", "1"), ("dgate_ready", "m"),
+                 ("wgrad_ready", "e"), ("dx_ready", "c"), ("dx_done", "m")),
+}
 
-    def __init__(self, ep_size: int):
-        self.index = [{} for _ in range(ep_size)]  # per rank: name -> index, in creation order
+
+def counter_bases(pass_: str, num_tiles: int, num_token_tiles: int, num_experts: int) -> dict[str, int]:
+    """Family -> the id of its first counter on a rank of these sizes, and "total" -> the rank's counter count."""
+    size = {"m": num_tiles, "c": num_token_tiles, "e": num_experts, "1": 1}
+    bases, total = {}, 0
+    for family, by in COUNTERS[pass_]:
+        bases[family], total = total, total + size[by]
+    return {**bases, "total": total}
+
+
+class _Counters:
+    """Counter ids (rank, index) by name, "family[i]": the family's base on that rank + i (COUNTERS)."""
+
+    def __init__(self, plan: "EPPlan", pass_: str):
+        self.names = []  # per rank: every counter's name, in id order
+        for r, rp in enumerate(plan.ranks):
+            size = {"m": rp.num_tiles, "c": plan.token_tiles(r), "e": len(rp.experts), "1": 1}
+            self.names.append([f"{family}[{i}]" for family, by in COUNTERS[pass_] for i in range(size[by])])
+        self.index = [{name: i for i, name in enumerate(names)} for names in self.names]
 
     def __call__(self, rank: int, name: str) -> tuple[int, int]:
-        return rank, self.index[rank].setdefault(name, len(self.index[rank]))
+        return rank, self.index[rank][name]
 
 
 def make_ep_plan(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts: int, *, hidden: int,
@@ -183,11 +207,11 @@ def make_ep_plan(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
         tiles = [(which, n) for which in WHICH for n in range(plan.tiles(out_rows_sh[which]))]
         plan.shared_wgrad_tiles = [(which, n, j % R) for j, (which, n) in enumerate(tiles)]
     for pass_, build in (("forward", _forward_tasks), ("backward", _backward_tasks)):
-        ctr = _Counters(R)
+        ctr = _Counters(plan, pass_)
         tasks = [build(plan, r, feeds, ctr, out_rows) for r in range(R)]
         for r, rp in enumerate(ranks):
-            rp.tasks[pass_], rp.counters[pass_] = tasks[r], list(ctr.index[r])
-            rp.targets[pass_] = [0] * len(ctr.index[r])
+            rp.tasks[pass_], rp.counters[pass_] = tasks[r], ctr.names[r]
+            rp.targets[pass_] = [0] * len(ctr.names[r])
         for ts in tasks:  # a counter's target: the increments its producers make
             for t in ts:
                 for rank, c in t.signals:
@@ -239,11 +263,11 @@ def _backward_tasks(plan: EPPlan, r: int, feeds: dict, ctr: _Counters, out_rows:
     for c in range(plan.token_tiles(r)):
         for n in range(n_s):  # every rank's shared weight-gradient tiles sum over every token
             add("shared_dgrad_down", c, n, signals=[ctr(r, f"shared_dgate_ready[{c}]")] +
-                [ctr(s, "shared_wgrad_ready") for s in shared_wgrad_ranks])
+                [ctr(s, "shared_wgrad_ready[0]") for s in shared_wgrad_ranks])
     for m, e in enumerate(experts):
         for n in range(n_i):
             add("dgrad_down", m, n, e, wait=ctr(r, f"dy_ready[{m}]"),
-                signals=[ctr(r, f"dgate_ready[{m}]"), ctr(r, f"wgrad_ready[{e}]")])
+                signals=[ctr(r, f"dgate_ready[{m}]"), ctr(r, f"wgrad_ready[{e - rp.experts.start}]")])
     for c in range(plan.token_tiles(r) if n_s else 0):
         for n in range(n_h):
             add("shared_dgrad_gate_up", c, n, wait=ctr(r, f"shared_dgate_ready[{c}]"),
@@ -256,10 +280,10 @@ def _backward_tasks(plan: EPPlan, r: int, feeds: dict, ctr: _Counters, out_rows:
     for e in rp.experts:  # an expert without rows waits on a counter of target 0 and writes zeros
         for which in WHICH:
             for n in range(plan.tiles(out_rows[which])):
-                add("wgrad", -1, n, e, which, wait=ctr(r, f"wgrad_ready[{e}]"))
+                add("wgrad", -1, n, e, which, wait=ctr(r, f"wgrad_ready[{e - rp.experts.start}]"))
     for which, n, rank in plan.shared_wgrad_tiles:
         if rank == r:
-            add("shared_wgrad", -1, n, -1, which, wait=ctr(r, "shared_wgrad_ready"))
+            add("shared_wgrad", -1, n, -1, which, wait=ctr(r, "shared_wgrad_ready[0]"))
     for c in range(plan.token_tiles(r)):  # dx rows pulled from their owners: d_x in increasing k, then shared
         add("combine_dx", c, wait=ctr(r, f"dx_ready[{c}]"))
     return tasks

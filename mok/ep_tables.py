@@ -32,7 +32,9 @@ exceed 2^31: the kernel forms them in int64. The same names in both passes. -1 m
   tokens_per_rank      [ep_size]               T_r of every rank (shared_wgrad's K: every rank's tokens, in order)
   shared_wgrad_tiles   [num_shared_tiles, 3]   (which, n, rank) of each shared weight-gradient tile (the gather)
 
-Counters: ids 0 .. num_counters - 1 per rank and pass, a flat int32 array in the rank's symmetric counter buffer.
+Counters: ids 0 .. num_counters - 1 per rank and pass, a flat int32 array in the rank's symmetric counter buffer; a
+counter's id is its family's base plus its index (mok.ep_plan.COUNTERS). mok.ep_build builds the same tables by tensor
+ops.
 A signal names (signal_rank, signal_counter): a local one is an add at the rank's own base, a remote one at the
 peer's base from the pointer table, at the same id.
 """
