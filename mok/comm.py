@@ -1,5 +1,6 @@
 """Expert parallelism (EP), the plain-PyTorch reference of L4: dispatch and combine over
-torch.distributed all-to-all, for any number of ranks (gloo on CPU, NCCL on GPU).
+torch.distributed all-to-all, for any number of ranks (gloo on CPU, NCCL on GPU); the local experts by L0 or by
+any level (`backend`: "fused" on Hopper GPUs is NCCL + mok's kernels).
 
 World of R ranks. Experts are split contiguously: rank r owns experts [r·E/R, (r+1)·E/R). Every rank
 holds its own tokens (x_local [T_r, H], topk_idx_local with GLOBAL expert ids); the global token
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from mok._ep_worker import run_local_ep  # noqa: F401  (re-exported: the launcher lives beside its worker)
 from mok.checks import check_tensor, fail
 from mok.config import PRECISIONS
+from mok.levels import get_level, resolve_backend
 
 BF16 = torch.bfloat16
 
@@ -229,8 +231,8 @@ class EPSaved:
     exact_shared: bool
     topk_weights: torch.Tensor  # [T_r, K]
     weights: tuple  # local (w_gate, w_up, w_down) [E/R, ...] and replicated shared (or None) ×3
-    gate: torch.Tensor  # [N_recv, I] per received row (MXFP8 round trip in mxfp8 mode)
-    up: torch.Tensor  # [N_recv, I]
+    backend: str  # the level that ran the local experts (_experts_forward)
+    experts: object  # its saved state of the local experts on the received rows
     y: torch.Tensor  # [T_r, K, H] per-route expert outputs, back home
     shared_gate: torch.Tensor | None  # [T_sh, I_sh]
     shared_up: torch.Tensor | None  # [T_sh, I_sh]
@@ -274,11 +276,29 @@ def _all_gather_tokens(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return torch.cat([p[:m] for p, m in zip(parts, ns)]), sum(ns[:rank])
 
 
+def _experts_forward(state: DispatchState, w_gate, w_up, w_down, level_name: str, precision: str, swiglu_limit):
+    """The local experts on the received rows through level `backend` (mok.levels): each row a token with one route,
+    to its expert, of weight 1, so the level's out is the rows' y bit for bit (bf16(0 + 1·y) = y) and its backward
+    on dy gives their dx and the weight gradients. Each expert's rows are the single-process schedule's, in its
+    order (_dispatch), so a level whose GEMM rows do not depend on the other rows (L0's, the fused kernels') gives
+    the bits it gives on one process. Returns (y_rows [N_recv, H], the level's saved state)."""
+    x = state.x_recv  # [N_recv, H]
+    level = get_level(level_name)
+    counts = torch.tensor(state.num_tokens_per_expert, device=x.device)  # [E/R]
+    expert_of_row = torch.arange(w_gate.shape[0], device=x.device).repeat_interleave(counts)[:, None]  # [N_recv, 1]
+    ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [N_recv, 1]
+    return level.forward(x, expert_of_row, ones, w_gate, w_up, w_down, precision=precision,
+                         swiglu_limit=swiglu_limit)
+
+
 def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
                    w_shared_gate=None, w_shared_up=None, w_shared_down=None, *, precision="bf16",
-                   swiglu_limit=None, exact_shared=True, group=None) -> tuple[torch.Tensor, EPSaved]:
+                   swiglu_limit=None, exact_shared=True, backend="reference",
+                   group=None) -> tuple[torch.Tensor, EPSaved]:
     """The MoE layer with EP: out_local [T_r, H] bf16 and the saved state. Routed weights are this
     rank's experts [E/R, ...]. The shared expert is replicated and runs in BF16 (DESIGN §4).
+    backend: the level that runs the local experts on the received rows ("reference": L0; "torch"; "fused" on a
+    Hopper GPU; "auto"), as mok.moe names them (_experts_forward).
 
     exact_shared: a GEMM's row results may depend on its number of rows (CPU BLAS and cuBLAS pick
     kernels by M), so the shared expert on T_r rows can differ in a last bit from the single-process
@@ -293,20 +313,14 @@ def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_
     _check_layer_inputs(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_up_local, w_down_local,
                         shared, precision, swiglu_limit, world_size)
     num_experts, exact_shared = w_gate_local.shape[0] * world_size, bool(exact_shared and w_shared_gate is not None)
+    level_name = resolve_backend(backend, x_local.device, precision)
     check_ranks_agree({"num_experts": num_experts, "hidden": x_local.shape[1], "intermediate": w_gate_local.shape[1],
                        "shared_intermediate": 0 if w_shared_gate is None else w_shared_gate.shape[0],
-                       "precision": precision, "swiglu_limit": swiglu_limit, "exact_shared": exact_shared},
-                      x_local.device, group)
+                       "precision": precision, "swiglu_limit": swiglu_limit, "exact_shared": exact_shared,
+                       "backend": level_name}, x_local.device, group)
     state = _dispatch(x_local, topk_idx_local, num_experts, group)
-    N, I = state.x_recv.shape[0], w_gate_local.shape[1]
-    y_rows = torch.empty_like(state.x_recv)  # [N_recv, H]
-    gate = x_local.new_empty(N, I)  # [N_recv, I]
-    up = x_local.new_empty(N, I)  # [N_recv, I]
-    for e, seg in enumerate(_segments(state)):
-        if seg.stop > seg.start:
-            y_rows[seg], gate[seg], up[seg] = reference.expert_forward(
-                state.x_recv[seg], w_gate_local[e], w_up_local[e], w_down_local[e],
-                precision=precision, swiglu_limit=swiglu_limit)
+    y_rows, experts = _experts_forward(state, w_gate_local, w_up_local, w_down_local, level_name, precision,
+                                       swiglu_limit)  # [N_recv, H]
 
     T = x_local.shape[0]
     x_shared, offset = _all_gather_tokens(x_local, group) if exact_shared else (x_local, 0)  # [T_sh, H]
@@ -317,15 +331,9 @@ def ep_moe_forward(x_local, topk_idx_local, topk_weights_local, w_gate_local, w_
         shared_out = shared_out[offset: offset + T]  # [T_r, H]
     out, y = ep_combine(y_rows, state, topk_weights_local, shared_out, return_routes=True)
     weights = (w_gate_local, w_up_local, w_down_local, *shared)
-    saved = EPSaved(state, x_shared, offset, exact_shared, topk_weights_local, weights, gate, up, y,
+    saved = EPSaved(state, x_shared, offset, exact_shared, topk_weights_local, weights, level_name, experts, y,
                     shared_gate, shared_up, precision, swiglu_limit)
     return out, saved
-
-
-def _segments(state: DispatchState) -> list[slice]:
-    """Row range of each local expert in state.x_recv."""
-    ends = torch.tensor(state.num_tokens_per_expert, dtype=torch.int64).cumsum(0).tolist()
-    return [slice(end - n, end) for n, end in zip(state.num_tokens_per_expert, ends)]
 
 
 def ep_moe_backward(saved: EPSaved, d_out_local: torch.Tensor) -> tuple:
@@ -347,13 +355,8 @@ def ep_moe_backward(saved: EPSaved, d_out_local: torch.Tensor) -> tuple:
     dy = (d_out_local.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16).view(T * K, H)
     dy_recv = _to_experts(dy[st.send_order], st)  # [N_recv, H] expert-major, like x_recv
 
-    dx_rows = torch.empty_like(dy_recv)  # [N_recv, H]
-    d_w = [torch.zeros_like(w) for w in (w_gate, w_up, w_down)]  # experts without rows: zero
-    for e, seg in enumerate(_segments(st)):
-        if seg.stop > seg.start:
-            dx_rows[seg], d_w[0][e], d_w[1][e], d_w[2][e] = reference.expert_backward(
-                st.x_recv[seg], s.gate[seg], s.up[seg], dy_recv[seg], w_gate[e], w_up[e], w_down[e],
-                precision=s.precision, swiglu_limit=s.swiglu_limit)
+    # the level's backward of its rows (one route each, weight 1: its dy is dy_recv itself): dx_rows, weight grads
+    dx_rows, _, *d_w = get_level(s.backend).backward(s.experts, dy_recv)[:5]  # [N_recv, H], [E/R, ...] ×3
     dx = _from_experts(dx_rows, st).view(T, K, H)  # [T_r, K, H] per route, home again
 
     d_x = torch.zeros(T, H, dtype=torch.float32, device=d_out_local.device)  # [T_r, H] fp32

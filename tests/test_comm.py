@@ -15,7 +15,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from mok import comm, reference
+from mok import comm, fused, reference
+from mok.testing import TOLERANCES, rel_err
 
 BF16 = torch.bfloat16
 SEED = int(os.environ.get("MOK_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))  # printed on failure
@@ -87,9 +88,9 @@ def to_device(obj, dev):
     return obj
 
 
-def _ep_rank(rank, world_size, cases, device="cpu"):
-    """One rank: EP forward/backward and an identity-expert round trip per case, then bad inputs.
-    device "cuda" puts rank r on GPU r (NCCL); results come back on the CPU."""
+def _ep_rank(rank, world_size, cases, device="cpu", level="torch"):
+    """One rank: EP forward/backward (L0, then `level` for the local experts) and an identity-expert round trip per
+    case, then bad inputs. device "cuda" puts rank r on GPU r (NCCL); results come back on the CPU."""
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     results = []
     for c in to_device(cases, dev):
@@ -104,6 +105,9 @@ def _ep_rank(rank, world_size, cases, device="cpu"):
         back = comm.ep_combine(state.x_recv, state, w)  # identity experts
         results.append({"out": out, "grads": grads, "x_recv": state.x_recv, "back": back,
                         "counts": state.num_tokens_per_expert})
+        out, saved = comm.ep_moe_forward(x, idx, w, *routed, *c["shared"], precision=c["precision"],
+                                         swiglu_limit=c["limit"], backend=level)
+        results[-1]["level"] = (out, comm.ep_moe_backward(saved, c["d_out"][tokens].contiguous()))
         if c["shared"][0] is not None:  # the deployment mode: shared expert on local rows only
             out, saved = comm.ep_moe_forward(x, idx, w, *routed, *c["shared"], precision=c["precision"],
                                              swiglu_limit=c["limit"], exact_shared=False)
@@ -196,6 +200,25 @@ def test_ep_local_shared_expert_is_close(ep_world):
             assert rel_diff(sum(g[j].float() for _, g in local), ref[j]) < 1e-2, f"case {i}, {j}"
 
 
+def assert_level_close_to_l0(cases, ranks, what):
+    """EP with a level for the local experts (_ep_rank's `level`) against single-process L0: out and every gradient
+    within the level tolerances (the level's GEMMs are not L0's)."""
+    for i, c in enumerate(cases):
+        ref_out, ref = to_device(single_process(c), "cpu")
+        tol = TOLERANCES["mxfp8_vs_l0_mxfp8" if c["precision"] == "mxfp8" else "bf16_vs_l0"]
+        level = [r["cases"][i]["level"] for r in ranks]
+        assert rel_err(torch.cat([o for o, _ in level]), ref_out) <= tol, f"{what}: out, case {i}, seed {SEED}"
+        for j in range(5):  # d_x, d_topk_weights, routed weight grads: tokens and experts concatenate over ranks
+            assert rel_err(torch.cat([g[j] for _, g in level]), ref[j]) <= tol, f"{what}: grad {j}, case {i}"
+        for j in range(5, 8):  # the shared expert runs in L0 whatever the level: its exact gradients
+            assert all((g[j] is None and ref[j] is None) or torch.equal(g[j], ref[j]) for _, g in level), f"case {i}"
+
+
+def test_ep_with_the_torch_level_for_the_experts_is_close_to_l0(ep_world):
+    world_size, cases, ranks = ep_world
+    assert_level_close_to_l0(cases, ranks, f"torch level, R={world_size}")
+
+
 def test_dispatch_gives_each_expert_the_schedule_order(ep_world):
     world_size, cases, ranks = ep_world
     for i, c in enumerate(cases):
@@ -220,9 +243,19 @@ def test_identity_experts_round_trip(ep_world):
 
 
 def check_nccl_against_single_process(world_size):
-    """The cases on R GPUs over NCCL, against L0 on GPU 0 (same GPU model: same GEMM bits)."""
+    """The cases on R GPUs over NCCL, against L0 on GPU 0 (same GPU model: same GEMM bits); the local experts also
+    by the fused level on a Hopper GPU (L1 elsewhere): close to L0, and where there is no shared expert (which runs
+    in L0) its out is the single-process fused level's bit for bit (the same rows per expert tile)."""
     cases = make_cases(world_size)
-    ranks = comm.run_local_ep(_ep_rank, world_size, cases, "cuda", backend="nccl", timeout_s=120)
+    level = "fused" if torch.cuda.get_device_capability(0) == (9, 0) else "torch"
+    ranks = comm.run_local_ep(_ep_rank, world_size, cases, "cuda", level, backend="nccl", timeout_s=120)
+    gpu_cases = to_device(cases, "cuda:0")
+    assert_level_close_to_l0(gpu_cases, ranks, f"{level} level over NCCL, R={world_size}")
+    for i, c in enumerate(gpu_cases):
+        if level == "fused" and c["shared"][0] is None:
+            want, _ = fused.forward(c["x"], c["topk_idx"], c["topk_weights"], c["w_gate"], c["w_up"], c["w_down"],
+                                    None, None, None, precision=c["precision"], swiglu_limit=c["limit"])
+            assert torch.equal(torch.cat([r["cases"][i]["level"][0] for r in ranks]), want.cpu()), f"case {i}"
     for i, c in enumerate(cases):
         ref_out, ref = to_device(single_process(to_device(c, "cuda:0")), "cpu")
         assert torch.equal(torch.cat([r["cases"][i]["out"] for r in ranks]), ref_out), f"case {i}"
