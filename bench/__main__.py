@@ -4,6 +4,7 @@
     parts     the fused level's passes step by step                                                 (bench.parts)
     quant     the MXFP8 quantization kernels against a copy's bandwidth                             (bench.quant)
     route     the router with and without rounding to the tile                                      (bench.route)
+    ep        expert parallelism per GPU: all-to-all + a level for the local experts, EP = R GPUs  (bench.ep)
     summary   the README's table from a CSV, in markdown                                            (bench.moe)
 """
 
@@ -11,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = {"moe": "bench.moe:main", "parts": "bench.parts:main", "quant": "bench.quant:main",
-            "route": "bench.route:main", "summary": "bench.moe:summary_main"}
+            "route": "bench.route:main", "summary": "bench.moe:summary_main", "ep": "bench.ep:main"}
 
 
 def main(argv=None) -> int:
