@@ -25,7 +25,7 @@ import torch
 from bench.timing import DATA, provenance, time_ms, write_rows
 from mok.config import PASSES, PRECISIONS, get_shape
 
-KEY = ["shape", "ep_size", "level", "precision", "pass"]
+KEY = ["shape", "ep_degree", "level", "precision", "pass"]
 
 
 def _rank_times(rank: int, world_size: int, shape: str, experts_per_rank: bool, levels: list, precisions: list,
@@ -82,7 +82,7 @@ def ep_rows(shape: str, ep_size: int, levels: list, precisions: list, passes: li
         level, precision, pass_ = key
         per_rank = [r[key] for r in ranks]
         slowest = max(per_rank)
-        rows.append({"shape": shape, "ep_size": ep_size, "level": level, "precision": precision, "pass": pass_,
+        rows.append({"shape": shape, "ep_degree": ep_size, "level": level, "precision": precision, "pass": pass_,
                      "time_ms": slowest, "time_ms_mean": sum(per_rank) / len(per_rank),
                      "tflops_per_gpu": cfg.flops(pass_) / slowest / 1e9, "tokens_per_rank": cfg.num_tokens,
                      "num_experts": cfg.num_experts * (ep_size if experts_per_rank else 1),
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             write_rows(new, args.out, KEY)  # a killed sweep keeps what it measured
             rows += new
     for r in rows:
-        print(f"{r['shape']} EP={r['ep_size']} {r['level']} {r['precision']} {r['pass']}: {r['time_ms']:.3f} ms "
+        print(f"{r['shape']} EP={r['ep_degree']} {r['level']} {r['precision']} {r['pass']}: {r['time_ms']:.3f} ms "
               f"(mean over ranks {r['time_ms_mean']:.3f}), {r['tflops_per_gpu']:.0f} TFLOP/s per GPU")
     return 0
 

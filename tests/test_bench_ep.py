@@ -11,7 +11,7 @@ def test_ep_bench_writes_a_row_per_level_precision_and_pass(tmp_path):
     assert ep.main(["--shapes", "tiny", "--ep", "2", "--levels", "torch", "reference", "--precisions", "bf16",
                     "--passes", "fwd", "fwd+bwd", "--iters", "2", "--device", "cpu", "--out", str(out)]) == 0
     rows = read_rows(out)
-    assert len(rows) == 4 and set(rows["level"]) == {"torch", "reference"} and set(rows["ep_size"]) == {2}
+    assert len(rows) == 4 and set(rows["level"]) == {"torch", "reference"} and set(rows["ep_degree"]) == {2}
     assert (rows["time_ms"] >= rows["time_ms_mean"]).all() and (rows["time_ms"] > 0).all()
     assert (rows["tflops_per_gpu"] > 0).all() and set(rows["num_experts"]) == {4}
 
