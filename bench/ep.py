@@ -3,8 +3,9 @@ the local experts (`--levels`, "fused": NCCL + mok's kernels, the path issue 46 
 EP degrees R on R GPUs of one host (NCCL; `--device cpu`: gloo, for a smoke run).
 
 Each shape's num_tokens are one rank's tokens: the global batch is R of them, routed by one seeded draw that every
-rank makes alike (random routing, mok.testing.make_inputs on the global shape), every rank holding E / R experts;
-with --experts-per-rank the shape's num_experts are one rank's (the *-rank shapes: E = R · num_experts).
+rank makes alike (random routing, mok.testing.make_inputs on the global shape), every rank holding E / R experts
+whose weights it draws itself (a timing: no rank needs another's); with --experts-per-rank the shape's num_experts
+are one rank's (the *-rank shapes: E = R · num_experts).
 The shared expert, if any, runs on each rank's own tokens (exact_shared=False, as a deployment). Per pass, each rank
 times its calls with bench.timing.time_ms between barriers; a row gives the slowest rank's median (the pass ends when
 it does) and the mean over ranks, and TFLOP/s per GPU on MoK's flops of one rank's tokens (mok.config).
@@ -39,14 +40,17 @@ def _rank_times(rank: int, world_size: int, shape: str, experts_per_rank: bool, 
     cfg = get_shape(shape)
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     T, E = cfg.num_tokens, cfg.num_experts * (world_size if experts_per_rank else 1)
-    g = make_inputs(cfg.scaled(num_tokens=T * world_size, num_experts=E), device=dev, seed=0,
-                    draw_on=dev.type)  # the global batch, drawn alike on every rank
-    tokens, experts = slice(rank * T, (rank + 1) * T), slice(rank * E // world_size, (rank + 1) * E // world_size)
-    x, idx, w = (g[n][tokens].contiguous() for n in ("x", "topk_idx", "topk_weights"))
-    routed = [g[n][experts].contiguous() for n in ("w_gate", "w_up", "w_down")]  # [E/R, ...] each
-    shared = [g[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
-    d_out = g["d_out"][tokens].contiguous()
+    # the global batch, drawn alike on every rank (with narrow experts: their weights go unused), then this rank's
+    # experts and the shared expert at full width (E / R of them: all E at dsv4pro × 8 would be 50 GB a GPU)
+    g = make_inputs(cfg.scaled(num_tokens=T * world_size, num_experts=E, intermediate=32, shared_intermediate=0),
+                    device=dev, seed=0, draw_on=dev.type)
+    tokens = slice(rank * T, (rank + 1) * T)
+    x, idx, w, d_out = (g[n][tokens].contiguous() for n in ("x", "topk_idx", "topk_weights", "d_out"))
     del g
+    mine = make_inputs(cfg.scaled(num_tokens=1, num_experts=E // world_size), device=dev, seed=1 + rank,
+                       draw_on=dev.type)
+    routed = [mine[n] for n in ("w_gate", "w_up", "w_down")]  # [E/R, ...] each
+    shared = [mine[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
     times = {}
     for level in levels:
         for precision in precisions:
