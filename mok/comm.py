@@ -277,7 +277,7 @@ def _all_gather_tokens(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
 
 
 def _experts_forward(state: DispatchState, w_gate, w_up, w_down, level_name: str, precision: str, swiglu_limit):
-    """The local experts on the received rows through level `backend` (mok.levels): each row a token with one route,
+    """The local experts on the received rows through level `level_name` (mok.levels): each row a token with one route,
     to its expert, of weight 1, so the level's out is the rows' y bit for bit (bf16(0 + 1·y) = y) and its backward
     on dy gives their dx and the weight gradients. Each expert's rows are the single-process schedule's, in its
     order (_dispatch), so a level whose GEMM rows do not depend on the other rows (L0's, the fused kernels') gives
@@ -341,7 +341,8 @@ def ep_moe_backward(saved: EPSaved, d_out_local: torch.Tensor) -> tuple:
     d_w_shared_gate, d_w_shared_up, d_w_shared_down), reference.moe_backward's order.
 
     dy = bf16(d_out·w) travels the dispatch path, each expert's dx comes back the combine path and is
-    summed in increasing k: routed grads, d_x and d_topk_weights equal the single-process bits.
+    summed in increasing k: with backend "reference", routed grads, d_x and d_topk_weights equal the single-process
+    bits (another level: its own bits on the same rows).
     Shared weight gradients: with exact_shared, the full gradient over all T tokens (the same on every
     rank, equal to L0's; do not reduce it again); without, this rank's partial over its own tokens
     (reduce over ranks, as data parallelism does)."""
@@ -350,7 +351,7 @@ def ep_moe_backward(saved: EPSaved, d_out_local: torch.Tensor) -> tuple:
     s, st = saved, saved.state
     T, K, H = s.y.shape
     check_tensor("d_out_local", d_out_local, BF16, (T, H), s.y.device)
-    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
+    ws_gate, ws_up, ws_down = s.weights[3:]
     d_topk_weights = (d_out_local.float()[:, None, :] * s.y.float()).sum(-1)  # [T_r, K] fp32
     dy = (d_out_local.float()[:, None, :] * s.topk_weights[:, :, None]).to(BF16).view(T * K, H)
     dy_recv = _to_experts(dy[st.send_order], st)  # [N_recv, H] expert-major, like x_recv
