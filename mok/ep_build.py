@@ -197,6 +197,8 @@ def build_tables(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
             "num_tokens": tokens_per_rank[rank], "num_rows": hi - lo, "num_local_experts": E_r,
             "num_tasks": tab["task_kind"].numel(), "num_signals": tab["signal_rank"].numel(),
             "num_counters": b["total"], "num_shared_tiles": tab["shared_wgrad_tiles"].shape[0]}
+    if max(dims.values()) > torch.iinfo(torch.int32).max:  # every table's values are bounded by a dim
+        fail("build_tables", "sizes that fit int32 (the kernel's tables)", dims)
     tab["dims"] = torch.tensor([dims[name] for name in DIMS], device=dev)
     return {name: tab[name].to(torch.int32).contiguous() for name in TABLES}
 
