@@ -113,7 +113,7 @@ def build_tables(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
     home = torch.repeat_interleave(torch.arange(R, device=dev), tpr)  # [T]
 
     # the feeds: each route's (owner, its row tile) feeds (home, its token tile); distinct pairs, as 1-D keys
-    row_to_route = sched.row_to_route.to(dev)
+    row_to_route = sched.row_to_route.to(dev)[: rows_at[-1]]  # a GPU schedule's spare rows past its real ones go
     real = row_to_route >= 0
     row, token = real.nonzero().squeeze(1), row_to_route[real] // K
     o, h = owner[sched.row_to_expert.to(dev)[row]], home[token]
