@@ -58,3 +58,23 @@ def test_build_errors_name_the_argument():
         build_tables(idx, [2, 1], 2, 0, "forward", hidden=32, intermediate=32)
     with pytest.raises(ValueError, match="sched"):
         build_tables(idx, [4], 2, 0, "forward", hidden=32, intermediate=32, sched=make_schedule(idx, 2, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sync", [True, False])
+def test_built_tables_on_the_gpu_equal_the_plans(sync):
+    """On a GPU from ops.make_schedule_cuda's schedule (with sync=False, its spare rows included): the CPU plan's
+    tables, at EP = 3 with a shared expert and uneven ranks."""
+    from mok import ops
+
+    c = CASES["bf16-shared"]()
+    split, E = SPLITS[3](c["x"].shape[0]), c["num_experts"]
+    sizes = dict(hidden=64, intermediate=64, shared_intermediate=32, block_m=8, block_n=32)
+    plan = ep_plan.make_ep_plan(c["topk_idx"], split, E, **sizes)
+    idx = c["topk_idx"].cuda()
+    sched = ops.make_schedule_cuda(idx, E, block_m=8, sync=sync)
+    for pass_ in ep_plan.PHASES:
+        for r in range(3):
+            got = build_tables(idx, split, E, r, pass_, sched=sched, **sizes)
+            want = plan_tables(plan, r, pass_)
+            assert all(torch.equal(got[name].cpu(), want[name]) for name in TABLES), f"{pass_}, rank {r}"
