@@ -2,6 +2,8 @@
 // (docs/megakernel.md): the tasks of kGateUp (h, gate, up from x gathered) and then those of kDown (y = h·W_downᵀ),
 // numbered one after the other and taken by each CTA in the static stride of for_each_task, so GEMM2's first tiles
 // run in GEMM1's last wave instead of after it. Same tiles, same fp32 sums: the bits of the two launches.
+// Measured on an H100: no faster than the two launches (docs/gemm.md), so the fused level keeps those; this is the
+// pattern the megakernel's other kinds follow.
 //
 // A kDown task of m-tile m reads h's rows of m, which the kGateUp tasks of m write. Each consumer warp of a kGateUp
 // task increments h_ready[m] once that task's stores have finished (bulk_wait_group<0>, then a release); the kDown
