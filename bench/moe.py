@@ -17,7 +17,9 @@ the backward; mok levels only), and provenance: gpu, torch, cuda, commit, date.
 - Peers run side by side when importable (PEERS): Liger-Kernel's Triton fused MoE and SonicMoE (bench.sonic; routed
   experts only: its rows are on the shapes' routed part, `shared_intermediate` 0) beside the bf16 rows, and TorchAO's
   FP8 rowwise grouped GEMM (bench.torchao_fp8, `torchao-fp8`, sm_90 only, routed experts only; rows with precision
-  `fp8_rowwise`) beside the mxfp8 rows: the FP8 baseline that runs on Hopper.
+  `fp8_rowwise`) beside the mxfp8 rows: the FP8 baseline that runs on Hopper. And `mok.moe`: mok itself as a user
+  calls it (the custom ops and autograd, backend auto: the fused level on a Hopper GPU), beside the bf16 rows that
+  time the levels' functions: the difference is the eager call's own cost.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+import mok
 from bench import sonic, torchao_fp8
 from bench.timing import (
     DATA,
@@ -40,6 +43,7 @@ from bench.timing import (
     add_timing_options,
     clocked,
     peak_mem_gb,
+    peer_pass,
     provenance,
     read_rows,
     sweep,
@@ -187,6 +191,25 @@ def torchao_fp8_pass_fn(inputs: dict, pass_: str):
     return torchao_fp8.pass_fn(inputs, pass_)
 
 
+class _MokCall:
+    """mok.moe with the float inputs as autograd leaves (backend auto), in bench.timing.peer_pass's shape."""
+
+    def __init__(self, inputs: dict):
+        self.args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a
+                     for a in moe_args(inputs)]
+        self.leaves = [a for a in self.args if a is not None and a.requires_grad]
+
+    def __call__(self) -> torch.Tensor:
+        return mok.moe(*self.args)
+
+    def grads(self, out: torch.Tensor, d_out: torch.Tensor, retain_graph: bool = False):
+        return torch.autograd.grad(out, self.leaves, d_out, retain_graph=retain_graph)
+
+
+def mok_call_pass_fn(inputs: dict, pass_: str):
+    return peer_pass(_MokCall(inputs), inputs["d_out"], pass_)
+
+
 # name -> (the mok precision its rows stand beside, its rows' precision, the L0 precision of its err_vs_l0, pass_fn,
 # its rows' note). A peer runs when its mok precision is benchmarked and `peers` names it.
 PEERS = {
@@ -195,6 +218,7 @@ PEERS = {
     "sonic": ("bf16", "bf16", "bf16", sonic_pass_fn, lambda: f"sonic-moe {sonic.version()}"),
     torchao_fp8.NAME: ("mxfp8", torchao_fp8.PRECISION, torchao_fp8.REF_PRECISION, torchao_fp8_pass_fn,
                        lambda: f"torchao {torchao_fp8.version()}, FP8 e4m3 rowwise scales (not MX blocks)"),
+    "mok.moe": ("bf16", "bf16", "bf16", mok_call_pass_fn, lambda: "mok.moe, backend auto, autograd"),
 }
 
 

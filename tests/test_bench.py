@@ -496,3 +496,15 @@ def test_headline_names_the_fastest_other_per_row(tmp_path, capsys):
     assert bench_main(["summary", "--headline", str(tmp_path / "moe.csv")]) == 0
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| s |")][0]
     assert line == "| s | fwd | 600 | 500 | 400 | 450 | 100 | 1.11× Liger | 2.0 / 3.0 |"
+
+
+def test_mok_call_rows_time_mok_moe_beside_the_levels():
+    """The `mok.moe` peer: mok as a user calls it (custom ops, autograd; backend auto is L1 on the CPU), a row per
+    pass beside the level rows, its output L1's."""
+    cfg = TINY_SHAPES["tiny"]
+    rows = moe.bench_shape(cfg, ["torch"], ["bf16"], ["fwd", "fwd+bwd"], peers=["mok.moe"], iters=2, device="cpu",
+                           warmup_ms=0.0)
+    calls = [r for r in rows if r["level"] == "mok.moe"]
+    assert [r["pass"] for r in calls] == ["fwd", "fwd+bwd"] and all(r["time_ms"] > 0 for r in calls)
+    level = next(r for r in rows if r["level"] == "torch" and r["pass"] == "fwd")
+    assert calls[0]["err_vs_l0"] == level["err_vs_l0"], "mok.moe on the CPU runs L1: the same output"
