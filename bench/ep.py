@@ -22,9 +22,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from bench.timing import DATA, provenance, time_ms, write_rows
+from mok import comm
 from mok.config import PASSES, PRECISIONS, get_shape
+from mok.testing import make_inputs
 
 KEY = ["shape", "ep_degree", "level", "precision", "pass"]
 
@@ -32,11 +35,6 @@ KEY = ["shape", "ep_degree", "level", "precision", "pass"]
 def _rank_times(rank: int, world_size: int, shape: str, experts_per_rank: bool, levels: list, precisions: list,
                 passes: list, iters: int, device: str) -> dict:
     """One rank: {(level, precision, pass): median ms} of its calls (comm.run_local_ep's fn)."""
-    import torch.distributed as dist
-
-    from mok import comm
-    from mok.testing import make_inputs
-
     cfg = get_shape(shape)
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     T, E = cfg.num_tokens, cfg.num_experts * (world_size if experts_per_rank else 1)
@@ -54,14 +52,14 @@ def _rank_times(rank: int, world_size: int, shape: str, experts_per_rank: bool, 
     times = {}
     for level in levels:
         for precision in precisions:
-            calls = _pass_calls(comm, (x, idx, w, *routed, *shared), d_out, level, precision)
+            calls = _pass_calls((x, idx, w, *routed, *shared), d_out, level, precision)
             for pass_ in passes:
                 dist.barrier()
                 times[(level, precision, pass_)] = time_ms(calls[pass_], iters=iters, warmup_ms=0.0)
     return times
 
 
-def _pass_calls(comm, args: tuple, d_out: torch.Tensor, level: str, precision: str) -> dict:
+def _pass_calls(args: tuple, d_out: torch.Tensor, level: str, precision: str) -> dict:
     """pass -> a call of it on this rank (bwd: on one forward's saved state)."""
     def forward():
         return comm.ep_moe_forward(*args, precision=precision, backend=level, exact_shared=False)
@@ -74,8 +72,6 @@ def _pass_calls(comm, args: tuple, d_out: torch.Tensor, level: str, precision: s
 def ep_rows(shape: str, ep_size: int, levels: list, precisions: list, passes: list, iters: int,
             device: str = "cuda", experts_per_rank: bool = False) -> list[dict]:
     """The rows of one shape at one EP degree: R ranks (NCCL on R GPUs, or gloo on the CPU)."""
-    from mok import comm
-
     cfg = get_shape(shape)
     ranks = comm.run_local_ep(_rank_times, ep_size, shape, experts_per_rank, levels, precisions, passes, iters,
                               device,

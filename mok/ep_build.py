@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mok.checks import check_int, check_topk_idx, fail
-from mok.ep_plan import PHASE_OF, PHASES, counter_bases, expert_ranges
+from mok.ep_plan import PHASE_OF, PHASES, counter_bases, expert_ranges, rank_rows, route_tiles, split_of
 from mok.ep_tables import DIMS, TABLES, TASK_KINDS
 from mok.schedule import make_schedule
 
@@ -102,22 +102,14 @@ def build_tables(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
     tiles = lambda size: -(-size // block_n)  # noqa: E731
     n_i, n_h, n_s = tiles(intermediate), tiles(hidden), tiles(shared_intermediate)
     experts = expert_ranges(E, R)
-    tpr = torch.tensor(list(tokens_per_rank), device=dev)
-    token_offsets = torch.cat([tpr.new_zeros(1), tpr.cumsum(0)])  # [R + 1]
-    row_offsets = sched.expert_offsets[[rng.start for rng in experts] + [E]].to(dev)  # [R + 1]
-    rows_at = row_offsets.tolist()  # the host's one read: every rank's row count
+    split = split_of(sched, tokens_per_rank, dev)
+    rows_at = split.row_offsets.tolist()  # the host's one read: every rank's row count
     num_tiles = [(b - a) // bm for a, b in zip(rows_at, rows_at[1:])]
     token_tiles = [-(-t // bm) for t in tokens_per_rank]
     bases = [counter_bases(pass_, num_tiles[s], token_tiles[s], len(experts[s])) for s in range(R)]
-    owner = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor([len(g) for g in experts], device=dev))
-    home = torch.repeat_interleave(torch.arange(R, device=dev), tpr)  # [T]
 
     # the feeds: each route's (owner, its row tile) feeds (home, its token tile); distinct pairs, as 1-D keys
-    row_to_route = sched.row_to_route.to(dev)[: rows_at[-1]]  # a GPU schedule's spare rows past its real ones go
-    real = row_to_route >= 0
-    row, token = real.nonzero().squeeze(1), row_to_route[real] // K
-    o, h = owner[sched.row_to_expert.to(dev)[row]], home[token]
-    m_of, c_of = (row - row_offsets[o]) // bm, (token - token_offsets[h]) // bm
+    o, m_of, h, c_of = route_tiles(sched, split, K)
     m_span, c_span = max(num_tiles) + 1, max(token_tiles) + 1
     mine = ((m_of * R + h) * c_span + c_of)[o == rank].unique()  # sorted: by row tile, then home, then token tile
     f_m, f_h, f_c = mine // (R * c_span), mine // c_span % R, mine % c_span
@@ -179,19 +171,14 @@ def build_tables(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
                 ("dx_ready", (n_h if n_s else 0) + fed, C), ("dx_done", n_h, M)):
             set_target(name, value, count)
 
-    route = row_to_route[lo:hi]  # [rows_r]
-    src = torch.where(route >= 0, home[(route // K).clamp(min=0)], -1)
-    tokens = slice(int(token_offsets[rank]), int(token_offsets[rank + 1]))
-    route_owner = owner[topk_idx[tokens]]  # [T_r, K]
-    tab = {**tasks.tables(target), "counter_target": target,
-           "tile_num_rows": sched.tile_num_rows.to(dev)[lo // bm: hi // bm], "pull_rank": src,
-           "pull_token": torch.where(route >= 0, route // K - token_offsets[src.clamp(min=0)], -1),
+    rows = rank_rows(sched, topk_idx, split, rank)  # row_to_route, pull_rank/token, combine_rank/row
+    route = rows["row_to_route"]  # [rows_r]
+    tab = {**tasks.tables(target), "counter_target": target, **rows,
+           "tile_num_rows": sched.tile_num_rows.to(dev)[lo // bm: hi // bm],
            "pull_k": torch.where(route >= 0, route % K, -1),
-           "combine_rank": route_owner,
-           "combine_row": sched.route_to_row.to(dev)[tokens] - row_offsets[route_owner],
            "expert_offsets": sched.expert_offsets.to(dev)[experts[rank].start: experts[rank].stop + 1] - lo,
            "tokens_per_expert": sched.tokens_per_expert.to(dev)[experts[rank].start: experts[rank].stop],
-           "tokens_per_rank": tpr, "shared_wgrad_tiles": _shared_wgrad_tiles(n_s, n_h, R, dev)}
+           "tokens_per_rank": split.token_offsets.diff(), "shared_wgrad_tiles": _shared_wgrad_tiles(n_s, n_h, R, dev)}
     dims = {"ep_size": R, "rank": rank, "num_topk": K, "hidden": hidden, "intermediate": intermediate,
             "shared_intermediate": shared_intermediate, "block_m": bm, "block_n": block_n,
             "num_tokens": tokens_per_rank[rank], "num_rows": hi - lo, "num_local_experts": E_r,

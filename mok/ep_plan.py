@@ -136,6 +136,50 @@ def counter_bases(pass_: str, num_tiles: int, num_token_tiles: int, num_experts:
     return {**bases, "total": total}
 
 
+@dataclass(frozen=True)
+class Split:
+    """Where a global schedule's routes live at R ranks (tensors on one device)."""
+    owner: torch.Tensor  # [E] the rank owning each expert (expert_ranges)
+    home: torch.Tensor  # [T] the rank holding each token
+    token_offsets: torch.Tensor  # [R + 1] each rank's first global token
+    row_offsets: torch.Tensor  # [R + 1] each rank's first global row: its first expert's segment
+
+
+def split_of(sched: Schedule, tokens_per_rank: list[int], device) -> Split:
+    """The Split of sched (the global topk_idx's) over len(tokens_per_rank) ranks, on `device`."""
+    R, E = len(tokens_per_rank), sched.num_experts
+    experts = expert_ranges(E, R)
+    ranks, tpr = torch.arange(R, device=device), torch.tensor(list(tokens_per_rank), device=device)
+    return Split(owner=torch.repeat_interleave(ranks, torch.tensor([len(g) for g in experts], device=device)),
+                 home=torch.repeat_interleave(ranks, tpr), token_offsets=torch.cat([tpr.new_zeros(1), tpr.cumsum(0)]),
+                 row_offsets=sched.expert_offsets[[g.start for g in experts] + [E]].to(device))
+
+
+def route_tiles(sched: Schedule, split: Split, num_topk: int) -> tuple:
+    """Per route (in row order): (owner rank, its row tile there, home rank, its token tile there), [T·K] each. Rows
+    past expert_offsets[-1] (a GPU schedule's spare rows) are left out."""
+    row_to_route = sched.row_to_route.to(split.home.device)[: int(split.row_offsets[-1])]
+    real = row_to_route >= 0
+    row, token = real.nonzero().squeeze(1), row_to_route[real] // num_topk
+    o, h = split.owner[sched.row_to_expert.to(row.device)[row]], split.home[token]
+    return o, (row - split.row_offsets[o]) // sched.block_m, h, (token - split.token_offsets[h]) // sched.block_m
+
+
+def rank_rows(sched: Schedule, topk_idx: torch.Tensor, split: Split, rank: int) -> dict:
+    """Rank `rank`'s row lists: row_to_route (global route ids, -1 on padding), pull_rank and pull_token (the row's
+    token: its rank, its local id there), combine_rank and combine_row ([T_r, K]: each local route's owner and row
+    there); on split's device."""
+    dev, K = split.home.device, topk_idx.shape[1]
+    lo, hi = int(split.row_offsets[rank]), int(split.row_offsets[rank + 1])
+    route = sched.row_to_route.to(dev)[lo:hi]  # [num_rows_r]
+    src = torch.where(route >= 0, split.home[(route // K).clamp(min=0)], -1)
+    tokens = slice(int(split.token_offsets[rank]), int(split.token_offsets[rank + 1]))
+    owner = split.owner[topk_idx[tokens].to(dev)]  # [T_r, K]
+    return {"row_to_route": route, "pull_rank": src,
+            "pull_token": torch.where(route >= 0, route // K - split.token_offsets[src.clamp(min=0)], -1),
+            "combine_rank": owner, "combine_row": sched.route_to_row.to(dev)[tokens] - split.row_offsets[owner]}
+
+
 class _Counters:
     """Counter ids (rank, index) by name, "family[i]": the family's base on that rank + i (COUNTERS)."""
 
@@ -168,36 +212,26 @@ def make_ep_plan(topk_idx: torch.Tensor, tokens_per_rank: list[int], num_experts
     R, bm = len(tokens_per_rank), block_m
     sched = make_schedule(topk_idx.cpu(), num_experts, block_m)
     experts = expert_ranges(num_experts, R)
-    token_offsets = torch.tensor([0, *tokens_per_rank]).cumsum(0)  # [R + 1]
-    row_offsets = sched.expert_offsets[[rng.start for rng in experts] + [num_experts]]  # [R + 1]
-    owner = torch.repeat_interleave(torch.arange(R), torch.tensor([len(rng) for rng in experts]))  # [E]
-    home = torch.repeat_interleave(torch.arange(R), torch.tensor(list(tokens_per_rank)))  # [T]
+    split = split_of(sched, tokens_per_rank, "cpu")
 
     # Which combine tiles (home rank, local token tile) each row tile (owner rank, local tile) feeds.
-    real = sched.row_to_route >= 0  # [num_rows]
-    row, token = real.nonzero().squeeze(1), sched.row_to_route[real] // K  # [T·K] each
-    o = owner[sched.row_to_expert[row]]  # [T·K]
-    h = home[token]  # [T·K]
-    keys = torch.stack([o, (row - row_offsets[o]) // bm, h, (token - token_offsets[h]) // bm], 1).unique(dim=0)
+    keys = torch.stack(route_tiles(sched, split, K), 1).unique(dim=0)
     feeds = {}  # (owner, tile) -> [(home, token tile)], ascending
     for o_, m, h_, c in keys.tolist():
         feeds.setdefault((o_, m), []).append((h_, c))
 
     ranks = []
     for r in range(R):
-        lo, hi = int(row_offsets[r]), int(row_offsets[r + 1])
-        route = sched.row_to_route[lo:hi]  # [num_rows_r]
-        src = torch.where(route >= 0, home[(route // K).clamp(min=0)], -1)  # [num_rows_r]
-        tokens = slice(int(token_offsets[r]), int(token_offsets[r + 1]))
-        route_owner = owner[topk_idx[tokens].cpu()]  # [T_r, K]
+        lo, hi = int(split.row_offsets[r]), int(split.row_offsets[r + 1])
+        rows = rank_rows(sched, topk_idx.cpu(), split, r)
         ranks.append(RankPlan(
-            rank=r, num_tokens=tokens_per_rank[r], token_offset=tokens.start, experts=experts[r], row_offset=lo,
-            num_rows=hi - lo, expert_offsets=sched.expert_offsets[experts[r].start: experts[r].stop + 1] - lo,
+            rank=r, num_tokens=tokens_per_rank[r], token_offset=int(split.token_offsets[r]), experts=experts[r],
+            row_offset=lo, num_rows=hi - lo,
+            expert_offsets=sched.expert_offsets[experts[r].start: experts[r].stop + 1] - lo,
             tokens_per_expert=sched.tokens_per_expert[experts[r].start: experts[r].stop],
-            row_to_route=route, tile_to_expert=sched.tile_to_expert[lo // bm: hi // bm],
-            tile_num_rows=sched.tile_num_rows[lo // bm: hi // bm], pull_rank=src,
-            pull_token=torch.where(route >= 0, route // K - token_offsets[src.clamp(min=0)], -1),
-            combine_rank=route_owner, combine_row=sched.route_to_row[tokens] - row_offsets[route_owner],
+            row_to_route=rows["row_to_route"], tile_to_expert=sched.tile_to_expert[lo // bm: hi // bm],
+            tile_num_rows=sched.tile_num_rows[lo // bm: hi // bm], pull_rank=rows["pull_rank"],
+            pull_token=rows["pull_token"], combine_rank=rows["combine_rank"], combine_row=rows["combine_row"],
             tasks={}, counters={}, targets={}))
     plan = EPPlan(R, K, num_experts, hidden, intermediate, shared_intermediate, bm, block_n, list(tokens_per_rank),
                   sched, ranks, [])

@@ -127,27 +127,34 @@ MOK_DEVICE uint64_t global_timer_ns() {
 
 constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;  // 10 s: far beyond any real stall
 
-// Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible),
-// or faults after kWaitTimeoutNs (a store to address 8: the launch fails with "an illegal memory access was
-// encountered") instead of hanging forever (DESIGN §9: device spin-waits carry a timeout).
+// Spins until done() holds, or faults after kWaitTimeoutNs (a store to address 8: the launch fails with "an illegal
+// memory access was encountered") instead of hanging forever (DESIGN §9: device spin-waits carry a timeout).
 // NOTE: no printf here: any call in a kernel makes ptxas serialize all of its wgmmas (C7510). And no __trap():
 // with a trap reachable, ptxas (CUDA 13.0) kept every warp of a kernel within its launch registers, so the GEMM
 // consumers got 168 of the 224 their setmaxnreg grants (ptxas -v: spills past that; docs/gemm.md).
-MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
+template <typename Done>
+MOK_DEVICE void spin_until(Done done) {
   uint64_t start = 0;
   for (uint32_t spins = 0;; ++spins) {
+    if (done()) return;
+    if (spins == 0) start = global_timer_ns();
+    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs)
+      *reinterpret_cast<volatile uint32_t*>(uintptr_t{8}) = 1u;  // the null page: faults, never returns
+  }
+}
+
+// Spins until the phase with parity `parity` has completed (acquire: its copies' bytes are visible).
+MOK_DEVICE void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  spin_until([&] {
+    uint32_t done;
     asm volatile("{\n\t.reg .pred p;\n\t"
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
                  "selp.u32 %0, 1, 0, p;\n\t}"
                  : "=r"(done)
                  : "r"(smem_addr(bar)), "r"(parity)
                  : "memory");
-    if (done) return;
-    if (spins == 0) start = global_timer_ns();
-    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs)
-      *reinterpret_cast<volatile uint32_t*>(uintptr_t{8}) = 1u;  // the null page: faults, never returns
-  }
+    return done != 0;
+  });
 }
 
 MOK_DEVICE void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {

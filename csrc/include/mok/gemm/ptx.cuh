@@ -99,14 +99,9 @@ MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* counter) {
   return value;
 }
 
-// Spins until *counter >= target (acquire), faulting after kWaitTimeoutNs as mbarrier_wait_parity does.
+// Spins until *counter >= target (acquire), with spin_until's timeout.
 MOK_DEVICE void wait_counter(const int32_t* counter, int32_t target) {
-  uint64_t start = 0;
-  for (uint32_t spins = 0; ld_acquire_gpu(counter) < target; ++spins) {
-    if (spins == 0) start = global_timer_ns();
-    if ((spins & 1023) == 1023 && global_timer_ns() - start > kWaitTimeoutNs)
-      *reinterpret_cast<volatile uint32_t*>(uintptr_t{8}) = 1u;  // the null page: faults, never returns
-  }
+  spin_until([&] { return ld_acquire_gpu(counter) >= target; });
 }
 
 MOK_DEVICE void prefetch_tensor_map(const CUtensorMap* tmap) {
