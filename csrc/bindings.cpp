@@ -371,6 +371,49 @@ void gather(const at::Tensor& x, const at::Tensor& row_to_token, const at::Tenso
              "gather_rows_cuda");
 }
 
+// A table of base addresses: int64 [num_ranks] on the device, read by the kernel as pointers.
+const void* const* pointer_table(const at::Tensor& table, const char* name) {
+  check_arg(table, name);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, name, ": expected int64 [num_ranks]");
+  return reinterpret_cast<const void* const*>(table.data_ptr<int64_t>());
+}
+
+void pull(const at::Tensor& src, const std::optional<at::Tensor>& weights, const at::Tensor& pull_rank,
+          const at::Tensor& pull_token, const at::Tensor& pull_k, at::Tensor& out, int64_t capacity,
+          int64_t num_topk) {
+  check_arg(pull_rank, "pull_rank"), check_arg(pull_token, "pull_token"), check_arg(pull_k, "pull_k");
+  check_arg(out, "out");
+  TORCH_CHECK(pull_rank.scalar_type() == at::kInt && pull_token.scalar_type() == at::kInt &&
+                  pull_k.scalar_type() == at::kInt,
+              "pull_rank, pull_token, pull_k: expected int32");
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_cuda(mok::pull_rows(pointer_table(src, "src"),
+                            weights ? reinterpret_cast<const float* const*>(pointer_table(*weights, "weights"))
+                                    : nullptr,
+                            pull_rank.data_ptr<int32_t>(), pull_token.data_ptr<int32_t>(), pull_k.data_ptr<int32_t>(),
+                            out.data_ptr(), out.size(0), out.size(1), capacity, static_cast<int>(src.numel()),
+                            static_cast<int>(num_topk), c10::cuda::getCurrentCUDAStream()),
+             "pull_rows");
+}
+
+void combine_from_peers(const at::Tensor& rows, const at::Tensor& combine_rank, const at::Tensor& combine_row,
+                        const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& shared,
+                        at::Tensor& out, int64_t capacity) {
+  check_arg(combine_rank, "combine_rank"), check_arg(combine_row, "combine_row"), check_arg(out, "out");
+  if (topk_weights) check_arg(*topk_weights, "topk_weights");
+  if (shared) check_arg(*shared, "shared");
+  TORCH_CHECK(combine_rank.scalar_type() == at::kInt && combine_row.scalar_type() == at::kInt &&
+                  combine_rank.dim() == 2,
+              "combine_rank, combine_row: expected int32 [num_tokens, num_topk]");
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_cuda(mok::combine_peers(pointer_table(rows, "rows"), combine_rank.data_ptr<int32_t>(),
+                                combine_row.data_ptr<int32_t>(), topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                                shared ? shared->data_ptr() : nullptr, out.data_ptr(), combine_rank.size(0),
+                                combine_rank.size(1), capacity, out.size(1), static_cast<int>(rows.numel()),
+                                c10::cuda::getCurrentCUDAStream()),
+             "combine_peers");
+}
+
 }  // namespace
 
 // ---- route schedule and routed-gradient prep (mok.ops.make_schedule_cuda, mok.ops.route_grads_prep) ----------
@@ -615,6 +658,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "counts: None, or a schedule's int32 counts (rows from counts[0] on are left alone)",
         py::kw_only(), py::arg("x"), py::arg("row_to_token"), py::arg("row_to_k"), py::arg("route_to_row"),
         py::arg("out"), py::arg("counts"));
+  m.def("pull_rows", &pull,
+        "out[r] = src[pull_rank[r]][pull_token[r]] (times weights[...][pull_token[r], pull_k[r]] when weights is "
+        "not None); src, weights: int64 tables of each rank's base address",
+        py::kw_only(), py::arg("src"), py::arg("weights"), py::arg("pull_rank"), py::arg("pull_token"),
+        py::arg("pull_k"), py::arg("out"), py::arg("capacity"), py::arg("num_topk"));
+  m.def("combine_peers", &combine_from_peers,
+        "combine_rows with route (t, k)'s row at rows[combine_rank[t, k]][combine_row[t, k]]",
+        py::kw_only(), py::arg("rows"), py::arg("combine_rank"), py::arg("combine_row"), py::arg("topk_weights"),
+        py::arg("shared"), py::arg("out"), py::arg("capacity"));
   m.def("make_schedule", &make_schedule,
         "the schedule's arrays by name (struct ScheduleOutputs' fields; mok.ops.moe)",
         py::kw_only(), py::arg("topk_idx"), py::arg("num_experts"), py::arg("block_m"), py::arg("max_num_rows"),

@@ -6,6 +6,8 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     quant  MXFP8 quantizers, dequantization and the one-pass round trip (mxfp8_*)
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
+    peer   rows of other ranks through tables of their addresses (Peers, pull_rows, combine_peers): the
+           megakernel's pull and combine bodies
     moe    the fixed-order combine (combine_rows), the row gather (gather_rows_cuda), the device schedule
            (make_schedule_cuda), the backward's routed-gradient prep (route_grads_prep) and
            routing.round_to_tiles (route_round_to_tiles; its pieces route_round_prep, route_fill_rounds,
@@ -52,6 +54,7 @@ from mok.ops.moe import (
     route_round_to_tiles,
     route_swap_leftovers,
 )
+from mok.ops.peer import Peers, combine_peers, pull_rows
 from mok.ops.quant import (
     BLOCK_SIZE,
     mxfp8_dequantize,
@@ -63,9 +66,9 @@ from mok.ops.quant import (
 )
 
 __all__ = [
-    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "REPO",
+    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "Peers", "REPO",
     "ROUTE_GRADS_MAX_TOPK",
-    "SCHEDULE_MAX_EXPERTS", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
+    "SCHEDULE_MAX_EXPERTS", "combine_peers", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
     "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu",
     "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
     "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_nt_contiguous",
@@ -74,6 +77,6 @@ __all__ = [
     "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
     "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
-    "mxfp8_quantize_rowwise", "require_hopper", "route_fill_rounds", "route_grads_prep",
+    "mxfp8_quantize_rowwise", "pull_rows", "require_hopper", "route_fill_rounds", "route_grads_prep",
     "route_round_prep", "route_round_to_tiles", "route_swap_leftovers",
 ]

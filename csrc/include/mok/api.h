@@ -190,6 +190,22 @@ cudaError_t combine_rows(const void* y_rows, const void* route_to_row, bool rout
                          const float* topk_weights, const void* shared, void* out, int64_t num_tokens,
                          int64_t num_topk, int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
+// ---- rows of other ranks (csrc/peer_rows.cu) -----------------------------------------------------------
+// Through device arrays of num_ranks base addresses (each rank's buffer of `capacity` rows, the same on every rank:
+// moe/peer_rows.cuh says whose memory they may be). pull_rows: out[r] = src[pull_rank[r]] row pull_token[r]
+// (zeros where pull_rank[r] < 0), times weights[pull_rank[r]][pull_token[r] · num_topk + pull_k[r]] rounded to bf16
+// when weights is not null. combine_peers: combine_rows with route (t, k)'s row at rows[combine_rank[t, k]] row
+// combine_row[t, k]. int32 tables; bf16 rows, hidden % 8 == 0, 16-byte aligned. Out-of-bounds entries read nothing
+// and give NaN rows (pull) or tokens (combine).
+
+cudaError_t pull_rows(const void* const* src, const float* const* weights, const int32_t* pull_rank,
+                      const int32_t* pull_token, const int32_t* pull_k, void* out, int64_t num_rows, int64_t hidden,
+                      int64_t capacity, int num_ranks, int num_topk, cudaStream_t stream);
+
+cudaError_t combine_peers(const void* const* rows, const int32_t* combine_rank, const int32_t* combine_row,
+                          const float* topk_weights, const void* shared, void* out, int64_t num_tokens,
+                          int64_t num_topk, int64_t capacity, int64_t hidden, int num_ranks, cudaStream_t stream);
+
 // ---- row gather (csrc/gather_rows.cu) ---------------------------------------------------------------
 // out[r] = x[row_to_token[r]] (a copy), zeros where row_to_token[r] < 0 (padding rows), NaN where it is >=
 // num_tokens or the schedule's views of the row disagree (route_to_row[t, row_to_k[r]] != r): x bf16

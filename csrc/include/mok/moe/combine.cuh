@@ -62,20 +62,32 @@ MOK_DEVICE uint4 acc_to_bf16(const Acc8& a) {
 // Warp w of the grid owns tile (w % tiles_per_row) of token (w / tiles_per_row): lane l handles the
 // vectors tile·64 + l and tile·64 + 32 + l of the row (each warp load instruction reads 512 contiguous
 // bytes). Route rows are loaded kTopkBatch at a time (up to 8 16-byte loads in flight per thread), then
-// summed in increasing k. A route_to_row entry outside [0, num_rows) reads nothing and yields NaN.
+// summed in increasing k. Routes says where route t·num_topk + k's row is (`row(route)`: its first vector, or
+// null for an entry out of bounds, which reads nothing and yields NaN): LocalRoutes below, or another rank's
+// rows (moe/peer_rows.cuh).
 
+// Route (t, k)'s row in this rank's y_rows: y_rows[route_to_row[t, k]].
 template <typename Index>
+struct LocalRoutes {
+  const uint4* y_rows;        // [num_rows, vecs_per_row]
+  const Index* route_to_row;  // [num_tokens · num_topk]
+  int64_t num_rows, vecs_per_row;
+  MOK_DEVICE const uint4* row(int64_t route) const {
+    const int64_t r = static_cast<int64_t>(route_to_row[route]);
+    return r >= 0 && r < num_rows ? y_rows + r * vecs_per_row : nullptr;
+  }
+};
+
+template <typename Routes>
 __global__ void __launch_bounds__(kCombineThreads)
-    combine_rows_kernel(const uint4* __restrict__ y_rows, const Index* __restrict__ route_to_row,
-                        const float* __restrict__ topk_weights, const uint4* __restrict__ shared,
-                        uint4* __restrict__ out, int64_t num_tokens, int num_topk, int64_t num_rows,
+    combine_rows_kernel(const Routes routes, const float* __restrict__ topk_weights,
+                        const uint4* __restrict__ shared, uint4* __restrict__ out, int64_t num_tokens, int num_topk,
                         int64_t vecs_per_row, int64_t tiles_per_row) {
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
   const int64_t token = warp / tiles_per_row;
   if (token >= num_tokens) return;  // no shuffles or barriers below
   const int64_t vec0 = (warp % tiles_per_row) * kTileVecs + lane_id();
   const bool has_weights = topk_weights != nullptr;
-  const Index* routes = route_to_row + token * num_topk;  // [num_topk]
   const float* weights = has_weights ? topk_weights + token * num_topk : nullptr;  // [num_topk]
 
   Acc8 acc[kVecsPerLane];
@@ -88,14 +100,12 @@ __global__ void __launch_bounds__(kCombineThreads)
     uint4 y[kTopkBatch][kVecsPerLane];
 #pragma unroll
     for (int b = 0; b < kTopkBatch; ++b) {
-      const int64_t row = k0 + b < num_topk ? static_cast<int64_t>(routes[k0 + b]) : 0;
-      const bool row_ok = row >= 0 && row < num_rows;
-      bad_row |= (k0 + b < num_topk) && !row_ok;
+      const uint4* row = k0 + b < num_topk ? routes.row(token * num_topk + k0 + b) : nullptr;
+      bad_row |= (k0 + b < num_topk) && row == nullptr;
 #pragma unroll
       for (int j = 0; j < kVecsPerLane; ++j) {
         const int64_t vec = vec0 + j * kWarpSize;
-        const bool load = k0 + b < num_topk && row_ok && vec < vecs_per_row;
-        y[b][j] = load ? ld_stream_v4(y_rows + row * vecs_per_row + vec) : make_uint4(0u, 0u, 0u, 0u);
+        y[b][j] = row != nullptr && vec < vecs_per_row ? ld_stream_v4(row + vec) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
     // ---- sum in increasing k ----
@@ -122,25 +132,33 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// ---- host launcher ---------------------------------------------------------------------------------------
-// y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk] (int32 or int64); topk_weights fp32
-// [num_tokens, num_topk] or null (weights 1); shared bf16 [num_tokens, hidden] or null; out bf16
-// [num_tokens, hidden]. hidden % 8 == 0 and every pointer 16-byte aligned (checked in mok/ops/).
+// ---- host launchers --------------------------------------------------------------------------------------
 
-template <typename Index>
-inline cudaError_t launch_combine_rows(const void* y_rows, const Index* route_to_row, const float* topk_weights,
-                                       const void* shared, void* out, int64_t num_tokens, int64_t num_topk,
-                                       int64_t num_rows, int64_t hidden, cudaStream_t stream) {
+// Any row source; hidden % 8 == 0 and every pointer 16-byte aligned (checked in mok/ops/).
+template <typename Routes>
+inline cudaError_t launch_combine(const Routes& routes, const float* topk_weights, const void* shared, void* out,
+                                  int64_t num_tokens, int64_t num_topk, int64_t hidden, cudaStream_t stream) {
   if (hidden % kVecElems != 0 || num_topk < 0 || num_topk > (1 << 20)) return cudaErrorInvalidValue;
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   const int64_t vecs_per_row = hidden / kVecElems;
   const int64_t tiles_per_row = ceil_div(vecs_per_row, kTileVecs);
   const int64_t num_blocks = ceil_div(num_tokens * tiles_per_row, kCombineWarps);
   if (num_blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  combine_rows_kernel<Index><<<static_cast<unsigned>(num_blocks), kCombineThreads, 0, stream>>>(
-      static_cast<const uint4*>(y_rows), route_to_row, topk_weights, static_cast<const uint4*>(shared),
-      static_cast<uint4*>(out), num_tokens, static_cast<int>(num_topk), num_rows, vecs_per_row, tiles_per_row);
+  combine_rows_kernel<Routes><<<static_cast<unsigned>(num_blocks), kCombineThreads, 0, stream>>>(
+      routes, topk_weights, static_cast<const uint4*>(shared), static_cast<uint4*>(out), num_tokens,
+      static_cast<int>(num_topk), vecs_per_row, tiles_per_row);
   return cudaGetLastError();
+}
+
+// y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk] (int32 or int64); topk_weights fp32
+// [num_tokens, num_topk] or null (weights 1); shared bf16 [num_tokens, hidden] or null; out bf16
+// [num_tokens, hidden].
+template <typename Index>
+inline cudaError_t launch_combine_rows(const void* y_rows, const Index* route_to_row, const float* topk_weights,
+                                       const void* shared, void* out, int64_t num_tokens, int64_t num_topk,
+                                       int64_t num_rows, int64_t hidden, cudaStream_t stream) {
+  const LocalRoutes<Index> routes{static_cast<const uint4*>(y_rows), route_to_row, num_rows, hidden / kVecElems};
+  return launch_combine(routes, topk_weights, shared, out, num_tokens, num_topk, hidden, stream);
 }
 
 }  // namespace mok::moe
