@@ -28,7 +28,7 @@ KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_m
            "combine_rows", "gather_rows_cuda", "make_schedule_cuda", "route_grads_prep", "mxfp8_quantize_rowwise",
            "mxfp8_quantize_colwise", "mxfp8_quantize_dual", "mxfp8_dequantize", "mxfp8_fake_quantize",
            "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "route_round_to_tiles",
-           "route_round_prep", "route_fill_rounds", "route_swap_leftovers")
+           "route_round_prep", "route_fill_rounds", "route_swap_leftovers", "pull_rows", "combine_peers")
 
 
 def _rows_of(sched, e: int) -> torch.Tensor:
@@ -143,6 +143,26 @@ def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_row
     T, K = route_to_row.shape
     y = y_rows[route_to_row.reshape(-1).long()].view(T, K, -1)  # [T, K, H]
     w = torch.ones(T, K, device=y_rows.device) if topk_weights is None else topk_weights  # [T, K]
+    return combine(y, w, shared)
+
+
+def pull_rows(src, pull_rank, pull_token, *, weights=None, pull_k=None, num_topk=1):
+    """[num_rows, width]: row r = rank pull_rank[r]'s row pull_token[r] of src (src.keep: the ranks' tensors), times
+    its route's weight and rounded to bf16 with weights; zeros where pull_rank[r] < 0."""
+    rank, token, ok = pull_rank.long(), pull_token.long(), pull_rank >= 0
+    rows = torch.zeros(rank.numel(), src.width, dtype=BF16, device=pull_rank.device)  # [num_rows, width]
+    rows[ok] = torch.stack(src.keep)[rank[ok], token[ok]]
+    if weights is not None:
+        w = torch.stack(weights.keep)[rank[ok], token[ok], pull_k.long()[ok]]  # [real rows]
+        rows[ok] = (rows[ok].float() * w[:, None]).to(BF16)
+    return rows
+
+
+def combine_peers(rows, combine_rank, combine_row, topk_weights=None, shared=None):
+    """L0's combine of route (t, k)'s row at rank combine_rank[t, k], row combine_row[t, k] (rows.keep)."""
+    T, K = combine_rank.shape
+    y = torch.stack(rows.keep)[combine_rank.long().flatten(), combine_row.long().flatten()].view(T, K, rows.width)
+    w = torch.ones(T, K, device=y.device) if topk_weights is None else topk_weights  # [T, K]
     return combine(y, w, shared)
 
 

@@ -38,14 +38,19 @@ class Peers:
 
     @staticmethod
     def of(buffers: list[torch.Tensor]) -> Peers:
-        """The table of this process's tensors, one per rank: the same shape, dtype and device each."""
+        """The table of this process's tensors, one per rank: the same shape, dtype and device each (a CPU
+        table serves mok.twins' pull_rows and combine_peers, which read `keep`)."""
         if not isinstance(buffers, (list, tuple)) or not buffers:
             fail("buffers", "a non-empty list of tensors, one per rank", type(buffers).__name__)
         first = buffers[0]
         for s, b in enumerate(buffers):
             name = f"buffers[{s}]"
             check_layout(name, b, first.dtype, tuple(first.shape), "buffers[0]'s dtype and shape [capacity, width]")
-            check_cuda(name, b, first.device, "buffers[0]'s", aligned=True)
+            if b.device != first.device:
+                fail(name, f"device {first.device} (buffers[0]'s)", b.device)
+            if not b.is_contiguous() or b.data_ptr() % 16:
+                fail(name, "a contiguous tensor at a 16-byte aligned address", f"strides {b.stride()}, "
+                     f"address {b.data_ptr():#x}")
         if first.dim() != 2:
             fail("buffers[0]", "a 2D tensor [capacity, width]", tuple(first.shape))
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64).to(first.device)  # [R]
