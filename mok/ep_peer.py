@@ -1,20 +1,20 @@
-"""Expert parallelism over peer memory, phase by phase: every rank's pass from its mok.ep_build tables, with
-dispatch and combine as pulls through tables of the ranks' buffers (mok.ops.Peers: the megakernel's pull and
+"""Expert parallelism over peer memory, phase by phase: every rank's pass from its mok.ep_build tables, with the
+all-gather, dispatch and combine as reads of the other ranks' buffers (mok.ops.Peers: the megakernel's pull and
 combine bodies) and the local experts by the fused level. The megakernel (docs/megakernel.md) runs the same data
-movement inside one launch per rank on dependency counters; here a kernel boundary stands for each counter, so
-that the tables, the pulls and the determinism claim are proven on a GPU before the kernel exists.
+movement inside one launch per rank on dependency counters; here a barrier between phases stands for the counters,
+so that the tables, the pulls and the determinism claim are proven before the kernel exists.
 
-R ranks in one process on one GPU (their buffers tensors of this process): `forward_ranks`, `backward_ranks`, with
-each rank's inputs as a list indexed by rank. BF16. The bits equal the fused level's at EP = 1, in the output and
-every gradient, for any split of the tokens over any number of ranks (tests/test_ep_peer.py):
+Each rank's pass is a generator that yields where every rank must have finished the phase before (a barrier):
+- `forward_ranks` / `backward_ranks`: R ranks in one process, advanced in lockstep (inputs as lists by rank);
+- `run_rank`: one rank in this process, `barrier()` at each yield: R processes sharing the buffers of `allocate`
+  (CPU shared memory, or CUDA IPC on one GPU; symmetric memory's peer tensors across GPUs would serve the same).
+BF16. The bits equal the fused level's at EP = 1, in the output and all eight gradients, for any split of the tokens
+over any number of ranks (tests/test_ep_peer.py):
 - rank r's rows are the single-GPU schedule's rows cut at its experts (the pull), each expert's rows in ascending
   global route id, and a fused GEMM row's bits depend only on that row;
 - each token's sum runs over its routes in increasing k on its home rank (combine_peers), then the shared expert;
 - the backward gives each row its route's real weight (the level's d_h = w·g and w·h), as the fused level does.
-
-Not yet over several processes: the peers' tables would come from symmetric memory, and the two scalar lookups
-done here by torch indexing across ranks (each row's route weight, each route's d_topk_weights) would be pulls
-too; the shared expert runs over every token at once, as mok.comm's exact_shared (the megakernel deals its weight
+The shared expert runs over every token on every rank, as mok.comm's exact_shared (the megakernel deals its weight
 gradients' tiles over the ranks instead)."""
 
 from __future__ import annotations
@@ -24,124 +24,168 @@ from dataclasses import dataclass, replace
 import torch
 
 from mok import fused, ops
-from mok.checks import fail
+from mok.checks import check_int, fail
 from mok.ep_build import build_tables
 from mok.ep_plan import expert_ranges
+from mok.schedule import max_num_rows
 
 BF16 = torch.bfloat16
 
 
+def buffer_shapes(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int) -> dict:
+    """name -> (rows, width, dtype) of each rank's buffers, the same on every rank (symmetric): routing ids, token
+    count, x, topk_weights and d_out over max_tokens tokens; y, dx and the rows' d_topk_weights over the most rows
+    a rank's experts can receive (every route of every rank to its largest block of experts)."""
+    experts = max(len(g) for g in expert_ranges(num_experts, num_ranks))
+    rows = max(max_num_rows(num_ranks * max_tokens, num_topk, experts, fused.BLOCK_M), 1)
+    tokens = max(max_tokens, 1)
+    return {"idx": (tokens, num_topk, torch.int64), "count": (1, 1, torch.int64), "x": (tokens, hidden, BF16),
+            "w": (tokens, num_topk, torch.float32), "d_out": (tokens, hidden, BF16), "y": (rows, hidden, BF16),
+            "dx": (rows, hidden, BF16), "dtw": (rows, 1, torch.float32)}
+
+
+def allocate(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int, device) -> list[dict]:
+    """Every rank's buffers (buffer_shapes), zeroed: rank s's are entry s. Share them with each rank's process
+    (torch.multiprocessing passes CPU shared-memory and CUDA tensors by handle), which reads them through
+    `peers(...)`."""
+    shapes = buffer_shapes(num_ranks, max_tokens, num_topk, num_experts, hidden)
+    return [{name: torch.zeros(rows, width, dtype=dtype, device=device)
+             for name, (rows, width, dtype) in shapes.items()} for _ in range(num_ranks)]
+
+
+def peers(buffers: list[dict]) -> dict:
+    """name -> ops.Peers over every rank's buffer of that name."""
+    return {name: ops.Peers.of([b[name] for b in buffers]) for name in buffers[0]}
+
+
 @dataclass
 class PeerSaved:
-    """What forward_ranks keeps for backward_ranks."""
-    tables: list  # per rank: its forward tables (mok.ep_build)
-    real: list  # per rank: bool [rows_r], the rows holding a route (pull_rank >= 0)
-    experts: list  # per rank: the fused level's saved state of its rows
-    weights: list  # per rank: fp32 [T_r, K]
-    token_offsets: list  # [R + 1] first global token of each rank
-    shared: tuple | None  # (x_all [T, H], gate, up rows, weights) of the shared expert over every token
-    num_rows: int  # rows of every rank's peer buffers (the largest rank's)
+    """What a rank's forward keeps for its backward."""
+    rank: int
+    tables: dict  # its forward tables (mok.ep_build)
+    real: torch.Tensor  # bool [rows]: the rows holding a route (pull_rank >= 0)
+    experts: object  # the fused level's saved state of its rows
+    split: list  # every rank's token count
+    shared: tuple | None  # (x of every token, gate and up rows, the weights [1, ...]) of the shared expert
     swiglu_limit: float | None
 
 
-def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t [n, ...] as the first rows of a zeroed buffer of `rows` rows: one rank's peer buffer."""
-    out = t.new_zeros(rows, *t.shape[1:])
-    out[: t.shape[0]] = t
-    return out
+def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
+                 w_shared_up=None, w_shared_down=None, *, num_experts: int, swiglu_limit=None):
+    """Rank `rank`'s forward over the peers' buffers P (peers()): a generator yielding at each barrier, returning
+    (out [T_r, H], PeerSaved). topk_idx holds global expert ids; w_gate, w_up, w_down are its experts [E_r, ...]
+    (mok.ep_plan.expert_ranges); the shared expert's weights are replicated."""
+    R, T = P["x"].num_ranks, x.shape[0]
+    check_int("rank", rank, 0, R - 1)
+    own = {name: p.keep[rank] for name, p in P.items()}
+    if T > own["x"].shape[0] or w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
+        fail("x, w_gate", f"at most {own['x'].shape[0]} tokens and the experts of expert_ranges({num_experts}, {R})"
+             f"[{rank}]", (T, w_gate.shape[0]))
+    own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T
+    yield  # every rank's inputs are in place
+
+    split = [int(c[0, 0]) for c in P["count"].keep]
+    idx = torch.cat([b[:n] for b, n in zip(P["idx"].keep, split)])  # [T_all, K]: the all-gather, rank-major
+    H, I = x.shape[1], w_gate.shape[1]
+    sched = ops.make_schedule_cuda(idx, num_experts, block_m=fused.BLOCK_M) if idx.is_cuda else None
+    I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
+    t = build_tables(idx, split, num_experts, rank, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
+                     block_m=fused.BLOCK_M, sched=sched)
+    real = t["pull_rank"] >= 0  # [rows]
+    x_rows = ops.pull_rows(P["x"], t["pull_rank"][real], t["pull_token"][real])  # [n, H]: the real rows
+    expert_of_row = torch.repeat_interleave(torch.arange(w_gate.shape[0], device=x.device),
+                                            t["tokens_per_expert"].long())[:, None]  # [n, 1]
+    ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: the level's out is y itself
+    y, experts = fused.forward(x_rows, expert_of_row, ones, w_gate, w_up, w_down, swiglu_limit=swiglu_limit)
+    own["y"][: real.shape[0]][real] = y
+    shared_out, shared = None, None
+    if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
+        x_all = torch.cat([b[:n] for b, n in zip(P["x"].keep, split)])  # [T_all, H]
+        ws = (w_shared_gate[None], w_shared_up[None], w_shared_down[None])
+        out_sh, gate, up = fused.experts_forward(x_all, *ws, fused.shared_schedule(x_all.shape[0], x.device),
+                                                 swiglu_limit, fused.DEFAULT_NUM_SMS)
+        first = sum(split[:rank])
+        shared_out, shared = out_sh[first: first + T], (x_all, gate, up, ws)
+    yield  # every rank's y rows are in place
+
+    out = ops.combine_peers(P["y"], t["combine_rank"], t["combine_row"], topk_weights, shared_out)
+    return out, PeerSaved(rank, t, real, experts, split, shared, swiglu_limit)
 
 
-def _scatter_rows(rows: torch.Tensor, real: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The level's rows [n_real, H] at their places among the rank's rows (zeros in padding), in a buffer of
-    num_rows rows."""
-    out = rows.new_zeros(num_rows, rows.shape[1])
-    out[: real.shape[0]][real] = rows
-    return out
+def backward_rank(P: dict, saved: PeerSaved, d_out):
+    """The rank's gradients (d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down of its experts, and the shared
+    expert's three, the same on every rank), reference.moe_backward's order: a generator yielding at each
+    barrier."""
+    s, t, real = saved, saved.tables, saved.real
+    own = {name: p.keep[s.rank] for name, p in P.items()}
+    own["d_out"][: d_out.shape[0]] = d_out
+    yield  # every rank's d_out is in place
+
+    d_rows = ops.pull_rows(P["d_out"], t["pull_rank"][real], t["pull_token"][real])  # [n, H] unweighted
+    rank, token, k = (t[name][real].long() for name in ("pull_rank", "pull_token", "pull_k"))
+    w_rows = torch.stack(P["w"].keep)[rank, token, k][:, None]  # [n, 1]: each row's route weight
+    dx_rows, d_tw, *d_w = fused.backward(replace(s.experts, topk_weights=w_rows), d_rows)[:5]
+    own["dx"][: real.shape[0]][real] = dx_rows
+    own["dtw"][: real.shape[0]][real] = d_tw
+    dx_shared, d_shared = None, [None, None, None]
+    if s.shared is not None:  # the fused level's shared-expert backward over every token
+        x_all, gate, up, ws = s.shared
+        T_all, sh = x_all.shape[0], fused.shared_schedule(x_all.shape[0], x_all.device)
+        d_out_all = torch.cat([b[:n] for b, n in zip(P["d_out"].keep, s.split)])  # [T_all, H]
+        dx_all, d_ws, _ = fused._experts_backward(
+            lambda: (fused.pad_rows(d_out_all, sh.num_rows), None), gate, up,
+            lambda: fused.pad_rows(x_all, sh.num_rows), *ws, sh, s.swiglu_limit, fused.DEFAULT_NUM_SMS,
+            lambda rows: rows[:T_all])
+        first = sum(s.split[: s.rank])
+        dx_shared, d_shared = dx_all[first: first + d_out.shape[0]], [w[0] for w in d_ws]
+    yield  # every rank's dx rows are in place
+
+    d_x = ops.combine_peers(P["dx"], t["combine_rank"], t["combine_row"], None, dx_shared)
+    d_topk_weights = torch.stack(P["dtw"].keep)[t["combine_rank"].long(), t["combine_row"].long(), 0]  # [T_r, K]
+    return (d_x, d_topk_weights, *d_w, *d_shared)
+
+
+def lockstep(generators: list) -> list:
+    """Every rank's pass in one process: each phase of every rank before the next phase of any; their results."""
+    results, live = [None] * len(generators), dict(enumerate(generators))
+    while live:
+        for i, g in list(live.items()):
+            try:
+                next(g)
+            except StopIteration as done:
+                results[i] = done.value
+                del live[i]
+    return results
+
+
+def run_rank(generator, barrier):
+    """One rank's pass in this process, barrier() at each of its phases' ends: its result."""
+    try:
+        while True:
+            next(generator)
+            barrier()
+    except StopIteration as done:
+        return done.value
 
 
 def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
-                  w_shared_down=None, *, swiglu_limit=None) -> tuple[list, PeerSaved]:
-    """Each rank's out [T_r, H] and the saved state. xs, topk_idxs (global expert ids), topk_weights: rank r's
-    tokens; w_gates, w_ups, w_downs: rank r's experts [E_r, ...], contiguous blocks (mok.ep_plan.expert_ranges);
-    the shared expert's weights replicated."""
+                  w_shared_down=None, *, swiglu_limit=None) -> tuple[list, list]:
+    """R ranks in one process (inputs as lists by rank, each rank's experts a block of expert_ranges): every
+    rank's out, and per rank (the peers' buffers, its PeerSaved) for backward_ranks."""
     R = len(xs)
     if not all(len(v) == R for v in (topk_idxs, topk_weights, w_gates, w_ups, w_downs)):
         fail("xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs", f"{R} entries each (one per rank)",
              [len(v) for v in (xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs)])
-    E, H, I = sum(w.shape[0] for w in w_gates), xs[0].shape[1], w_gates[0].shape[1]
-    if [len(g) for g in expert_ranges(E, R)] != [w.shape[0] for w in w_gates]:
-        fail("w_gates", f"the blocks of mok.ep_plan.expert_ranges({E}, {R})", [w.shape[0] for w in w_gates])
-    split = [x.shape[0] for x in xs]
-    idx = torch.cat(topk_idxs)  # [T, K]: the all-gathered routing, rank-major
-    sched = ops.make_schedule_cuda(idx, E, block_m=fused.BLOCK_M)
-    I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
-    tables = [build_tables(idx, split, E, r, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
-                           block_m=fused.BLOCK_M, sched=sched) for r in range(R)]
-    real = [t["pull_rank"] >= 0 for t in tables]  # [rows_r]
-    x_peers = ops.Peers.of([_pad(x.to(BF16), max(split + [1])) for x in xs])
-    num_rows = max(t["pull_rank"].numel() for t in tables) or 1
-
-    y_bufs, experts = [], []
-    for r, (t, ok) in enumerate(zip(tables, real)):  # phases 0-2: pull, gate/up, down
-        x_rows = ops.pull_rows(x_peers, t["pull_rank"][ok], t["pull_token"][ok])  # [n_r, H]
-        expert_of_row = torch.repeat_interleave(torch.arange(w_gates[r].shape[0], device=x_rows.device),
-                                                t["tokens_per_expert"].long())[:, None]  # [n_r, 1]
-        ones = torch.ones(x_rows.shape[0], 1, device=x_rows.device)  # [n_r, 1]: the level's out is y itself
-        y, saved = fused.forward(x_rows, expert_of_row, ones, w_gates[r], w_ups[r], w_downs[r],
-                                 swiglu_limit=swiglu_limit)
-        y_bufs.append(_scatter_rows(y, ok, num_rows))
-        experts.append(saved)
-
-    shared_out, shared = [None] * R, None
-    if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
-        x_all = torch.cat(xs).to(BF16)
-        sh = fused.shared_schedule(x_all.shape[0], x_all.device)
-        out_sh, gate, up = fused.experts_forward(x_all, w_shared_gate[None], w_shared_up[None], w_shared_down[None],
-                                                 sh, swiglu_limit, fused.DEFAULT_NUM_SMS)
-        shared_out = list(out_sh[: x_all.shape[0]].split(split))
-        shared = (x_all, gate, up, (w_shared_gate[None], w_shared_up[None], w_shared_down[None]))
-    y_peers = ops.Peers.of(y_bufs)
-    outs = [ops.combine_peers(y_peers, t["combine_rank"], t["combine_row"], w, s)  # phase 3
-            for t, w, s in zip(tables, topk_weights, shared_out)]
-    offsets = [0] + torch.tensor(split).cumsum(0).tolist()
-    return outs, PeerSaved(tables, real, experts, list(topk_weights), offsets, shared, num_rows, swiglu_limit)
+    E = sum(w.shape[0] for w in w_gates)
+    P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
+    shared = (w_shared_gate, w_shared_up, w_shared_down)
+    results = lockstep([forward_rank(P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r],
+                                     *shared, num_experts=E, swiglu_limit=swiglu_limit) for r in range(R)])
+    return [o for o, _ in results], [(P, s) for _, s in results]
 
 
-def backward_ranks(saved: PeerSaved, d_outs: list) -> list[tuple]:
-    """Each rank's gradients (d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down of its experts, and the shared
-    expert's three, the same on every rank), reference.moe_backward's order."""
-    s, R = saved, len(saved.tables)
-    if len(d_outs) != R:
-        fail("d_outs", f"{R} tensors (one per rank)", len(d_outs))
-    d_out_peers = ops.Peers.of([_pad(d.to(BF16), max([d.shape[0] for d in d_outs] + [1])) for d in d_outs])
-    w_all = torch.cat(s.weights)  # [T, K] NOTE: a pull per row across processes
-    offsets = torch.tensor(s.token_offsets, device=w_all.device)
-    dx_bufs, dtw_bufs, d_w = [], [], []
-    for t, ok, experts in zip(s.tables, s.real, s.experts):
-        rank, token, k = (t[name][ok].long() for name in ("pull_rank", "pull_token", "pull_k"))
-        d_rows = ops.pull_rows(d_out_peers, t["pull_rank"][ok], t["pull_token"][ok])  # [n_r, H] unweighted
-        w_rows = w_all[offsets[rank] + token, k][:, None]  # [n_r, 1] each row's route weight
-        dx_rows, d_tw, *grads = fused.backward(replace(experts, topk_weights=w_rows), d_rows)[:5]
-        dx_bufs.append(_scatter_rows(dx_rows, ok, s.num_rows))
-        dtw = d_tw.new_zeros(s.num_rows)  # [num_rows] fp32 per row
-        dtw[: ok.shape[0]][ok] = d_tw[:, 0]
-        dtw_bufs.append(dtw)
-        d_w.append(grads)
-
-    dx_shared, d_shared = [None] * R, [None, None, None]
-    if s.shared is not None:  # the fused level's shared-expert backward over every token
-        x_all, gate, up, ws = s.shared
-        T, sh = x_all.shape[0], fused.shared_schedule(x_all.shape[0], x_all.device)
-        d_out_all = torch.cat(d_outs).to(BF16)
-        dx_all, d_ws, _ = fused._experts_backward(
-            lambda: (fused.pad_rows(d_out_all, sh.num_rows), None), gate, up,
-            lambda: fused.pad_rows(x_all, sh.num_rows), *ws, sh, s.swiglu_limit, fused.DEFAULT_NUM_SMS,
-            lambda rows: rows[:T])
-        dx_shared, d_shared = list(dx_all.split([d.shape[0] for d in d_outs])), [w[0] for w in d_ws]
-    dx_peers, dtw_all = ops.Peers.of(dx_bufs), torch.stack(dtw_bufs)  # NOTE: dtw_all a pull per route across processes
-    out = []
-    for r, t in enumerate(s.tables):
-        d_x = ops.combine_peers(dx_peers, t["combine_rank"], t["combine_row"], None, dx_shared[r])
-        d_tw = dtw_all[t["combine_rank"].long(), t["combine_row"].long()]  # [T_r, K]
-        out.append((d_x, d_tw, *d_w[r], *d_shared))
-    return out
+def backward_ranks(saved: list, d_outs: list) -> list[tuple]:
+    """backward_rank of every rank in one process, from forward_ranks' saved states."""
+    if len(d_outs) != len(saved):
+        fail("d_outs", f"{len(saved)} tensors (one per rank)", len(d_outs))
+    return lockstep([backward_rank(P, s, d) for (P, s), d in zip(saved, d_outs)])
