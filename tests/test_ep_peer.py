@@ -2,18 +2,14 @@
 equal the fused level's at EP = 1 bit for bit, for any split of the tokens over 1-4 ranks (uneven, a rank with no
 tokens, experts in uneven blocks, one expert receiving every token), so the bits do not depend on the EP degree:
 R ranks in one process on the GPU, and on the CPU with every kernel replaced by its L0 twin, in one process and
-one rank per process (gloo barriers, buffers in shared files)."""
+one rank per process (buffers in shared memory, or by CUDA IPC on one GPU)."""
 
 from __future__ import annotations
-
-import os
-import tempfile
 
 import pytest
 import torch
 
 from mok import ep_peer, fused
-from mok.comm import run_local_ep
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
@@ -84,47 +80,60 @@ def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
         _check_every_degree(name, "cpu")
 
 
-def _mapped_buffers(directory: str, shapes: dict, num_ranks: int) -> list[dict]:
-    """Every rank's buffers as files in `directory` mapped into this process (shared: one rank's writes are every
-    process's reads), the CPU stand-in for CUDA IPC or symmetric memory."""
-    return [{name: torch.from_file(os.path.join(directory, f"{s}_{name}"), shared=True, size=rows * width,
-                                   dtype=dtype).view(rows, width) for name, (rows, width, dtype) in shapes.items()}
-            for s in range(num_ranks)]
+def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results):
+    """One rank in its own process: its pass over every rank's buffers (CPU shared memory or CUDA IPC: torch
+    .multiprocessing passed them by handle), barrier.wait() between phases; puts (rank, what differs from the
+    EP = 1 results of its tokens and experts, or the error)."""
+    try:
+        if twins:
+            _use_twins()
+        P = ep_peer.peers(buffers)
+        g = expert_ranges(inputs["w_gate"].shape[0], len(split))[rank]
+        mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
+        experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
+        shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+        wait = lambda: barrier.wait(60)  # noqa: E731  (a lost peer breaks the barrier: no hang)
+        out, saved = ep_peer.run_rank(ep_peer.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
+                                                           *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
+                                      wait)
+        grads = ep_peer.run_rank(ep_peer.backward_rank(P, saved, mine["d_out"]), wait)
+        rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
+        mine_want = (want[0][rows], want[1][rows], want[2][rows], *(w[g.start: g.stop] for w in want[3:6]),
+                     *want[6:])
+        results.put((rank, _mismatches([out], [grads], mine_want)))
+    except BaseException as e:  # noqa: BLE001 (the parent reports it)
+        results.put((rank, [repr(e)]))
 
 
-def _one_rank(rank: int, world_size: int, directory: str, shapes: dict, inputs: dict, split: list, want: tuple):
-    """One rank in its own process (run_local_ep): its pass over the mapped buffers, gloo barriers between phases;
-    what differs from the EP = 1 results."""
-    import torch.distributed as dist
-
-    _use_twins()
-    P = ep_peer.peers(_mapped_buffers(directory, shapes, world_size))
-    g = expert_ranges(inputs["w_gate"].shape[0], world_size)[rank]
-    mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
-    experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
-    shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
-    out, saved = ep_peer.run_rank(ep_peer.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
-                                                       *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
-                                  dist.barrier)
-    grads = ep_peer.run_rank(ep_peer.backward_rank(P, saved, mine["d_out"]), dist.barrier)
-    first = sum(split[:rank])
-    rows = slice(first, first + split[rank])
-    mine_want = (want[0][rows], want[1][rows], want[2][rows], *(w[g.start: g.stop] for w in want[3:6]), *want[6:])
-    return _mismatches([out], [grads], mine_want)
+def _run_processes(name: str, device: str, twins: bool) -> None:
+    """R = 3 processes (one rank each, uneven, a rank of no tokens) sharing the buffers of ep_peer.allocate."""
+    cfg, splits, seed, inp, want = _problem(name, device)
+    split = splits[2]
+    ctx = torch.multiprocessing.get_context("spawn")
+    buffers = ep_peer.allocate(len(split), max(split), cfg.num_topk, cfg.num_experts, cfg.hidden, device)
+    for b in buffers:
+        for t in b.values():
+            t.share_memory_()  # CPU: shared memory (CUDA tensors travel by IPC handle)
+    barrier, results = ctx.Barrier(len(split)), ctx.Queue()
+    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, twins, results), daemon=True)
+             for r in range(len(split))]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == {r: [] for r in range(len(split))}, f"seed {seed}"
 
 
 @pytest.mark.slow
 def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
-    """R = 3 processes (one rank each, uneven with a rank of no tokens), L0 twins, buffers shared through files:
-    each rank's results are the EP = 1 bits of its tokens and experts."""
+    """Each rank in its own process, buffers in CPU shared memory, L0 twins: each rank's results are the EP = 1
+    bits of its tokens and experts."""
     _use_twins(monkeypatch.setattr)
-    cfg, splits, seed, inp, want = _problem("shared", "cpu")
-    split = splits[2]
-    shapes = ep_peer.buffer_shapes(len(split), max(split), cfg.num_topk, cfg.num_experts, cfg.hidden)
-    with tempfile.TemporaryDirectory(prefix="mok_ep_peer_") as directory:
-        for s in range(len(split)):
-            for name, (rows, width, dtype) in shapes.items():
-                with open(os.path.join(directory, f"{s}_{name}"), "wb") as f:
-                    f.truncate(rows * width * dtype.itemsize)
-        results = run_local_ep(_one_rank, len(split), directory, shapes, inp, split, want)
-    assert results == [[]] * len(split), f"seed {seed}"
+    _run_processes("shared", "cpu", twins=True)
+
+
+@pytest.mark.gpu
+def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
+    """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves."""
+    _run_processes("shared", "cuda", twins=False)
