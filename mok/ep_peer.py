@@ -78,9 +78,11 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     R, T = P["x"].num_ranks, x.shape[0]
     check_int("rank", rank, 0, R - 1)
     own = {name: p.keep[rank] for name, p in P.items()}
-    if T > own["x"].shape[0] or w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
-        fail("x, w_gate", f"at most {own['x'].shape[0]} tokens and the experts of expert_ranges({num_experts}, {R})"
-             f"[{rank}]", (T, w_gate.shape[0]))
+    if T > own["x"].shape[0]:
+        fail("x", f"at most {own['x'].shape[0]} tokens (the buffers' capacity)", T)
+    if w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
+        fail("w_gate", f"rank {rank}'s {len(expert_ranges(num_experts, R)[rank])} experts of {num_experts}",
+             w_gate.shape[0])
     own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T
     yield  # every rank's inputs are in place
 
