@@ -137,3 +137,13 @@ def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
 def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
     """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves."""
     _run_processes("shared", "cuda", twins=False)
+
+
+def test_bad_arguments_are_named():
+    x, idx, w = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
+    experts = lambda n: torch.zeros(n, 8, 16, dtype=torch.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match="w_gate"):  # E = 5 over 2 ranks is blocks of 2 and 3, not 3 and 2
+        ep_peer.forward_ranks([x, x], [idx, idx], [w, w], [experts(3), experts(2)], [experts(3), experts(2)],
+                              [experts(3), experts(2)])
+    with pytest.raises(ValueError, match="d_outs"):
+        ep_peer.backward_ranks([None, None], [x])
