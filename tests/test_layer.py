@@ -309,3 +309,20 @@ def test_a_level_that_reads_the_device_refuses_a_cuda_graph_capture(monkeypatch)
         library._check_capturable(fused, x, check_ids=True)
     library._check_capturable(fused, x, check_ids=False)  # no host read: runs
     library._check_capturable(L0, SimpleNamespace(is_cuda=False), check_ids=True)  # CPU tensors: no capture
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="found on an H100 at e0b2dea, not understood: mok.moe(backend='fused') with a shared expert "
+                          "and T = 256 or 2048 fails in the shared expert's down dgrad (kernel launch failed: invalid "
+                          "argument) where fused.backward on the same inputs runs")
+def test_the_custom_op_backward_with_a_shared_expert_runs():
+    from mok.config import MoEConfig
+    from mok.testing import make_inputs, moe_args
+
+    inp = make_inputs(MoEConfig("op-shared", 256, 256, 128, 8, 2, shared_intermediate=128), "cuda")
+    args = [a.requires_grad_() if a is not None and a.is_floating_point() and i != 2 else a
+            for i, a in enumerate(moe_args(inp))]
+    mok.moe(*args, backend="fused").backward(inp["d_out"])
+    torch.cuda.synchronize()
