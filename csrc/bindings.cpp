@@ -14,6 +14,14 @@
 
 namespace {
 
+// The device guard of every launch. It also clears an error that an earlier CUDA runtime call on this host thread
+// left unread: mok's launchers return cudaGetLastError(), which would blame their launch for it (torch's autograd
+// device thread can carry one: mok.moe's backward then failed with "invalid argument" on valid operands).
+struct LaunchGuard {
+  c10::cuda::CUDAGuard device;
+  explicit LaunchGuard(c10::Device d) : device(d) { (void)cudaGetLastError(); }
+};
+
 void check_cuda(cudaError_t status, const char* op) {
   TORCH_CHECK(status == cudaSuccess, "mok.", op, ": kernel launch failed: ", cudaGetErrorString(status));
 }
@@ -33,7 +41,7 @@ const int32_t* real_num_rows_ptr(const std::optional<at::Tensor>& counts) {
 
 void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   check_cuda(mok::mxfp8_quantize_rowwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), x.numel(),
                                          c10::cuda::getCurrentCUDAStream()),
              "mxfp8_quantize_rowwise");
@@ -41,7 +49,7 @@ void quantize_rowwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales)
 
 void quantize_colwise(const at::Tensor& x, at::Tensor& data, at::Tensor& scales) {
   check_arg(x, "x"), check_arg(data, "data"), check_arg(scales, "scales");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_colwise(x.data_ptr(), data.data_ptr(), scales.data_ptr(), rows, cols,
                                          c10::cuda::getCurrentCUDAStream()),
@@ -52,7 +60,7 @@ void quantize_dual(const at::Tensor& x, at::Tensor& data_row, at::Tensor& scales
                    at::Tensor& scales_col) {
   check_arg(x, "x"), check_arg(data_row, "data_row"), check_arg(scales_row, "scales_row");
   check_arg(data_col, "data_col"), check_arg(scales_col, "scales_col");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(mok::mxfp8_quantize_dual(x.data_ptr(), data_row.data_ptr(), scales_row.data_ptr(),
                                       data_col.data_ptr(), scales_col.data_ptr(), rows, cols,
@@ -62,7 +70,7 @@ void quantize_dual(const at::Tensor& x, at::Tensor& data_row, at::Tensor& scales
 
 void dequantize(const at::Tensor& data, const at::Tensor& scales, at::Tensor& out, bool rowwise) {
   check_arg(data, "data"), check_arg(scales, "scales"), check_arg(out, "out");
-  const c10::cuda::CUDAGuard guard(data.device());
+  const LaunchGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t cols = data.size(-1), rows = cols == 0 ? 0 : data.numel() / cols;
   check_cuda(rowwise ? mok::mxfp8_dequantize_rowwise(data.data_ptr(), scales.data_ptr(), out.data_ptr(),
@@ -77,7 +85,7 @@ void fake_quantize(const at::Tensor& x, at::Tensor& out_col_or_row, const std::o
   check_arg(x, "x"), check_arg(out_col_or_row, "out");
   if (out_row) check_arg(*out_row, "out_row");
   TORCH_CHECK(!(rowwise && counts), "counts: expected None for the row-wise round trip");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_cuda(rowwise ? mok::mxfp8_fake_quantize_rowwise(x.data_ptr(), out_col_or_row.data_ptr(), x.numel(), stream)
@@ -91,7 +99,7 @@ void fake_quantize_gathered(const at::Tensor& x, const at::Tensor& row_to_token,
                             const std::optional<at::Tensor>& counts) {
   check_arg(x, "x"), check_arg(row_to_token, "row_to_token"), check_arg(out, "out");
   TORCH_CHECK(row_to_token.scalar_type() == at::kInt, "row_to_token: expected int32");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   check_cuda(mok::mxfp8_fake_quantize_gathered_colwise(x.data_ptr(), row_to_token.data_ptr<int32_t>(),
                                                        out.data_ptr(), out.size(0), x.size(0), x.size(1),
                                                        real_num_rows_ptr(counts), c10::cuda::getCurrentCUDAStream()),
@@ -126,7 +134,7 @@ mok::SwiGLULimit swiglu_limit_of(double swiglu_limit, bool has_limit) {
 template <class Args>
 void launch_rows(cudaError_t (*launch)(const Args&, const mok::RowSchedule&, int, cudaStream_t), const char* name,
                  const Args& args, const mok::RowSchedule& sched, int64_t num_sms, const at::Tensor& on) {
-  const c10::cuda::CUDAGuard guard(on.device());
+  const LaunchGuard guard(on.device());
   check_cuda(launch(args, sched, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()), name);
 }
 
@@ -334,7 +342,7 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   args.m = a_rows.size(1);
   args.n = b_rows.size(1);
   args.num_experts = d_w.size(0);
-  const c10::cuda::CUDAGuard guard(a_rows.device());
+  const LaunchGuard guard(a_rows.device());
   check_cuda(mok::grouped_gemm_bf16_weight_grad(args, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_weight_grad");
 }
@@ -346,7 +354,7 @@ void combine(const at::Tensor& y_rows, const at::Tensor& route_to_row, const std
   if (shared) check_arg(*shared, "shared");
   TORCH_CHECK(route_to_row.scalar_type() == at::kLong || route_to_row.scalar_type() == at::kInt,
               "route_to_row: expected int64 or int32");
-  const c10::cuda::CUDAGuard guard(y_rows.device());
+  const LaunchGuard guard(y_rows.device());
   check_cuda(mok::combine_rows(y_rows.data_ptr(), route_to_row.data_ptr(), route_to_row.scalar_type() == at::kLong,
                                topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                                shared ? shared->data_ptr() : nullptr, out.data_ptr(), route_to_row.size(0),
@@ -363,7 +371,7 @@ void gather(const at::Tensor& x, const at::Tensor& row_to_token, const at::Tenso
   TORCH_CHECK(row_to_k.scalar_type() == at::kLong && route_to_row.scalar_type() == at::kLong,
               "row_to_k, route_to_row: expected int64");
   TORCH_CHECK(route_to_row.dim() == 2, "route_to_row: expected [num_tokens, num_topk]");
-  const c10::cuda::CUDAGuard guard(x.device());
+  const LaunchGuard guard(x.device());
   check_cuda(mok::gather_rows(x.data_ptr(), row_to_token.data_ptr<int32_t>(), row_to_k.data_ptr<int64_t>(),
                               route_to_row.data_ptr<int64_t>(), real_num_rows_ptr(counts), out.data_ptr(),
                               x.size(0), route_to_row.size(1), out.size(0), x.size(1),
@@ -386,7 +394,7 @@ void pull(const at::Tensor& src, const std::optional<at::Tensor>& weights, const
   TORCH_CHECK(pull_rank.scalar_type() == at::kInt && pull_token.scalar_type() == at::kInt &&
                   pull_k.scalar_type() == at::kInt,
               "pull_rank, pull_token, pull_k: expected int32");
-  const c10::cuda::CUDAGuard guard(out.device());
+  const LaunchGuard guard(out.device());
   check_cuda(mok::pull_rows(pointer_table(src, "src"),
                             weights ? reinterpret_cast<const float* const*>(pointer_table(*weights, "weights"))
                                     : nullptr,
@@ -405,7 +413,7 @@ void combine_from_peers(const at::Tensor& rows, const at::Tensor& combine_rank, 
   TORCH_CHECK(combine_rank.scalar_type() == at::kInt && combine_row.scalar_type() == at::kInt &&
                   combine_rank.dim() == 2,
               "combine_rank, combine_row: expected int32 [num_tokens, num_topk]");
-  const c10::cuda::CUDAGuard guard(out.device());
+  const LaunchGuard guard(out.device());
   check_cuda(mok::combine_peers(pointer_table(rows, "rows"), combine_rank.data_ptr<int32_t>(),
                                 combine_row.data_ptr<int32_t>(), topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                                 shared ? shared->data_ptr() : nullptr, out.data_ptr(), combine_rank.size(0),
@@ -473,7 +481,7 @@ pybind11::dict make_schedule(const at::Tensor& topk_idx, int64_t num_experts, in
   out.row_to_token_i32 = v["row_to_token_i32"].data_ptr<int32_t>();
   out.gemm_tile_to_expert = gemm ? v["gemm_tile_to_expert"].data_ptr<int32_t>() : nullptr;
   v["route_to_row"] = v["route_to_row"].view({topk_idx.size(0), topk_idx.size(1)});
-  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  const LaunchGuard guard(topk_idx.device());
   const int64_t num_chunks = (num_routes + mok::kScheduleChunkRoutes - 1) / mok::kScheduleChunkRoutes;
   at::Tensor chunk_counts = at::empty({num_chunks * (num_experts + 1)}, topk_idx.options().dtype(at::kInt));
   check_cuda(mok::make_schedule(int64_ptr(topk_idx, "topk_idx"), topk_idx.size(0), topk_idx.size(1), num_experts,
@@ -491,7 +499,7 @@ void route_grads(const at::Tensor& d_out, const at::Tensor& topk_weights, const 
                  int64_t block_m) {
   check_arg(d_out, "d_out"), check_arg(topk_weights, "topk_weights"), check_arg(y_rows, "y_rows");
   check_arg(dy_rows, "dy_rows"), check_arg(d_topk_weights, "d_topk_weights");
-  const c10::cuda::CUDAGuard guard(d_out.device());
+  const LaunchGuard guard(d_out.device());
   check_cuda(mok::route_grads_prep(d_out.data_ptr(), topk_weights.data_ptr<float>(), y_rows.data_ptr(),
                                    int64_ptr(route_to_row, "route_to_row"), int64_ptr(tile_num_rows, "tile_num_rows"),
                                    real_num_rows_ptr(counts), dy_rows.data_ptr(), d_topk_weights.data_ptr<float>(),
@@ -514,7 +522,7 @@ void round_step(int64_t step, const at::Tensor& idx, const at::Tensor& scores, a
   TORCH_CHECK(counts.scalar_type() == at::kInt && chosen.scalar_type() == at::kInt && slots.scalar_type() == at::kInt,
               "counts, chosen, slots: expected int32");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
-  const c10::cuda::CUDAGuard guard(idx.device());
+  const LaunchGuard guard(idx.device());
   mok::RouteRound args{};
   args.idx = int64_ptr(idx, "idx");
   args.scores = scores.data_ptr<float>();
@@ -547,7 +555,7 @@ void fill_rounds(const at::Tensor& order, at::Tensor& may, const at::Tensor& inv
   check_arg(may, "may"), check_arg(first, "first"), check_arg(pick, "pick");
   TORCH_CHECK(may.scalar_type() == at::kByte, "may: expected uint8");
   TORCH_CHECK(first.scalar_type() == at::kInt && pick.scalar_type() == at::kInt, "first, pick: expected int32");
-  const c10::cuda::CUDAGuard guard(order.device());
+  const LaunchGuard guard(order.device());
   check_cuda(mok::route_fill_rounds(int64_ptr(order, "order"), may.data_ptr<uint8_t>(), int64_ptr(inv, "inv"),
                                     int64_ptr(need, "need"), int64_ptr(assign, "assign"), first.data_ptr<int32_t>(),
                                     pick.data_ptr<int32_t>(), num_real ? int64_ptr(*num_real, "num_real") : nullptr,
@@ -561,7 +569,7 @@ void swap_leftovers(at::Tensor& idx, const at::Tensor& before, const at::Tensor&
   check_arg(allowed, "allowed"), check_arg(waiting, "waiting"), check_arg(moved, "moved");
   TORCH_CHECK(allowed.scalar_type() == at::kByte, "allowed: expected uint8");
   TORCH_CHECK(waiting.scalar_type() == at::kInt && moved.scalar_type() == at::kInt, "waiting, moved: expected int32");
-  const c10::cuda::CUDAGuard guard(idx.device());
+  const LaunchGuard guard(idx.device());
   check_cuda(mok::route_swap_leftovers(int64_ptr(idx, "idx"), int64_ptr(before, "before"), allowed.data_ptr<uint8_t>(),
                                        int64_ptr(left, "left"), int64_ptr(need, "need"), waiting.data_ptr<int32_t>(),
                                        moved.data_ptr<int32_t>(), idx.size(0), idx.size(1), allowed.size(1),
