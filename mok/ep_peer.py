@@ -8,12 +8,13 @@ Each rank's pass is a generator that yields where every rank must have finished 
 - `forward_ranks` / `backward_ranks`: R ranks in one process, advanced in lockstep (inputs as lists by rank);
 - `run_rank`: one rank in this process, `barrier()` at each yield: R processes sharing the buffers of `allocate`
   (CPU shared memory, or CUDA IPC on one GPU; symmetric memory's peer tensors across GPUs would serve the same).
-BF16. The bits equal the fused level's at EP = 1, in the output and all eight gradients, for any split of the tokens
-over any number of ranks (tests/test_ep_peer.py):
+BF16 or MXFP8 (the shared expert BF16, DESIGN §4). The bits equal the fused level's at EP = 1, in the output and
+all eight gradients, for any split of the tokens over any number of ranks (tests/test_ep_peer.py):
 - rank r's rows are the single-GPU schedule's rows cut at its experts (the pull), each expert's rows in ascending
   global route id, and a fused GEMM row's bits depend only on that row;
 - each token's sum runs over its routes in increasing k on its home rank (combine_peers), then the shared expert;
-- the backward gives each row its route's real weight (the level's d_h = w·g and w·h), as the fused level does.
+- the backward gives each row its route's real weight (the level's d_h = w·g and w·h; in MXFP8 its dy = bf16(w·d_out)
+  and ⟨d_out, y⟩), as the fused level does; MXFP8 blocks lie within a row or within an expert's segment of rows.
 The shared expert runs over every token on every rank, as mok.comm's exact_shared (the megakernel deals its weight
 gradients' tiles over the ranks instead)."""
 
@@ -71,7 +72,7 @@ class PeerSaved:
 
 
 def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
-                 w_shared_up=None, w_shared_down=None, *, num_experts: int, swiglu_limit=None):
+                 w_shared_up=None, w_shared_down=None, *, num_experts: int, precision="bf16", swiglu_limit=None):
     """Rank `rank`'s forward over the peers' buffers P (peers()): a generator yielding at each barrier, returning
     (out [T_r, H], PeerSaved). topk_idx holds global expert ids; w_gate, w_up, w_down are its experts [E_r, ...]
     (mok.ep_plan.expert_ranges); the shared expert's weights are replicated."""
@@ -98,7 +99,8 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     expert_of_row = torch.repeat_interleave(torch.arange(w_gate.shape[0], device=x.device),
                                             t["tokens_per_expert"].long())[:, None]  # [n, 1]
     ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: the level's out is y itself
-    y, experts = fused.forward(x_rows, expert_of_row, ones, w_gate, w_up, w_down, swiglu_limit=swiglu_limit)
+    y, experts = fused.forward(x_rows, expert_of_row, ones, w_gate, w_up, w_down, precision=precision,
+                               swiglu_limit=swiglu_limit)
     own["y"][: real.shape[0]][real] = y
     shared_out, shared = None, None
     if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
@@ -171,7 +173,7 @@ def run_rank(generator, barrier):
 
 
 def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
-                  w_shared_down=None, *, swiglu_limit=None) -> tuple[list, list]:
+                  w_shared_down=None, *, precision="bf16", swiglu_limit=None) -> tuple[list, list]:
     """R ranks in one process (inputs as lists by rank, each rank's experts a block of expert_ranges): every
     rank's out, and per rank (the peers' buffers, its PeerSaved) for backward_ranks."""
     R = len(xs)
@@ -182,7 +184,8 @@ def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared
     P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     results = lockstep([forward_rank(P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r],
-                                     *shared, num_experts=E, swiglu_limit=swiglu_limit) for r in range(R)])
+                                     *shared, num_experts=E, precision=precision, swiglu_limit=swiglu_limit)
+                        for r in range(R)])
     return [o for o, _ in results], [(P, s) for _, s in results]
 
 

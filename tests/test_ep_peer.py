@@ -36,11 +36,11 @@ def _use_twins(setattr=setattr) -> None:
     setattr(fused, "_check_runs_here", lambda x, precision: None)
 
 
-def _problem(name: str, device: str):
+def _problem(name: str, device: str, precision: str = "bf16"):
     cfg, splits = CASES[name]
     seed = fresh_seed()
     inp = make_inputs(cfg, device, seed=seed, routing_fn=_hot if name == "E5-hot" else None)
-    out0, saved0 = fused.forward(*moe_args(inp))
+    out0, saved0 = fused.forward(*moe_args(inp), precision=precision)
     return cfg, splits, seed, inp, (out0, *fused.backward(saved0, inp["d_out"]))
 
 
@@ -53,8 +53,8 @@ def _mismatches(outs: list, grads: list, want: tuple) -> list[str]:
     return bad + [f"shared grad {j}" for j in range(5, 8) if not all(bitwise_equal(g[j], want[j + 1]) for g in grads)]
 
 
-def _check_every_degree(name: str, device: str) -> None:
-    cfg, splits, seed, inp, want = _problem(name, device)
+def _check_every_degree(name: str, device: str, precision: str = "bf16") -> None:
+    cfg, splits, seed, inp, want = _problem(name, device, precision)
     args = moe_args(inp)
     for split in splits:
         experts = expert_ranges(cfg.num_experts, len(split))
@@ -62,22 +62,24 @@ def _check_every_degree(name: str, device: str) -> None:
         local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
         if device == "cuda":
             poison_allocator(64 << 20)
-        outs, saved = ep_peer.forward_ranks(*part[:3], *local, *args[6:])
+        outs, saved = ep_peer.forward_ranks(*part[:3], *local, *args[6:], precision=precision)
         grads = ep_peer.backward_ranks(saved, part[3])
-        assert _mismatches(outs, grads, want) == [], f"split {split}, seed {seed}"
+        assert _mismatches(outs, grads, want) == [], f"{precision}, split {split}, seed {seed}"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_ep_degree_gives_the_fused_levels_bits(name):
-    _check_every_degree(name, "cuda")
+def test_every_ep_degree_gives_the_fused_levels_bits(name, precision):
+    _check_every_degree(name, "cuda", precision)
 
 
 def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
     """The same on the CPU with L0 twins: the wiring of the tables, pulls, combines and saved state, in CI."""
     _use_twins(monkeypatch.setattr)
     for name in CASES:
-        _check_every_degree(name, "cpu")
+        for precision in ("bf16", "mxfp8"):
+            _check_every_degree(name, "cpu", precision)
 
 
 def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results):
