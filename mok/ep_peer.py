@@ -7,7 +7,7 @@ so that the tables, the pulls and the determinism claim are proven before the ke
 Each rank's pass is a generator that yields where every rank must have finished the phase before (a barrier):
 - `forward_ranks` / `backward_ranks`: R ranks in one process, advanced in lockstep (inputs as lists by rank);
 - `run_rank`: one rank in this process, `barrier()` at each yield: R processes sharing the buffers of `allocate`
-  (CPU shared memory, or CUDA IPC on one GPU; symmetric memory's peer tensors across GPUs would serve the same).
+  (CPU shared memory, or CUDA IPC on one GPU), or one per GPU over `allocate_symmetric` (symmetric memory).
 BF16 or MXFP8 (the shared expert BF16, DESIGN §4). The bits equal the fused level's at EP = 1, in the output and
 all eight gradients, for any split of the tokens over any number of ranks (tests/test_ep_peer.py):
 - rank r's rows are the single-GPU schedule's rows cut at its experts (the pull), each expert's rows in ascending
@@ -52,6 +52,26 @@ def allocate(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, h
     shapes = buffer_shapes(num_ranks, max_tokens, num_topk, num_experts, hidden)
     return [{name: torch.zeros(rows, width, dtype=dtype, device=device)
              for name, (rows, width, dtype) in shapes.items()} for _ in range(num_ranks)]
+
+
+def allocate_symmetric(max_tokens: int, num_topk: int, num_experts: int, hidden: int, group=None) -> tuple:
+    """allocate() over torch's symmetric memory, one rank per GPU (an NCCL group; NVLink multicast off, as
+    docs/ep.md says): (buffers, handles). Entry s of buffers holds rank s's buffers as this GPU reaches them (its
+    own, or symmetric memory's peer tensors over NVLink); keep the handles as long as the buffers. Between phases
+    `handles[0].barrier()` orders every rank's writes before any read (stream-ordered, on the GPU)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    group = group if group is not None else dist.group.WORLD
+    out, handles = [{} for _ in range(R)], []
+    for name, (rows, width, dtype) in buffer_shapes(R, max_tokens, num_topk, num_experts, hidden).items():
+        local = symm_mem.empty(rows, width, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+        local.zero_()
+        handles.append(symm_mem.rendezvous(local, group))
+        for s in range(R):
+            out[s][name] = local if s == rank else handles[-1].get_remote_tensor(s, (rows, width), dtype)
+    return out, handles
 
 
 def peers(buffers: list[dict]) -> dict:

@@ -82,29 +82,47 @@ def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
             _check_every_degree(name, "cpu", precision)
 
 
+def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, want: tuple) -> list[str]:
+    """One rank's pass over the peers' buffers P, barrier() between phases: what differs from the EP = 1 results
+    of its tokens and experts."""
+    g = expert_ranges(inputs["w_gate"].shape[0], len(split))[rank]
+    mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
+    experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
+    shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+    out, saved = ep_peer.run_rank(ep_peer.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
+                                                       *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
+                                  barrier)
+    grads = ep_peer.run_rank(ep_peer.backward_rank(P, saved, mine["d_out"]), barrier)
+    rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
+    on = lambda t: t.to(out.device)  # noqa: E731
+    mine_want = (on(want[0][rows]), on(want[1][rows]), on(want[2][rows]),
+                 *(on(w[g.start: g.stop]) for w in want[3:6]), *(None if w is None else on(w) for w in want[6:]))
+    return _mismatches([out], [grads], mine_want)
+
+
 def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results):
-    """One rank in its own process: its pass over every rank's buffers (CPU shared memory or CUDA IPC: torch
-    .multiprocessing passed them by handle), barrier.wait() between phases; puts (rank, what differs from the
-    EP = 1 results of its tokens and experts, or the error)."""
+    """One rank in its own process over every rank's buffers (CPU shared memory or CUDA IPC: torch.multiprocessing
+    passed them by handle); puts (rank, its mismatches or the error)."""
     try:
         if twins:
             _use_twins()
-        P = ep_peer.peers(buffers)
-        g = expert_ranges(inputs["w_gate"].shape[0], len(split))[rank]
-        mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
-        experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
-        shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
         wait = lambda: barrier.wait(60)  # noqa: E731  (a lost peer breaks the barrier: no hang)
-        out, saved = ep_peer.run_rank(ep_peer.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
-                                                           *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
-                                      wait)
-        grads = ep_peer.run_rank(ep_peer.backward_rank(P, saved, mine["d_out"]), wait)
-        rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
-        mine_want = (want[0][rows], want[1][rows], want[2][rows], *(w[g.start: g.stop] for w in want[3:6]),
-                     *want[6:])
-        results.put((rank, _mismatches([out], [grads], mine_want)))
+        results.put((rank, _rank_mismatches(ep_peer.peers(buffers), rank, wait, inputs, split, want)))
     except BaseException as e:  # noqa: BLE001 (the parent reports it)
         results.put((rank, [repr(e)]))
+
+
+def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want: tuple) -> list[str]:
+    """One rank per GPU (run_local_ep over NCCL), its buffers in symmetric memory."""
+    import os
+
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # NVLink multicast off (docs/ep.md)
+    dev = torch.device("cuda", rank)
+    inputs = {n: None if t is None else t.to(dev) for n, t in inputs.items()}
+    buffers, handles = ep_peer.allocate_symmetric(max(split), inputs["topk_idx"].shape[1],
+                                                  inputs["w_gate"].shape[0], inputs["x"].shape[1])
+    return _rank_mismatches(ep_peer.peers(buffers), rank, lambda: handles[0].barrier(channel=0), inputs, split,
+                            want)
 
 
 def _run_processes(name: str, device: str, twins: bool) -> None:
@@ -139,6 +157,19 @@ def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
 def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
     """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves."""
     _run_processes("shared", "cuda", twins=False)
+
+
+@pytest.mark.multigpu
+def test_one_rank_per_gpu_over_symmetric_memory_gives_the_same_bits():
+    """One rank per GPU (2, uneven), the buffers in torch's symmetric memory, read over NVLink: each rank's results
+    are the EP = 1 bits on GPU 0 (the same GPU model: the same kernel bits)."""
+    from mok.comm import run_local_ep
+
+    cfg, splits, seed, inp, want = _problem("shared", "cuda")
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    got = run_local_ep(_symmetric_rank, 2, {n: cpu(t) for n, t in inp.items()}, splits[1],
+                       tuple(cpu(w) for w in want), backend="nccl", timeout_s=300)
+    assert got == [[], []], f"seed {seed}"
 
 
 def test_bad_arguments_are_named():
