@@ -222,7 +222,10 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
 void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                 const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                 const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
-                at::Tensor& y, at::Tensor& h_ready, double swiglu_limit, bool has_limit, int64_t num_sms) {
+                at::Tensor& y, at::Tensor& h_ready, const std::optional<at::Tensor>& route_to_row,
+                const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& shared,
+                const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& token_done,
+                double swiglu_limit, bool has_limit, int64_t num_sms) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   check_arg(h_ready, "h_ready");
   TORCH_CHECK(h_ready.scalar_type() == at::kInt && h_ready.numel() == row_to_token.numel() / 128,
@@ -231,6 +234,20 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
   args.gate_up = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate, up, swiglu_limit, has_limit);
   args.down = down_gemm(h, w_down, {}, y);
   args.h_ready = h_ready.data_ptr<int32_t>();
+  if (out) {  // the combine behind GEMM2
+    TORCH_CHECK(route_to_row && topk_weights && token_done, "route_to_row, topk_weights, token_done: expected with out");
+    check_arg(*route_to_row, "route_to_row"), check_arg(*topk_weights, "topk_weights"), check_arg(*out, "out");
+    check_arg(*token_done, "token_done");
+    if (shared) check_arg(*shared, "shared");
+    TORCH_CHECK(route_to_row->scalar_type() == at::kInt && token_done->scalar_type() == at::kInt,
+                "route_to_row, token_done: expected int32");
+    args.route_to_row = route_to_row->data_ptr<int32_t>();
+    args.topk_weights = topk_weights->data_ptr<float>();
+    args.shared = shared ? shared->data_ptr() : nullptr;
+    args.out = out->data_ptr();
+    args.token_done = token_done->data_ptr<int32_t>();
+    args.num_topk = route_to_row->size(1);
+  }
   launch_rows(mok::grouped_gemm_bf16_chain, "grouped_gemm_bf16_chain", args, sched, num_sms, x);
 }
 
@@ -619,10 +636,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::kw_only(), py::arg("a_rows"), py::arg("w"), py::arg("row_to_token"), py::arg("tile_to_expert"),
         py::arg("counts"), py::arg("out"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_chain", &gemm_chain,
-        "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]",
+        "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]; with out, "
+        "the combine behind GEMM2 (route_to_row int32, topk_weights, shared or None, token_done int32 zeros)",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("row_to_token"),
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"), py::arg("y"),
-        py::arg("h_ready"), py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
+        py::arg("h_ready"), py::arg("route_to_row"), py::arg("topk_weights"), py::arg("shared"), py::arg("out"),
+        py::arg("token_done"), py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
         "GEMM1 with MXFP8 weights",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),

@@ -30,9 +30,15 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
   if (args.down.a_rows != args.gate_up.h || args.down.k != args.gate_up.intermediate ||
       args.down.num_experts != args.gate_up.num_experts || (args.h_ready == nullptr && sched.num_rows > 0))
     return cudaErrorInvalidValue;
+  if (args.out != nullptr && (args.route_to_row == nullptr || args.topk_weights == nullptr ||
+                              args.token_done == nullptr || args.num_topk < 1))
+    return cudaErrorInvalidValue;
+  const gemm::ChainCombine combine{args.route_to_row, args.topk_weights, static_cast<const uint16_t*>(args.shared),
+                                   static_cast<uint16_t*>(args.out), args.token_done, static_cast<int>(args.num_topk)};
   return gemm::launch_grouped_gemm_bf16_chain(args.gate_up.w_gate, args.gate_up.w_up, args.down.w,
                                               args.gate_up.num_experts, gemm::gate_up_params(args.gate_up, sched),
-                                              gemm::down_params(args.down, sched), args.h_ready, num_sms, stream);
+                                              gemm::down_params(args.down, sched), args.h_ready, combine, num_sms,
+                                              stream);
 }
 
 namespace {

@@ -75,10 +75,14 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
     return out
 
 
-def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None):
-    """GEMM1 then GEMM2 (one launch on the GPU): (y_rows [num_rows, hidden], h, gate, up)."""
+def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None, topk_weights=None,
+                            shared=None):
+    """GEMM1 then GEMM2 (one launch on the GPU), and with topk_weights the combine: (y_rows [num_rows, hidden], h,
+    gate, up, out [num_tokens, hidden] or None)."""
     h, gate, up = grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each
-    return grouped_gemm_bf16_nt_contiguous(h, w_down, sched), h, gate, up
+    y_rows = grouped_gemm_bf16_nt_contiguous(h, w_down, sched)
+    out = None if topk_weights is None else combine_rows(y_rows, sched.route_to_row, topk_weights, shared)
+    return y_rows, h, gate, up, out
 
 
 def grouped_gemm_mxfp8_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):

@@ -237,22 +237,30 @@ CHAIN_CASES = {**{case: CASES[case][0] for case in CASES},
 @pytest.mark.parametrize("case", list(CHAIN_CASES))
 def test_chain_is_gemm1_then_gemm2_bit_for_bit(case):
     """GEMM1 and GEMM2 in one launch (GEMM2's tiles waiting on device counters) store the bits of the two launches,
-    for any grid: 1 CTA (every task in turn), 3 and 7 (several tasks per CTA, GEMM2's first tiles beside GEMM1's
-    last) and the full grid, twice. Outputs poisoned first; a counter bug shows as a timeout fault or NaN rows."""
+    and with the combine behind GEMM2 combine_rows' out (weights and a shared expert), for any grid: 1 CTA (every
+    task in turn), 3 and 7 (several tasks per CTA, GEMM2's first tiles beside GEMM1's last) and the full grid, twice.
+    Outputs poisoned first; a counter bug shows as a timeout fault, NaN rows or a token's slice left unwritten."""
     seed = fresh_seed()
     cfg = CHAIN_CASES[case]
     inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(CASES[case][1]) if case in CASES else None)
     sched = make_schedule(inputs["topk_idx"], cfg.num_experts).to("cuda")
     x, wg, wu, wd = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down"))
     h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=0.75)
-    expected = {"y_rows": ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched), "h": h, "gate": gate, "up": up}
-    for num_sms in (1, 3, 7, None, None):
+    y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched)
+    w = inputs["topk_weights"].cuda()
+    shared = torch.randn(cfg.num_tokens, cfg.hidden, device="cuda").bfloat16()
+    expected = {"y_rows": y_rows, "h": h, "gate": gate, "up": up,
+                "out": ops.combine_rows(y_rows, sched.route_to_row, w, shared)}
+    for num_sms, combine in ((1, True), (3, True), (7, False), (None, True), (None, True)):
         poison_allocator(2 * sched.num_rows * (3 * cfg.intermediate + cfg.hidden) * 2)
-        got = dict(zip(("y_rows", "h", "gate", "up"),
-                       ops.grouped_gemm_bf16_chain(x, wg, wu, wd, sched, swiglu_limit=0.75, num_sms=num_sms)))
+        kw = dict(topk_weights=w, shared=shared) if combine else {}
+        got = dict(zip(("y_rows", "h", "gate", "up", "out"),
+                       ops.grouped_gemm_bf16_chain(x, wg, wu, wd, sched, swiglu_limit=0.75, num_sms=num_sms, **kw)))
+        assert (got["out"] is not None) == combine
         for name, want in expected.items():
-            assert torch.equal(got[name].view(torch.int16), want.view(torch.int16)), \
-                f"{case} {name}: num_sms={num_sms} differs from the two launches (seed {seed})"
+            if got[name] is not None:
+                assert torch.equal(got[name].view(torch.int16), want.view(torch.int16)), \
+                    f"{case} {name}: num_sms={num_sms} differs from the launches one by one (seed {seed})"
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from mok.ops.quant import BLOCK_SIZE
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/config.cuh
 GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is each segment's real rows rounded up to it
 GEMM_K_ALIGN = 8  # k and n multiples of 8 elements: 16-byte rows for TMA and cp.async
+GEMM_DOWN_TILE_N = 256  # output columns of a GEMM2 (kDown) task: Tile<kDown>::kTaskN
 
 
 class GemmSchedule(NamedTuple):
@@ -137,23 +138,43 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
 
 
 def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
-                            swiglu_limit: float | None = None, num_sms: int | None = None):
+                            swiglu_limit: float | None = None, num_sms: int | None = None,
+                            topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None):
     """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
     grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
     soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
-    intermediate]. Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate]), bf16."""
+    intermediate]. With topk_weights (fp32 [num_tokens, num_topk]), GEMM2's tiles also finish the routed combine:
+    out = combine_rows(y_rows, sched.route_to_row, topk_weights, shared) bit for bit (shared bf16 [num_tokens,
+    hidden] or None), each token's 256 columns summed by the tile that stores the last of its routes' rows.
+    Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None),
+    bf16."""
     intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms)
     hidden = x.shape[1]
     check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
                  "[num_experts, hidden, intermediate]")
     _check_devices(x.device, w_down=w_down)
+    route_to_row, out, token_done = None, None, None  # the combine's, with topk_weights
+    if topk_weights is not None:
+        T, K = sched.num_tokens, sched.num_topk
+        check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
+        check_cuda("topk_weights", topk_weights, x.device, "x's")
+        if shared is not None:
+            check_layout("shared", shared, torch.bfloat16, (T, hidden), "[num_tokens, hidden]")
+            check_cuda("shared", shared, x.device, "x's", aligned=True)
+        route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
+        out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
+        token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
+    elif shared is not None:
+        fail("shared", "None without topk_weights (no combine)", "a tensor")
     h, gate, up = (torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)
                    for _ in range(3))  # [num_rows, intermediate] each
     y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
     h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
     load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate, up=up,
-                                             y=y_rows, h_ready=h_ready, **kwargs)
-    return y_rows, h, gate, up
+                                             y=y_rows, h_ready=h_ready, route_to_row=route_to_row,
+                                             topk_weights=topk_weights, shared=shared, out=out,
+                                             token_done=token_done, **kwargs)
+    return y_rows, h, gate, up, out
 
 
 def _rowwise_mx_buffer(rows: int, cols: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

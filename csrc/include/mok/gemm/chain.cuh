@@ -23,9 +23,17 @@
 // split, spilled: ptxas -v), which leaves the consumers 216 (no spills in either epilogue). full[s] counts
 // kGateUp's arrivals (one cp.async arrival per producer thread and thread 0's expect_tx); in kDown tasks every
 // producer thread arrives plainly and thread 0 also with expect_tx, the same 129.
+//
+// With a combine (ChainCombine::out set), GEMM2's tiles also finish the layer's routed combine, and no CTA waits
+// for it: after a consumer warp's 16 rows of a GEMM2 tile are stored, each row counts once for its token's
+// 256-column slice (token_done[token, n-tile], acquire-release), and the warp whose count reaches the token's
+// number of routes sums that slice of out = bf16(Σ_k w·y[row(t, k)] + shared[t]) in increasing k, as combine_rows
+// does (moe/combine.cuh: the same bits). A token's slice is complete with the last of its K routes' tiles, so the
+// combines run inside GEMM2's tasks instead of in a launch after them.
 #pragma once
 
 #include "mok/gemm/grouped_gemm_bf16.cuh"
+#include "mok/moe/combine.cuh"
 
 namespace mok::gemm {
 
@@ -44,11 +52,22 @@ struct ChainMaps {
   CUtensorMap h_rows, w_down, y;          // GEMM2: A, B (both halves), its output
 };
 
+// The combine behind GEMM2 (out null: none). Tokens index route_to_row and topk_weights as [num_tokens, num_topk].
+struct ChainCombine {
+  const int32_t* route_to_row;  // a route's row (GEMM2's y row), -1: none (its token's slices are NaN)
+  const float* topk_weights;
+  const uint16_t* shared;       // [num_tokens, hidden] bf16, or null
+  uint16_t* out;                // [num_tokens, hidden] bf16
+  int32_t* token_done;          // [num_tokens, GEMM2's n-tiles], zero at launch
+  int num_topk;
+};
+
 // The tasks of one launch: GEMM1's are [0, num1), GEMM2's [num1, num1 + num2).
 struct ChainTasks {
   int num1, num2, k_blocks1, k_blocks2;
   int32_t* h_ready;  // [GEMM1's m-tiles], zero at launch
   int h_target;      // kNumConsumerWarps · GEMM1's n-tiles
+  ChainCombine combine;
 };
 
 MOK_DEVICE void produce_chain(const ChainMaps& m, const Params& p1, const Params& p2, const ChainTasks& c,
@@ -84,6 +103,61 @@ MOK_DEVICE void produce_chain(const ChainMaps& m, const Params& p1, const Params
     }
   });
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
+}
+
+// One token's 256-column slice n of out, by one warp (lane l: 8 columns): combine_rows' sum, from y rows that other
+// CTAs of this launch may have stored (read from L2).
+MOK_DEVICE void combine_slice(const ChainCombine& cb, const Params& p2, int token, int n_tile, uint32_t lane) {
+  static_assert(Gemm2::kTaskN == kWarpSize * moe::kVecElems, "a lane's 8 columns of a GEMM2 tile");
+  const int64_t vecs = p2.n / moe::kVecElems, vec = static_cast<int64_t>(n_tile) * kWarpSize + lane;
+  if (vec >= vecs) return;
+  const int64_t route0 = static_cast<int64_t>(token) * cb.num_topk, col = vec * moe::kVecElems;
+  const int64_t token_col = static_cast<int64_t>(token) * p2.n + col;
+  moe::Acc8 acc;
+  moe::acc_zero(acc);
+  bool bad = false;
+  for (int k = 0; k < cb.num_topk; ++k) {  // increasing k: combine_rows' order
+    const int64_t row = cb.route_to_row[route0 + k];
+    if (row < 0 || row >= p2.num_rows) {
+      bad = true;
+      continue;
+    }
+    const uint4 y = ptx::ld_cg_v4(p2.out + row * p2.n + col);
+    moe::acc_add(acc, y, cb.topk_weights[route0 + k], false);
+  }
+  if (cb.shared != nullptr) moe::acc_add(acc, ld_stream_v4(cb.shared + token_col), 1.0f, true);
+  if (bad) {
+#pragma unroll
+    for (int i = 0; i < moe::kVecElems; ++i) acc.v[i] = __int_as_float(0x7FC00000);  // NaN: never silent
+  }
+  st_v4(cb.out + token_col, moe::acc_to_bf16(acc));
+}
+
+// After this warp stored rows [row0, row0 + 16) of GEMM2's tile n: each real row counts for its token's slice n,
+// and the warp combines the slices it completed.
+MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p2, int row0, int n_tile, uint32_t lane) {
+  if (lane == 0) {
+    ptx::bulk_wait_group<0>();  // this warp's stores of the tile have finished
+    ptx::fence_proxy_async_global();
+  }
+  __syncwarp();
+  int token = -1;
+  bool last = false;
+  if (lane < 16) {
+    token = p2.row_to_token[row0 + lane];  // -1: a padding row
+    if (token >= 0) {
+      int routes = 0;  // the token's routes with a row: the count its slices reach
+      const int32_t* rows = cb.route_to_row + static_cast<int64_t>(token) * cb.num_topk;
+      for (int k = 0; k < cb.num_topk; ++k) routes += rows[k] >= 0;
+      int32_t* done = cb.token_done + static_cast<int64_t>(token) * p2.num_n_tiles + n_tile;
+      last = ptx::atom_add_acq_rel_gpu(done, 1) == routes - 1;
+    }
+  }
+  for (uint32_t left = __ballot_sync(kFullMask, last); left != 0; left &= left - 1) {
+    const int t = __shfl_sync(kFullMask, token, __ffs(left) - 1);
+    __syncwarp();  // the lane that counted last acquired the other rows' stores: ordered before every lane's loads
+    combine_slice(cb, p2, t, n_tile, lane);
+  }
 }
 
 MOK_DEVICE void consume_chain(const ChainMaps& m, const Params& p1, const Params& p2, const ChainTasks& c,
@@ -130,6 +204,7 @@ MOK_DEVICE void consume_chain(const ChainMaps& m, const Params& p1, const Params
       const Outputs out2{&m.y, nullptr, nullptr};
       epilogue2.finish(acc0, acc1, p2, out2, staging, row0, t.n_tile * Gemm2::kTaskN, t.expert, lane);
       epilogue2.store_rest(p2, out2, staging, lane);
+      if (c.combine.out != nullptr) combine_rows_done(c.combine, p2, row0, t.n_tile, lane);
     }
   });
   signal();
@@ -167,10 +242,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 // p1: GEMM1's parameters (gate_up_params), p2: GEMM2's (down_params, a = p1's h); h_ready: int32 zeros, one per
-// m-tile of the row buffers (num_rows / BLOCK_M).
+// m-tile of the row buffers (num_rows / BLOCK_M); combine: out null, or its tensors (token_done zeros).
 inline cudaError_t launch_grouped_gemm_bf16_chain(const void* w_gate, const void* w_up, const void* w_down,
                                                   int64_t num_experts, Params p1, Params p2, int32_t* h_ready,
-                                                  int num_sms, cudaStream_t stream) {
+                                                  ChainCombine combine, int num_sms, cudaStream_t stream) {
   TaskMaps m1, m2;
   int64_t num1 = 0, num2 = 0;
   cudaError_t err = prepare_tasks<Gemm::kGateUp>(w_gate, w_up, num_experts, p1, {}, &m1, &num1);
@@ -178,8 +253,9 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const void* w_gate, const void
   if (num1 == 0 && num2 == 0) return cudaSuccess;
   if (p1.num_m_tiles != p2.num_m_tiles || num1 + num2 > INT32_MAX) return cudaErrorInvalidValue;
   const ChainMaps maps{m1.b0, m1.b1, m1.out, m1.gate, m1.up, m2.a, m2.b0, m2.out};
+  if (combine.out != nullptr && (p2.n % moe::kVecElems != 0 || combine.num_topk < 1)) return cudaErrorInvalidValue;
   const ChainTasks tasks{static_cast<int>(num1), static_cast<int>(num2), num_k_blocks_of<Gemm::kGateUp>(p1.k),
-                         num_k_blocks_of<Gemm::kDown>(p2.k), h_ready, kNumConsumerWarps * p1.num_n_tiles};
+                         num_k_blocks_of<Gemm::kDown>(p2.k), h_ready, kNumConsumerWarps * p1.num_n_tiles, combine};
   int grid = 0;
   if ((err = persistent_gemm_grid(grouped_gemm_bf16_chain_kernel, num1 + num2, num_sms, &grid))) return err;
   grouped_gemm_bf16_chain_kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(maps, p1, p2, tasks);

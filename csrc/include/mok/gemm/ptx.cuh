@@ -99,6 +99,24 @@ MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* counter) {
   return value;
 }
 
+// The count before this increment (acquire and release: the increments of one counter form one chain, so the
+// last one sees every earlier incrementer's writes).
+MOK_DEVICE int32_t atom_add_acq_rel_gpu(int32_t* counter, int32_t value) {
+  int32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  return old;
+}
+
+// 16 bytes another CTA of this kernel wrote (announced by a counter): from L2, past the SM's L1.
+MOK_DEVICE uint4 ld_cg_v4(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr)
+               : "memory");
+  return v;
+}
+
 // Spins until *counter >= target (acquire), with spin_until's timeout.
 MOK_DEVICE void wait_counter(const int32_t* counter, int32_t target) {
   spin_until([&] { return ld_acquire_gpu(counter) >= target; });
