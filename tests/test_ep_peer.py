@@ -100,13 +100,21 @@ def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, wan
     return _mismatches([out], [grads], mine_want)
 
 
-def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results):
+def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results,
+              slow_rank: int):
     """One rank in its own process over every rank's buffers (CPU shared memory or CUDA IPC: torch.multiprocessing
-    passed them by handle); puts (rank, its mismatches or the error)."""
+    passed them by handle); rank slow_rank sleeps before each of its phases (its peers wait at the barrier); puts
+    (rank, its mismatches or the error)."""
+    import time
+
     try:
         if twins:
             _use_twins()
-        wait = lambda: barrier.wait(60)  # noqa: E731  (a lost peer breaks the barrier: no hang)
+
+        def wait():
+            barrier.wait(60)  # a lost peer breaks the barrier: no hang
+            if rank == slow_rank:
+                time.sleep(0.2)
         results.put((rank, _rank_mismatches(ep_peer.peers(buffers), rank, wait, inputs, split, want)))
     except BaseException as e:  # noqa: BLE001 (the parent reports it)
         results.put((rank, [repr(e)]))
@@ -125,7 +133,7 @@ def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want:
                             want)
 
 
-def _run_processes(name: str, device: str, twins: bool) -> None:
+def _run_processes(name: str, device: str, twins: bool, slow_rank: int = -1) -> None:
     """R = 3 processes (one rank each, uneven, a rank of no tokens) sharing the buffers of ep_peer.allocate."""
     cfg, splits, seed, inp, want = _problem(name, device)
     split = splits[2]
@@ -135,8 +143,8 @@ def _run_processes(name: str, device: str, twins: bool) -> None:
         for t in b.values():
             t.share_memory_()  # CPU: shared memory (CUDA tensors travel by IPC handle)
     barrier, results = ctx.Barrier(len(split)), ctx.Queue()
-    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, twins, results), daemon=True)
-             for r in range(len(split))]
+    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, twins, results, slow_rank),
+                         daemon=True) for r in range(len(split))]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=300) for _ in procs)
@@ -147,16 +155,16 @@ def _run_processes(name: str, device: str, twins: bool) -> None:
 
 @pytest.mark.slow
 def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
-    """Each rank in its own process, buffers in CPU shared memory, L0 twins: each rank's results are the EP = 1
-    bits of its tokens and experts."""
+    """Each rank in its own process, buffers in CPU shared memory, L0 twins, rank 2 slow (a sleep before each of
+    its phases): each rank's results are the EP = 1 bits of its tokens and experts."""
     _use_twins(monkeypatch.setattr)
-    _run_processes("shared", "cpu", twins=True)
+    _run_processes("shared", "cpu", twins=True, slow_rank=2)
 
 
 @pytest.mark.gpu
 def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
-    """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves."""
-    _run_processes("shared", "cuda", twins=False)
+    """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves; rank 0 slow."""
+    _run_processes("shared", "cuda", twins=False, slow_rank=0)
 
 
 @pytest.mark.multigpu
