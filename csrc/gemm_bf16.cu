@@ -27,18 +27,30 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSched
 }
 
 cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sched, int num_sms, cudaStream_t stream) {
+  const bool with_shared = args.shared_gate_up.w_gate != nullptr;
   if (args.down.a_rows != args.gate_up.h || args.down.k != args.gate_up.intermediate ||
       args.down.num_experts != args.gate_up.num_experts || (args.h_ready == nullptr && sched.num_rows > 0))
     return cudaErrorInvalidValue;
-  if (args.out != nullptr && (args.route_to_row == nullptr || args.topk_weights == nullptr ||
-                              args.token_done == nullptr || args.num_topk < 1))
+  if (with_shared && (args.shared_down.a_rows != args.shared_gate_up.h ||
+                      args.shared_down.k != args.shared_gate_up.intermediate || args.shared_h_ready == nullptr ||
+                      args.shared_gate_up.num_experts != 1 || args.shared_down.num_experts != 1))
     return cudaErrorInvalidValue;
+  if (args.out != nullptr && (args.route_to_row == nullptr || args.topk_weights == nullptr ||
+                              args.token_done == nullptr || args.num_topk < 1 ||
+                              (with_shared && args.shared != args.shared_down.out)))
+    return cudaErrorInvalidValue;
+  const gemm::ChainGroupArgs routed{args.gate_up.w_gate, args.gate_up.w_up, args.down.w, args.gate_up.num_experts,
+                                    gemm::gate_up_params(args.gate_up, sched), gemm::down_params(args.down, sched),
+                                    args.h_ready};
+  gemm::ChainGroupArgs shared{};
+  if (with_shared)
+    shared = {args.shared_gate_up.w_gate, args.shared_gate_up.w_up, args.shared_down.w, 1,
+              gemm::gate_up_params(args.shared_gate_up, args.shared_sched),
+              gemm::down_params(args.shared_down, args.shared_sched), args.shared_h_ready};
   const gemm::ChainCombine combine{args.route_to_row, args.topk_weights, static_cast<const uint16_t*>(args.shared),
-                                   static_cast<uint16_t*>(args.out), args.token_done, static_cast<int>(args.num_topk)};
-  return gemm::launch_grouped_gemm_bf16_chain(args.gate_up.w_gate, args.gate_up.w_up, args.down.w,
-                                              args.gate_up.num_experts, gemm::gate_up_params(args.gate_up, sched),
-                                              gemm::down_params(args.down, sched), args.h_ready, combine, num_sms,
-                                              stream);
+                                   static_cast<uint16_t*>(args.out), args.token_done, static_cast<int>(args.num_topk),
+                                   with_shared ? 1 : 0};
+  return gemm::launch_grouped_gemm_bf16_chain(routed, shared, combine, num_sms, stream);
 }
 
 namespace {

@@ -236,10 +236,11 @@ CHAIN_CASES = {**{case: CASES[case][0] for case in CASES},
 @pytest.mark.sm90
 @pytest.mark.parametrize("case", list(CHAIN_CASES))
 def test_chain_is_gemm1_then_gemm2_bit_for_bit(case):
-    """GEMM1 and GEMM2 in one launch (GEMM2's tiles waiting on device counters) store the bits of the two launches,
-    and with the combine behind GEMM2 combine_rows' out (weights and a shared expert), for any grid: 1 CTA (every
-    task in turn), 3 and 7 (several tasks per CTA, GEMM2's first tiles beside GEMM1's last) and the full grid, twice.
-    Outputs poisoned first; a counter bug shows as a timeout fault, NaN rows or a token's slice left unwritten."""
+    """GEMM1 and GEMM2 in one launch (GEMM2's tiles waiting on device counters) store the bits of the launches one by
+    one; with the combine behind GEMM2, combine_rows' out (weights, a shared expert's rows given); with the shared
+    expert's GEMMs in the launch too, the layer's forward: its rows and out. For any grid: 1 CTA (every task in
+    turn), 3 and 7 (several tasks per CTA, GEMM2's first tiles beside GEMM1's last) and the full grid. Outputs
+    poisoned first; a counter bug shows as a timeout fault, NaN rows or a token's slice left unwritten."""
     seed = fresh_seed()
     cfg = CHAIN_CASES[case]
     inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(CASES[case][1]) if case in CASES else None)
@@ -248,19 +249,34 @@ def test_chain_is_gemm1_then_gemm2_bit_for_bit(case):
     h, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=0.75)
     y_rows = ops.grouped_gemm_bf16_nt_contiguous(h, wd, sched)
     w = inputs["topk_weights"].cuda()
-    shared = torch.randn(cfg.num_tokens, cfg.hidden, device="cuda").bfloat16()
-    expected = {"y_rows": y_rows, "h": h, "gate": gate, "up": up,
-                "out": ops.combine_rows(y_rows, sched.route_to_row, w, shared)}
-    for num_sms, combine in ((1, True), (3, True), (7, False), (None, True), (None, True)):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    I_sh = 192  # the shared expert: its own width, weights drawn here
+    ws = tuple((torch.randn(*shape, generator=g, device="cuda") / shape[1] ** 0.5).bfloat16()
+               for shape in ((I_sh, cfg.hidden), (I_sh, cfg.hidden), (cfg.hidden, I_sh)))
+    sh = make_schedule(torch.zeros(cfg.num_tokens, 1, dtype=torch.int64), 1).to("cuda")  # the tokens in order
+    h_sh, gate_sh, up_sh = ops.grouped_gemm_bf16_swiglu_gather(x, ws[0][None], ws[1][None], sh, swiglu_limit=0.75)
+    shared_rows = (ops.grouped_gemm_bf16_nt_contiguous(h_sh, ws[2][None], sh), h_sh, gate_sh, up_sh)
+    external = torch.randn(cfg.num_tokens, cfg.hidden, device="cuda").bfloat16()
+    variants = {  # name: (the chain's keywords, the expected out, the expected shared rows)
+        "gemms": ({}, None, None),
+        "combine": (dict(topk_weights=w, shared=external),
+                    ops.combine_rows(y_rows, sched.route_to_row, w, external), None),
+        "layer": (dict(topk_weights=w, shared_weights=ws),
+                  ops.combine_rows(y_rows, sched.route_to_row, w, shared_rows[0][: cfg.num_tokens]), shared_rows),
+    }
+    for num_sms, variant in ((1, "layer"), (3, "combine"), (7, "gemms"), (None, "layer"), (None, "combine")):
+        kw, want_out, want_shared = variants[variant]
         poison_allocator(2 * sched.num_rows * (3 * cfg.intermediate + cfg.hidden) * 2)
-        kw = dict(topk_weights=w, shared=shared) if combine else {}
-        got = dict(zip(("y_rows", "h", "gate", "up", "out"),
-                       ops.grouped_gemm_bf16_chain(x, wg, wu, wd, sched, swiglu_limit=0.75, num_sms=num_sms, **kw)))
-        assert (got["out"] is not None) == combine
-        for name, want in expected.items():
-            if got[name] is not None:
-                assert torch.equal(got[name].view(torch.int16), want.view(torch.int16)), \
-                    f"{case} {name}: num_sms={num_sms} differs from the launches one by one (seed {seed})"
+        *got, out, got_shared = ops.grouped_gemm_bf16_chain(x, wg, wu, wd, sched, swiglu_limit=0.75,
+                                                            num_sms=num_sms, **kw)
+        where = f"{case} {variant} num_sms={num_sms} (seed {seed})"
+        for name, a, b in zip(("y_rows", "h", "gate", "up"), got, (y_rows, h, gate, up)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: {where}"
+        assert (out is None) == (want_out is None) and (got_shared is None) == (want_shared is None), where
+        if want_out is not None:
+            assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"out: {where}"
+        for name, a, b in zip(("y", "h", "gate", "up"), got_shared or (), want_shared or ()):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"shared {name}: {where}"
 
 
 @pytest.mark.gpu

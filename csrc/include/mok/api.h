@@ -96,14 +96,20 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSched
 
 // GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): gate_up as for GEMM1, down as for
 // GEMM2 with a_rows = gate_up.h; h_ready: int32 [num_rows / 128] on the device, zero at the call (GEMM2's tiles wait
-// on it). The bits of the two launches. With out set, also the routed combine behind GEMM2's tiles: out bf16
-// [num_tokens, hidden] = combine_rows(y, route_to_row, topk_weights, shared) bit for bit, route_to_row int32 and
-// topk_weights fp32 [num_tokens, num_topk], shared bf16 [num_tokens, hidden] or null, token_done int32
-// [num_tokens, ceil(hidden / 256)] zero at the call.
+// on it). The bits of the two launches. With shared_gate_up.w_gate set, the shared expert's GEMM1 and GEMM2 too
+// (shared_gate_up, shared_down over shared_sched: the tokens in order; shared_h_ready as h_ready). With out set,
+// also the combine behind GEMM2's tiles: out bf16 [num_tokens, hidden] = combine_rows(y, route_to_row, topk_weights,
+// shared) bit for bit, route_to_row int32 and topk_weights fp32 [num_tokens, num_topk], shared = the shared
+// expert's y when it runs here, else bf16 [num_tokens, hidden] or null; token_done int32 [num_tokens,
+// ceil(hidden / 256)] zero at the call.
 struct ChainGemm {
   GateUpGemm gate_up;
   DownGemm down;
   int32_t* h_ready;
+  GateUpGemm shared_gate_up;  // the shared expert: w_gate null, or all of these set
+  DownGemm shared_down;
+  RowSchedule shared_sched;
+  int32_t* shared_h_ready;
   const int32_t* route_to_row;  // the combine: null, or all of these set
   const float* topk_weights;
   const void* shared;
