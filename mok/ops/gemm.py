@@ -173,7 +173,10 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
             check_layout("shared", shared, torch.bfloat16, (T, hidden), "[num_tokens, hidden]")
             check_cuda("shared", shared, x.device, "x's", aligned=True)
         route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
-        out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
+        if shared_weights is not None:  # every token's slices complete (its shared row counts): all written
+            out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
+        else:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows gives it
+            out = torch.full((T, hidden), float("nan"), dtype=torch.bfloat16, device=x.device)  # [T, H]
         token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
     elif shared is not None:
         fail("shared", "None without topk_weights (no combine)", "a tensor")
