@@ -248,7 +248,8 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
     args.shared_h_ready = e[9].data_ptr<int32_t>();
   }
   if (out) {  // the combine behind GEMM2
-    TORCH_CHECK(route_to_row && topk_weights && token_done, "route_to_row, topk_weights, token_done: expected with out");
+    TORCH_CHECK(route_to_row && topk_weights && token_done,
+                "route_to_row, topk_weights, token_done: expected with out");
     check_arg(*route_to_row, "route_to_row"), check_arg(*topk_weights, "topk_weights"), check_arg(*out, "out");
     check_arg(*token_done, "token_done");
     if (shared) check_arg(*shared, "shared");
@@ -445,7 +446,8 @@ void combine_from_peers(const at::Tensor& rows, const at::Tensor& combine_rank, 
               "combine_rank, combine_row: expected int32 [num_tokens, num_topk]");
   const LaunchGuard guard(out.device());
   check_cuda(mok::combine_peers(pointer_table(rows, "rows"), combine_rank.data_ptr<int32_t>(),
-                                combine_row.data_ptr<int32_t>(), topk_weights ? topk_weights->data_ptr<float>() : nullptr,
+                                combine_row.data_ptr<int32_t>(),
+                                topk_weights ? topk_weights->data_ptr<float>() : nullptr,
                                 shared ? shared->data_ptr() : nullptr, out.data_ptr(), combine_rank.size(0),
                                 combine_rank.size(1), capacity, out.size(1), static_cast<int>(rows.numel()),
                                 c10::cuda::getCurrentCUDAStream()),

@@ -254,7 +254,8 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   drain_stores(lane);
 }
 
-__global__ void __launch_bounds__(kNumThreads, 1) grouped_gemm_bf16_chain_kernel(const __grid_constant__ ChainLaunch launch) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+    grouped_gemm_bf16_chain_kernel(const __grid_constant__ ChainLaunch launch) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
                                  ptx::kSw128AtomBytes;
@@ -269,16 +270,19 @@ __global__ void __launch_bounds__(kNumThreads, 1) grouped_gemm_bf16_chain_kernel
     for (const ChainGroup& g : launch.group) {
       if (!g.runs) continue;
       ptx::prefetch_tensor_map(&g.maps.w_gate), ptx::prefetch_tensor_map(&g.maps.w_up);
-      ptx::prefetch_tensor_map(&g.maps.h), ptx::prefetch_tensor_map(&g.maps.gate), ptx::prefetch_tensor_map(&g.maps.up);
+      ptx::prefetch_tensor_map(&g.maps.h), ptx::prefetch_tensor_map(&g.maps.gate);
+      ptx::prefetch_tensor_map(&g.maps.up);
       ptx::prefetch_tensor_map(&g.maps.h_rows), ptx::prefetch_tensor_map(&g.maps.w_down);
       ptx::prefetch_tensor_map(&g.maps.y);
     }
   }
   __syncthreads();  // NOTE: the last block-wide barrier: roles split below and may exit independently
   ChainCounts n{};
-  for (int i = 0; i < 2; ++i)
-    if (launch.group[i].runs)
-      n.num1[i] = num_tasks_of<Gemm::kGateUp>(launch.group[i].p1), n.num2[i] = num_tasks_of<Gemm::kDown>(launch.group[i].p2);
+  for (int i = 0; i < 2; ++i) {
+    if (!launch.group[i].runs) continue;
+    n.num1[i] = num_tasks_of<Gemm::kGateUp>(launch.group[i].p1);
+    n.num2[i] = num_tasks_of<Gemm::kDown>(launch.group[i].p2);
+  }
   if (threadIdx.x < kNumProducerThreads) {
     ptx::setmaxnreg_dec<kChainProducerRegs>();
     produce_chain(launch, n, smem, full, empty);
