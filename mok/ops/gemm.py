@@ -140,13 +140,14 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
 def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
                             swiglu_limit: float | None = None, num_sms: int | None = None,
                             topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-                            shared_weights: tuple | None = None):
+                            shared_weights: tuple | None = None, shared_sched=None):
     """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
     grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
     soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
     intermediate].
     - shared_weights (w_shared_gate [I_sh, H], w_shared_up, w_shared_down [H, I_sh]): the shared expert's GEMM1 and
-      GEMM2 in the same launch, over the tokens in order (rows padded to 128): what the fused level computes for it.
+      GEMM2 in the same launch, over the tokens in order (rows padded to 128): what the fused level computes for it;
+      shared_sched: that schedule (mok.fused.shared_schedule, cached), or None: built here (one host sync).
     - topk_weights (fp32 [num_tokens, num_topk]): GEMM2's tiles also finish the combine, out = combine_rows(y_rows,
       sched.route_to_row, topk_weights, shared) bit for bit, each token's 256 columns summed by the tile that stores
       the last of its rows; shared: the shared expert's rows (bf16 [num_tokens, hidden]) or None, or with
@@ -160,7 +161,7 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     _check_devices(x.device, w_down=w_down)
     shared_expert, shared_rows = None, None
     if shared_weights is not None:
-        shared_expert, shared_rows = _chain_shared_expert(x, shared_weights)
+        shared_expert, shared_rows = _chain_shared_expert(x, shared_weights, shared_sched)
         if shared is not None:
             fail("shared", "None with shared_weights (the shared expert's rows are computed here)", "a tensor")
         shared = shared_rows[0] if topk_weights is not None else None
@@ -191,7 +192,7 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     return y_rows, h, gate, up, out, shared_rows
 
 
-def _chain_shared_expert(x: torch.Tensor, weights: tuple) -> tuple[list, tuple]:
+def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, tuple]:
     """The shared expert's tensors as the chain binding takes them (its weights as one expert, its schedule of the
     tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]."""
     from mok.schedule import make_schedule
@@ -206,7 +207,10 @@ def _chain_shared_expert(x: torch.Tensor, weights: tuple) -> tuple[list, tuple]:
     check_layout("w_shared_up", ws_up, torch.bfloat16, (I_sh, hidden), "[shared_intermediate, hidden]")
     check_layout("w_shared_down", ws_down, torch.bfloat16, (hidden, I_sh), "[hidden, shared_intermediate]")
     _check_devices(x.device, w_shared_gate=ws_gate, w_shared_up=ws_up, w_shared_down=ws_down)
-    sh = make_schedule(torch.zeros(T, 1, dtype=torch.int64, device=x.device), 1)  # the tokens in order
+    sh = make_schedule(torch.zeros(T, 1, dtype=torch.int64, device=x.device), 1) if sched is None else sched
+    if sh.num_experts != 1 or sh.num_tokens != T or sh.num_topk != 1:
+        fail("shared_sched", f"the one-expert schedule of the {T} tokens in order", f"{sh.num_experts} experts, "
+             f"{sh.num_tokens} tokens, {sh.num_topk} routes each")
     row_to_token, tile_to_expert = gemm_schedule_tensors(sh, x.device)
     rows = [torch.empty(sh.num_rows, width, dtype=torch.bfloat16, device=x.device)
             for width in (hidden, I_sh, I_sh, I_sh)]  # y, h, gate, up
