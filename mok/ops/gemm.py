@@ -17,6 +17,7 @@ import torch
 from mok.checks import check_cuda, check_layout, check_optional_int, fail
 from mok.ops.core import load_extension
 from mok.ops.quant import BLOCK_SIZE
+from mok.schedule import make_schedule
 
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/config.cuh
 GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is each segment's real rows rounded up to it
@@ -195,8 +196,6 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
 def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, tuple]:
     """The shared expert's tensors as the chain binding takes them (its weights as one expert, its schedule of the
     tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]."""
-    from mok.schedule import make_schedule
-
     if not isinstance(weights, (tuple, list)) or len(weights) != 3:
         fail("shared_weights", "(w_shared_gate, w_shared_up, w_shared_down)", type(weights).__name__)
     ws_gate, ws_up, ws_down = weights
