@@ -226,26 +226,33 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
                 at::Tensor& y, at::Tensor& h_ready, const std::optional<std::vector<at::Tensor>>& shared_expert,
                 const std::optional<at::Tensor>& route_to_row, const std::optional<at::Tensor>& topk_weights,
                 const std::optional<at::Tensor>& shared, const std::optional<at::Tensor>& out,
-                const std::optional<at::Tensor>& token_done, double swiglu_limit, bool has_limit, int64_t num_sms) {
+                const std::optional<at::Tensor>& token_done, bool mx_out, double swiglu_limit, bool has_limit,
+                int64_t num_sms) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   check_arg(h_ready, "h_ready");
+  if (mx_out) {
+    const int64_t mx_bytes = h.numel() + h.numel() / 32;  // E4M3 data, then one scale byte per 32
+    TORCH_CHECK(gate.nbytes() == mx_bytes && up.nbytes() == mx_bytes,
+                "gate, up: expected with mx_out the data and scales of h's shape in one buffer");
+  }
   TORCH_CHECK(h_ready.scalar_type() == at::kInt && h_ready.numel() == row_to_token.numel() / 128,
               "h_ready: expected int32 zeros, one per 128 rows");
   mok::ChainGemm args{};
   args.gate_up = gate_up_gemm(x, w_gate, w_up, {}, {}, h, gate, up, swiglu_limit, has_limit);
   args.down = down_gemm(h, w_down, {}, y);
   args.h_ready = h_ready.data_ptr<int32_t>();
-  if (shared_expert) {  // w_gate, w_up, w_down [1, ...], row_to_token, tile_to_expert, h, gate, up, y, h_ready
+  args.mx_out = mx_out;
+  if (shared_expert) {  // x, w_gate, w_up, w_down [1, ...], row_to_token, tile_to_expert, h, gate, up, y, h_ready
     const std::vector<at::Tensor>& e = *shared_expert;
-    TORCH_CHECK(e.size() == 10, "shared_expert: expected 10 tensors");
-    at::Tensor sh_h = e[5], sh_gate = e[6], sh_up = e[7], sh_y = e[8];
-    check_arg(e[9], "shared_expert h_ready");
-    TORCH_CHECK(e[9].scalar_type() == at::kInt && e[9].numel() == e[3].numel() / 128,
+    TORCH_CHECK(e.size() == 11, "shared_expert: expected 11 tensors");
+    at::Tensor sh_h = e[6], sh_gate = e[7], sh_up = e[8], sh_y = e[9];
+    check_arg(e[10], "shared_expert h_ready");
+    TORCH_CHECK(e[10].scalar_type() == at::kInt && e[10].numel() == e[4].numel() / 128,
                 "shared_expert h_ready: expected int32 zeros, one per 128 rows");
-    args.shared_gate_up = gate_up_gemm(x, e[0], e[1], {}, {}, sh_h, sh_gate, sh_up, swiglu_limit, has_limit);
-    args.shared_down = down_gemm(sh_h, e[2], {}, sh_y);
-    args.shared_sched = row_schedule(e[3], e[4], std::nullopt);
-    args.shared_h_ready = e[9].data_ptr<int32_t>();
+    args.shared_gate_up = gate_up_gemm(e[0], e[1], e[2], {}, {}, sh_h, sh_gate, sh_up, swiglu_limit, has_limit);
+    args.shared_down = down_gemm(sh_h, e[3], {}, sh_y);
+    args.shared_sched = row_schedule(e[4], e[5], std::nullopt);
+    args.shared_h_ready = e[10].data_ptr<int32_t>();
   }
   if (out) {  // the combine behind GEMM2
     TORCH_CHECK(route_to_row && topk_weights && token_done,
@@ -652,13 +659,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("counts"), py::arg("out"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_chain", &gemm_chain,
         "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]; "
-        "shared_expert: None or its 10 tensors; with out, the combine behind GEMM2 (route_to_row int32, topk_weights, "
-        "shared or None, token_done int32 zeros)",
+        "shared_expert: None or its 11 tensors; with out, the combine behind GEMM2 (route_to_row int32, topk_weights, "
+        "shared or None, token_done int32 zeros); mx_out: gate, up as row-wise MXFP8 buffers, h its round trip",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("row_to_token"),
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"), py::arg("y"),
         py::arg("h_ready"), py::arg("shared_expert"), py::arg("route_to_row"), py::arg("topk_weights"),
-        py::arg("shared"), py::arg("out"), py::arg("token_done"), py::arg("swiglu_limit"), py::arg("has_limit"),
-        py::arg("num_sms"));
+        py::arg("shared"), py::arg("out"), py::arg("token_done"), py::arg("mx_out"), py::arg("swiglu_limit"),
+        py::arg("has_limit"), py::arg("num_sms"));
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
         "GEMM1 with MXFP8 weights",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),

@@ -50,7 +50,10 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
   const gemm::ChainCombine combine{args.route_to_row, args.topk_weights, static_cast<const uint16_t*>(args.shared),
                                    static_cast<uint16_t*>(args.out), args.token_done, static_cast<int>(args.num_topk),
                                    with_shared ? 1 : 0};
-  return gemm::launch_grouped_gemm_bf16_chain(routed, shared, combine, num_sms, stream);
+  return args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>(routed, shared, combine, num_sms,
+                                                                                      stream)
+                     : gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUp>(routed, shared, combine, num_sms,
+                                                                                 stream);
 }
 
 namespace {

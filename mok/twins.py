@@ -76,18 +76,20 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
 
 
 def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None, topk_weights=None,
-                            shared=None, shared_weights=None, shared_sched=None):
+                            shared=None, shared_weights=None, shared_sched=None, shared_x=None, mx_out=False):
     """GEMM1 then GEMM2 (one launch on the GPU), with shared_weights the shared expert's too (over the tokens in
     order), and with topk_weights the combine: (y_rows [num_rows, hidden], h, gate, up, out [num_tokens, hidden] or
     None, the shared expert's (y, h, gate, up) or None)."""
-    h, gate, up = grouped_gemm_bf16_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each
+    gemm1 = grouped_gemm_bf16_swiglu_gather_mxfp8_out if mx_out else grouped_gemm_bf16_swiglu_gather
+    h, gate, up = gemm1(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each (mx_out: gate, up MXFP8)
     y_rows = grouped_gemm_bf16_nt_contiguous(h, w_down, sched)
     shared_rows = None
     if shared_weights is not None:
         ws_gate, ws_up, ws_down = shared_weights
         sh = make_schedule(torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device), 1) \
             if shared_sched is None else shared_sched  # the tokens in order
-        h_sh, gate_sh, up_sh = grouped_gemm_bf16_swiglu_gather(x, ws_gate[None], ws_up[None], sh, swiglu_limit)
+        x_sh = x if shared_x is None else shared_x
+        h_sh, gate_sh, up_sh = grouped_gemm_bf16_swiglu_gather(x_sh, ws_gate[None], ws_up[None], sh, swiglu_limit)
         shared_rows = (grouped_gemm_bf16_nt_contiguous(h_sh, ws_down[None], sh), h_sh, gate_sh, up_sh)
         shared = shared_rows[0][: x.shape[0]] if topk_weights is not None else None
     out = None if topk_weights is None else combine_rows(y_rows, sched.route_to_row, topk_weights, shared)

@@ -10,45 +10,47 @@ from mok import chain, fused, ops, twins
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
 
-SHAPES = {**TINY_SHAPES, "wide": MoEConfig("wide", 300, 520, 192, 8, 3, shared_intermediate=136)}
+SHAPES = {**TINY_SHAPES, "wide": MoEConfig("wide", 300, 544, 192, 8, 3, shared_intermediate=136)}
 
 
-def _assert_fused_bits(shape: str, device: str, limit) -> None:
+def _assert_fused_bits(shape: str, device: str, limit, precision: str = "bf16") -> None:
     seed = fresh_seed()
     inputs = make_inputs(SHAPES[shape], device=device, seed=seed, draw_on=device)
     args = moe_args(inputs)
-    out0, saved0 = fused.forward(*args, swiglu_limit=limit)
+    out0, saved0 = fused.forward(*args, swiglu_limit=limit, precision=precision)
     grads0 = fused.backward(saved0, inputs["d_out"])
     if device == "cuda":
         poison_allocator(64 << 20)
-    out, saved = chain.forward(*args, swiglu_limit=limit)
+    out, saved = chain.forward(*args, swiglu_limit=limit, precision=precision)
     assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
     grads = chain.backward(saved, inputs["d_out"])
     for i, (g, g0) in enumerate(zip(grads, grads0)):
         assert bitwise_equal(g, g0), f"{shape}: gradient {i} (seed {seed})"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_one_launch_gives_the_fused_bits_with_l0_twins(monkeypatch, shape, limit):
+def test_one_launch_gives_the_fused_bits_with_l0_twins(monkeypatch, shape, limit, precision):
     for name in twins.KERNELS:
         monkeypatch.setattr(ops, name, getattr(twins, name))
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
-    _assert_fused_bits(shape, "cpu", limit)
+    _assert_fused_bits(shape, "cpu", limit, precision)
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_one_launch_gives_the_fused_bits(shape, limit):
-    _assert_fused_bits(shape, "cuda", limit)
+def test_one_launch_gives_the_fused_bits(shape, limit, precision):
+    _assert_fused_bits(shape, "cuda", limit, precision)
 
 
-def test_one_launch_is_bf16_only_and_takes_an_empty_batch(monkeypatch):
+def test_one_launch_names_a_bad_precision_and_takes_an_empty_batch(monkeypatch):
     monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
     inputs = make_inputs(TINY_SHAPES["tiny"].scaled(num_tokens=0))
     with pytest.raises(ValueError, match="precision"):
-        chain.forward(*moe_args(inputs), precision="mxfp8")
+        chain.forward(*moe_args(inputs), precision="fp8")
     out, saved = chain.forward(*moe_args(inputs))
     assert out.shape == (0, 64) and all(not g.any() for g in chain.backward(saved, inputs["d_out"])[2:])

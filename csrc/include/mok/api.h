@@ -103,9 +103,10 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSched
 // expert's y when it runs here, else bf16 [num_tokens, hidden] or null; token_done int32 [num_tokens,
 // ceil(hidden / 256)] zero at the call.
 struct ChainGemm {
-  GateUpGemm gate_up;
+  GateUpGemm gate_up;  // mx_out: gate and up are row-wise MXFP8 buffers, h the round trip (as ..._mxfp8_out)
   DownGemm down;
   int32_t* h_ready;
+  bool mx_out;
   GateUpGemm shared_gate_up;  // the shared expert: w_gate null, or all of these set
   DownGemm shared_down;
   RowSchedule shared_sched;

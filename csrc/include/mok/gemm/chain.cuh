@@ -47,6 +47,8 @@ using Gemm2 = Tile<Gemm::kDown>;
 constexpr int kChainProducerRegs = 64, kChainConsumerRegs = 216;
 static_assert(Gemm1::kStages == Gemm2::kStages && Gemm1::kFullArrivals == kNumProducerThreads + 1,
               "one stage ring for both kinds; the arrivals produce_chain makes");
+static_assert(Tile<Gemm::kGateUpMxOut>::kFullArrivals == Gemm1::kFullArrivals && Tile<Gemm::kGateUpMxOut>::kGather,
+              "the MXFP8-out GEMM1 loads as kGateUp does: produce_chain serves both");
 static_assert(kNumProducerThreads * kChainProducerRegs + kNumConsumerGroups * kWarpgroup * kChainConsumerRegs <=
                   kNumThreads * kLaunchRegs,
               "the register budgets fit the CTA's launch registers");
@@ -201,6 +203,9 @@ MOK_DEVICE void combine_rows_done(const ChainLaunch& L, const Params& p2, int ro
   }
 }
 
+// kRoutedGemm1: the routed GEMM1's kind, kGateUp or kGateUpMxOut (the MXFP8 forward: h's round trip and gate/up
+// quantized row-wise from its epilogue; its producer side is kGateUp's). The shared expert's is kGateUp (BF16).
+template <Gemm kRoutedGemm1>
 MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_t* smem, uint64_t* full,
                               uint64_t* empty) {
   const uint32_t half = threadIdx.x / kWarpgroup - 1;  // 0 or 1: which 64 rows of the tile
@@ -211,6 +216,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
                       (threadIdx.x / kWarpSize - kNumProducerThreads / kWarpSize) * kStagingBytesPerWarp,
                   0};
   Epilogue<Gemm::kGateUp, false> epilogue1;
+  Epilogue<kRoutedGemm1, false> epilogue1_routed;
   Epilogue<Gemm::kDown, false> epilogue2;
   int pending = -1, pending_group = 0;  // this warp's last kGateUp task (m-tile, group), not yet signalled
   const auto signal = [&] {
@@ -235,8 +241,11 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
                                                            t.num_k_blocks, lane, [] {});
       signal();
       const int row0 = t.m_tile * BLOCK_M + half * WG_M + 16 * warp;
-      epilogue1.finish(acc0, acc1, g.p1, {&g.maps.h, &g.maps.gate, &g.maps.up}, staging, row0,
-                       t.n_tile * Gemm1::kTaskN, t.expert, lane);
+      const Outputs out1{&g.maps.h, &g.maps.gate, &g.maps.up};
+      if (kRoutedGemm1 != Gemm::kGateUp && ct.group == kRoutedGroup)
+        epilogue1_routed.finish(acc0, acc1, g.p1, out1, staging, row0, t.n_tile * Gemm1::kTaskN, t.expert, lane);
+      else
+        epilogue1.finish(acc0, acc1, g.p1, out1, staging, row0, t.n_tile * Gemm1::kTaskN, t.expert, lane);
       pending = t.m_tile, pending_group = ct.group;
     } else {
       const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, n.num2[ct.group]);
@@ -254,6 +263,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   drain_stores(lane);
 }
 
+template <Gemm kRoutedGemm1>
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_chain_kernel(const __grid_constant__ ChainLaunch launch) {
   extern __shared__ uint8_t smem_raw[];
@@ -288,7 +298,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce_chain(launch, n, smem, full, empty);
   } else {
     ptx::setmaxnreg_inc<kChainConsumerRegs>();
-    consume_chain(launch, n, smem, full, empty);
+    consume_chain<kRoutedGemm1>(launch, n, smem, full, empty);
   }
 }
 
@@ -302,9 +312,12 @@ struct ChainGroupArgs {
 };
 
 // routed: the routed experts; shared: the shared expert (w_gate null: none); combine: out null, or its tensors
-// (token_done zeros; with a shared expert, its shared is the shared group's y and shared_counts 1).
+// (token_done zeros; with a shared expert, its shared is the shared group's y and shared_counts 1). kRoutedGemm1:
+// kGateUp, or kGateUpMxOut (routed.p1's gate and up then the row-wise MXFP8 buffers, mx_of).
+template <Gemm kRoutedGemm1>
 inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, const ChainGroupArgs& shared,
                                                   ChainCombine combine, int num_sms, cudaStream_t stream) {
+  static_assert(kRoutedGemm1 == Gemm::kGateUp || kRoutedGemm1 == Gemm::kGateUpMxOut, "GEMM1 kinds of the chain");
   ChainLaunch launch{};
   int64_t total = 0;
   const ChainGroupArgs* args[2] = {&shared, &routed};
@@ -315,7 +328,9 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     g.p1 = a.p1, g.p2 = a.p2, g.h_ready = a.h_ready;
     TaskMaps m1, m2;
     int64_t num1 = 0, num2 = 0;
-    cudaError_t err = prepare_tasks<Gemm::kGateUp>(a.w_gate, a.w_up, a.num_experts, g.p1, {}, &m1, &num1);
+    cudaError_t err = i == kRoutedGroup
+                          ? prepare_tasks<kRoutedGemm1>(a.w_gate, a.w_up, a.num_experts, g.p1, {}, &m1, &num1)
+                          : prepare_tasks<Gemm::kGateUp>(a.w_gate, a.w_up, a.num_experts, g.p1, {}, &m1, &num1);
     if (err || (err = prepare_tasks<Gemm::kDown>(a.w_down, a.w_down, a.num_experts, g.p2, {}, &m2, &num2)))
       return err;
     if (g.p1.num_m_tiles != g.p2.num_m_tiles) return cudaErrorInvalidValue;
@@ -333,9 +348,10 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     return cudaErrorInvalidValue;
   launch.combine = combine;
   int grid = 0;
-  cudaError_t err = persistent_gemm_grid(grouped_gemm_bf16_chain_kernel, total, num_sms, &grid);
+  const auto kernel = grouped_gemm_bf16_chain_kernel<kRoutedGemm1>;
+  cudaError_t err = persistent_gemm_grid(kernel, total, num_sms, &grid);
   if (err) return err;
-  grouped_gemm_bf16_chain_kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(launch);
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(launch);
   return cudaGetLastError();
 }
 
