@@ -21,13 +21,9 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     weights' round trips before the launch, GEMM1's epilogue writing h's and the saved MXFP8 gate/up."""
     if precision not in fused.PRECISIONS:
         fail("precision", f"one of {fused.PRECISIONS}", repr(precision))
-    if precision == "mxfp8" and fused.DEFAULT_MX_WEIGHTS != "dequantize":
-        fail("MOK_MX_WEIGHTS", "'dequantize' (the chain's GEMMs read BF16 weights)", repr(fused.DEFAULT_MX_WEIGHTS))
-    num_sms = fused.DEFAULT_NUM_SMS if num_sms is None else num_sms
-    fused._check_options(num_sms, fused.DEFAULT_MX_WEIGHTS)
-    if precision == "mxfp8":
-        fused._check_mxfp8_dims(x, w_gate)
-    fused._check_runs_here(x, precision)
+    num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, None)
+    if precision == "mxfp8" and mx_weights != "dequantize":
+        fail("MOK_MX_WEIGHTS", "'dequantize' (the chain's GEMMs read BF16 weights)", repr(mx_weights))
     T = x.shape[0]
     if T == 0:  # an empty batch: no kernel has work, as in the fused level
         return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
@@ -48,7 +44,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
                        gate, up, None, None, None, precision, swiglu_limit,
                        sched=sched, y_rows=y_rows if p == "mxfp8" else None,
                        shared_rows=None if shared_rows is None else shared_rows[2:], num_sms=num_sms,
-                       mx_weights=fused.DEFAULT_MX_WEIGHTS, gate_mx=gate_mx, up_mx=up_mx)
+                       mx_weights=mx_weights, gate_mx=gate_mx, up_mx=up_mx)
     return out, saved
 
 

@@ -87,7 +87,7 @@ class PeerSaved:
     real: torch.Tensor  # bool [rows]: the rows holding a route (pull_rank >= 0)
     experts: object  # the fused level's saved state of its rows
     split: list  # every rank's token count
-    shared: tuple | None  # (x of every token, gate and up rows, the weights [1, ...]) of the shared expert
+    shared: tuple | None  # (x of every token, its (gate, up) rows, its weights) of the shared expert
     swiglu_limit: float | None
 
 
@@ -125,11 +125,10 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     shared_out, shared = None, None
     if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
         x_all = torch.cat([b[:n] for b, n in zip(P["x"].keep, split)])  # [T_all, H]
-        ws = (w_shared_gate[None], w_shared_up[None], w_shared_down[None])
-        out_sh, gate, up = fused.experts_forward(x_all, *ws, fused.shared_schedule(x_all.shape[0], x.device),
-                                                 swiglu_limit, fused.DEFAULT_NUM_SMS)
+        ws = (w_shared_gate, w_shared_up, w_shared_down)
+        out_sh, rows = fused.shared_forward(x_all, ws, swiglu_limit, fused.DEFAULT_NUM_SMS)
         first = sum(split[:rank])
-        shared_out, shared = out_sh[first: first + T], (x_all, gate, up, ws)
+        shared_out, shared = out_sh[first: first + T], (x_all, rows, ws)
     yield  # every rank's y rows are in place
 
     out = ops.combine_peers(P["y"], t["combine_rank"], t["combine_row"], topk_weights, shared_out)
@@ -153,15 +152,11 @@ def backward_rank(P: dict, saved: PeerSaved, d_out):
     own["dtw"][: real.shape[0]][real] = d_tw
     dx_shared, d_shared = None, [None, None, None]
     if s.shared is not None:  # the fused level's shared-expert backward over every token
-        x_all, gate, up, ws = s.shared
-        T_all, sh = x_all.shape[0], fused.shared_schedule(x_all.shape[0], x_all.device)
+        x_all, rows, ws = s.shared
         d_out_all = torch.cat([b[:n] for b, n in zip(P["d_out"].keep, s.split)])  # [T_all, H]
-        dx_all, d_ws, _ = fused._experts_backward(
-            lambda: (fused.pad_rows(d_out_all, sh.num_rows), None), gate, up,
-            lambda: fused.pad_rows(x_all, sh.num_rows), *ws, sh, s.swiglu_limit, fused.DEFAULT_NUM_SMS,
-            lambda rows: rows[:T_all])
+        dx_all, d_shared = fused.shared_backward(x_all, rows, d_out_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)
         first = sum(s.split[: s.rank])
-        dx_shared, d_shared = dx_all[first: first + d_out.shape[0]], [w[0] for w in d_ws]
+        dx_shared = dx_all[first: first + d_out.shape[0]]
     yield  # every rank's dx rows are in place
 
     d_x = ops.combine_peers(P["dx"], t["combine_rank"], t["combine_row"], None, dx_shared)

@@ -91,7 +91,7 @@ from mok.schedule import Schedule, make_schedule, max_num_rows, schedule_like
 __all__ = ["BLOCK_M", "CHECKS_IDS_ON_DEVICE", "MX_WEIGHTS", "MX_WEIGHTS_ENV", "NO_HOST_SYNC", "NUM_SMS_ENV", "OPTIONS",
            "PRECISIONS", "FusedSaved", "backward", "dgrad_gate_up", "dgrad_swiglu", "dgrad_swiglu_route_grads",
            "experts_forward", "forward", "gather_x_rows", "gemm1", "gemm2", "mx_weights_from_env", "num_sms_from_env",
-           "pad_rows", "saved_like", "shared_schedule"]
+           "pad_rows", "resolve_options", "saved_like", "shared_backward", "shared_forward", "shared_schedule"]
 
 BLOCK_M = 128  # schedule tile: a multiple of the GEMM kernels' tile (ops.GEMM_BLOCK_M = 128)
 NUM_SMS_ENV = "MOK_NUM_SMS"  # persistent grid size of the GEMM kernels; unset or 0 = all SMs
@@ -152,6 +152,17 @@ def _check_options(num_sms, mx_weights) -> None:
     check_optional_int("num_sms", num_sms, 1)
     if mx_weights not in MX_WEIGHTS:
         fail("mx_weights", f"one of {MX_WEIGHTS}", repr(mx_weights))
+
+
+def resolve_options(x, w_gate, precision: str, num_sms, mx_weights) -> tuple:
+    """A forward's (num_sms, mx_weights), None for the defaults (DEFAULT_*), checked with the inputs it runs on."""
+    num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
+    mx_weights = DEFAULT_MX_WEIGHTS if mx_weights is None else mx_weights
+    _check_options(num_sms, mx_weights)
+    if precision == "mxfp8":
+        _check_mxfp8_dims(x, w_gate)
+    _check_runs_here(x, precision)
+    return num_sms, mx_weights
 
 
 def _check_runs_here(x: torch.Tensor, precision: str) -> None:
@@ -274,12 +285,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
             w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None, mx_weights=None):
     """out [T, H] bf16 and a FusedSaved. num_sms: the GEMMs' grid size (None: DEFAULT_NUM_SMS, MOK_NUM_SMS's, else
     every SM); mx_weights: the mxfp8 forward's weight path, one of MX_WEIGHTS (None: DEFAULT_MX_WEIGHTS)."""
-    num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
-    mx_weights = DEFAULT_MX_WEIGHTS if mx_weights is None else mx_weights
-    _check_options(num_sms, mx_weights)
-    if precision == "mxfp8":
-        _check_mxfp8_dims(x, w_gate)
-    _check_runs_here(x, precision)
+    num_sms, mx_weights = resolve_options(x, w_gate, precision, num_sms, mx_weights)
     T = x.shape[0]
     if T == 0:  # an empty batch (a rank without tokens): no kernel has work; L0 gives the empty output and zero grads
         return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
@@ -288,10 +294,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     # prepares the routed schedule and GEMM launches (from an idle GPU, that host time would show as idle).
     shared, shared_rows = None, None
     if w_shared_gate is not None:  # BF16 in every precision (DESIGN §4)
-        sh = shared_schedule(T, x.device)  # cached; read-only
-        rows = experts_forward(x, w_shared_gate[None], w_shared_up[None], w_shared_down[None], sh,
-                               swiglu_limit, num_sms)  # [R_sh, H], [R_sh, I_sh] x2
-        shared, shared_rows = rows[0][:T], rows[1:]  # row t = token t: a contiguous prefix
+        shared, shared_rows = shared_forward(x, (w_shared_gate, w_shared_up, w_shared_down), swiglu_limit, num_sms)
 
     # rows [0, num_rows) of make_schedule, then spare rows up to max_num_rows; no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
@@ -413,18 +416,33 @@ def _experts_backward(make_dy, gate, up, make_x_rows, w_gate, w_up, w_down, sche
     return dx, [d_w_gate, d_w_up, d_w_down], d_topk_weights
 
 
-def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
-    """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones): the routed experts' kernels over
-    the cached one-expert schedule, whose rows are the tokens in order and then zero padding. BF16 always."""
-    ws_gate, ws_up, ws_down = s.weights[3:]
-    if ws_gate is None:
-        return None, [None, None, None]
+def shared_forward(x: torch.Tensor, weights: tuple, swiglu_limit, num_sms) -> tuple:
+    """The shared expert (w_shared_gate, _up, _down), BF16, over the tokens of x [T, H]: the routed experts' kernels
+    over the cached one-expert schedule, whose rows are the tokens in order, then zero padding. Returns (its out
+    [T, H], its (gate, up) rows [R_sh, I_sh] as shared_backward takes them)."""
+    ws_gate, ws_up, ws_down = weights
+    sh = shared_schedule(x.shape[0], x.device)  # cached; read-only
+    y, gate, up = experts_forward(x, ws_gate[None], ws_up[None], ws_down[None], sh, swiglu_limit, num_sms)
+    return y[: x.shape[0]], (gate, up)  # row t = token t: a contiguous prefix
+
+
+def shared_backward(x: torch.Tensor, rows: tuple, d_out: torch.Tensor, weights: tuple, swiglu_limit,
+                    num_sms) -> tuple:
+    """shared_forward's backward: (dx [T, H], [d_w_shared_gate, _up, _down]), summed over the T tokens of x."""
+    ws_gate, ws_up, ws_down = weights
     T = d_out.shape[0]
     sh = shared_schedule(T, d_out.device)
-    dx_shared, d_w, _ = _experts_backward(lambda: (pad_rows(d_out, sh.num_rows), None), *s.shared_rows,
-                                          lambda: pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
-                                          ws_down[None], sh, s.swiglu_limit, s.num_sms, lambda dx_rows: dx_rows[:T])
-    return dx_shared, [w[0] for w in d_w]
+    dx, d_w, _ = _experts_backward(lambda: (pad_rows(d_out, sh.num_rows), None), *rows,
+                                   lambda: pad_rows(x, sh.num_rows), ws_gate[None], ws_up[None], ws_down[None], sh,
+                                   swiglu_limit, num_sms, lambda dx_rows: dx_rows[:T])
+    return dx, [w[0] for w in d_w]
+
+
+def _shared_backward(s: FusedSaved, d_out: torch.Tensor) -> tuple:
+    """(dx_shared [T, H] or None, [d_w_shared_gate, _up, _down] or Nones) of the level's saved state."""
+    if s.weights[3] is None:
+        return None, [None, None, None]
+    return shared_backward(s.x, s.shared_rows, d_out, s.weights[3:], s.swiglu_limit, s.num_sms)
 
 
 def gather_x_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
