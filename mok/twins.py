@@ -153,6 +153,17 @@ def grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched, num_sms=N
     return dx
 
 
+def install(setattr) -> None:
+    """Every kernel of KERNELS in mok.ops replaced by its twin, and the fused level's device check off, so that the
+    level runs on the CPU. setattr: a test's monkeypatch.setattr (undone after the test), or the builtin setattr in a
+    process of its own."""
+    from mok import fused, ops
+
+    for name in KERNELS:
+        setattr(ops, name, globals()[name])
+    setattr(fused, "_check_runs_here", lambda x, precision: None)
+
+
 def combine_rows(y_rows, route_to_row, topk_weights=None, shared=None, check_rows=True):
     """out [T, H] = bf16(Σ_k w[t,k]·y_rows[route_to_row[t,k]] + shared[t]), L0's combine (weights 1 if None)."""
     T, K = route_to_row.shape

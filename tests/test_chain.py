@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mok import chain, fused, ops, twins
+from mok import chain, fused, twins
 from mok.config import TINY_SHAPES, MoEConfig
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
 
@@ -32,9 +32,7 @@ def _assert_fused_bits(shape: str, device: str, limit, precision: str = "bf16") 
 @pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_launch_gives_the_fused_bits_with_l0_twins(monkeypatch, shape, limit, precision):
-    for name in twins.KERNELS:
-        monkeypatch.setattr(ops, name, getattr(twins, name))
-    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    twins.install(monkeypatch.setattr)
     _assert_fused_bits(shape, "cpu", limit, precision)
 
 

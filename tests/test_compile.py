@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mok
-from mok import fused, ops, routing, twins
+from mok import routing, twins
 from mok.config import TINY_SHAPES
 from mok.testing import bitwise_equal, make_inputs, moe_args
 
@@ -148,9 +148,7 @@ def test_opcheck_router():
 
 def _use_twins(monkeypatch):
     """The fused level on the CPU: every kernel replaced by its L0 twin, no device check (tests/test_fused.py)."""
-    for name in twins.KERNELS:
-        monkeypatch.setattr(ops, name, getattr(twins, name))
-    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    twins.install(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])

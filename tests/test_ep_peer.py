@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ep_peer, fused
+from mok import ep_peer, fused, twins
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
@@ -25,15 +25,6 @@ GRADS = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
 def _hot(T, E, K, g):  # expert 0 in every token's routes
     idx = torch.stack([torch.zeros(T, dtype=torch.int64), torch.randint(1, E, (T,), generator=g)], 1)[:, :K]
     return idx, torch.rand(T, K, generator=g)
-
-
-def _use_twins(setattr=setattr) -> None:
-    """Every kernel (the fused level's, the pulls and combines) replaced by its L0 twin (setattr: a test's
-    monkeypatch.setattr, or plain setattr in a rank's own process)."""
-    from mok import ops, twins
-    for name in twins.KERNELS:
-        setattr(ops, name, getattr(twins, name))
-    setattr(fused, "_check_runs_here", lambda x, precision: None)
 
 
 def _problem(name: str, device: str, precision: str = "bf16"):
@@ -76,7 +67,7 @@ def test_every_ep_degree_gives_the_fused_levels_bits(name, precision):
 
 def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
     """The same on the CPU with L0 twins: the wiring of the tables, pulls, combines and saved state, in CI."""
-    _use_twins(monkeypatch.setattr)
+    twins.install(monkeypatch.setattr)
     for name in CASES:
         for precision in ("bf16", "mxfp8"):
             _check_every_degree(name, "cpu", precision)
@@ -109,7 +100,7 @@ def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want
 
     try:
         if twins:
-            _use_twins()
+            twins.install(setattr)
 
         def wait():
             barrier.wait(60)  # a lost peer breaks the barrier: no hang
@@ -157,7 +148,7 @@ def _run_processes(name: str, device: str, twins: bool, slow_rank: int = -1) -> 
 def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
     """Each rank in its own process, buffers in CPU shared memory, L0 twins, rank 2 slow (a sleep before each of
     its phases): each rank's results are the EP = 1 bits of its tokens and experts."""
-    _use_twins(monkeypatch.setattr)
+    twins.install(monkeypatch.setattr)
     _run_processes("shared", "cpu", twins=True, slow_rank=2)
 
 

@@ -265,9 +265,7 @@ def _wide_range(inputs: dict, seed: int, span: int = 6) -> dict:
 
 def _use_twins(monkeypatch) -> None:
     """Every kernel the level calls replaced by its L0 twin (mok.twins), and no device check."""
-    for name in twins.KERNELS:
-        monkeypatch.setattr(ops, name, getattr(twins, name))
-    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    twins.install(monkeypatch.setattr)
 
 
 # ---- CPU -----------------------------------------------------------------------------------------------

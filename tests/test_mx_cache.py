@@ -28,9 +28,7 @@ WEIGHTS = ("w_gate", "w_up", "w_down")  # the routed weights: the only tensors t
 def quantizer_calls(monkeypatch) -> list:
     """Every kernel replaced by its L0 twin, no device check; each call of the three weight quantizers the cache
     stands in front of is logged as (name, rank, dim) (dual: dim None)."""
-    for name in twins.KERNELS:
-        monkeypatch.setattr(ops, name, getattr(twins, name))
-    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    twins.install(monkeypatch.setattr)
     log = []
 
     def fake_quantize(x, dim=-1, counts=None):

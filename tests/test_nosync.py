@@ -104,9 +104,7 @@ def test_twin_schedule_without_sync_has_spare_rows():
 
 
 def _use_twins(monkeypatch) -> None:
-    for name in twins.KERNELS:
-        monkeypatch.setattr(ops, name, getattr(twins, name))
-    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    twins.install(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
