@@ -91,7 +91,7 @@ def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, wan
     return _mismatches([out], [grads], mine_want)
 
 
-def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, twins: bool, results,
+def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, on_twins: bool, results,
               slow_rank: int):
     """One rank in its own process over every rank's buffers (CPU shared memory or CUDA IPC: torch.multiprocessing
     passed them by handle); rank slow_rank sleeps before each of its phases (its peers wait at the barrier); puts
@@ -99,7 +99,7 @@ def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want
     import time
 
     try:
-        if twins:
+        if on_twins:
             twins.install(setattr)
 
         def wait():
@@ -124,7 +124,7 @@ def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want:
                             want)
 
 
-def _run_processes(name: str, device: str, twins: bool, slow_rank: int = -1) -> None:
+def _run_processes(name: str, device: str, on_twins: bool, slow_rank: int = -1) -> None:
     """R = 3 processes (one rank each, uneven, a rank of no tokens) sharing the buffers of ep_peer.allocate."""
     cfg, splits, seed, inp, want = _problem(name, device)
     split = splits[2]
@@ -134,7 +134,7 @@ def _run_processes(name: str, device: str, twins: bool, slow_rank: int = -1) -> 
         for t in b.values():
             t.share_memory_()  # CPU: shared memory (CUDA tensors travel by IPC handle)
     barrier, results = ctx.Barrier(len(split)), ctx.Queue()
-    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, twins, results, slow_rank),
+    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, on_twins, results, slow_rank),
                          daemon=True) for r in range(len(split))]
     for p in procs:
         p.start()
@@ -149,13 +149,13 @@ def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
     """Each rank in its own process, buffers in CPU shared memory, L0 twins, rank 2 slow (a sleep before each of
     its phases): each rank's results are the EP = 1 bits of its tokens and experts."""
     twins.install(monkeypatch.setattr)
-    _run_processes("shared", "cpu", twins=True, slow_rank=2)
+    _run_processes("shared", "cpu", on_twins=True, slow_rank=2)
 
 
 @pytest.mark.gpu
 def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
     """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves; rank 0 slow."""
-    _run_processes("shared", "cuda", twins=False, slow_rank=0)
+    _run_processes("shared", "cuda", on_twins=False, slow_rank=0)
 
 
 @pytest.mark.multigpu
