@@ -168,10 +168,7 @@ MOK_DEVICE void combine_slice(const ChainLaunch& L, int token, int n_tile, uint3
   }
   const int64_t token_col = static_cast<int64_t>(token) * p2.n + col;
   if (cb.shared != nullptr) moe::acc_add(acc, ptx::ld_cg_v4(cb.shared + token_col), 1.0f, true);
-  if (bad) {
-#pragma unroll
-    for (int i = 0; i < moe::kVecElems; ++i) acc.v[i] = __int_as_float(0x7FC00000);  // NaN: never silent
-  }
+  if (bad) moe::acc_nan(acc);
   st_v4(cb.out + token_col, moe::acc_to_bf16(acc));
 }
 

@@ -47,6 +47,12 @@ MOK_DEVICE void acc_add(Acc8& a, uint4 y, float w, bool w_is_one) {
   }
 }
 
+// A sum that read a bad route's row: NaN, never silently wrong.
+MOK_DEVICE void acc_nan(Acc8& a) {
+#pragma unroll
+  for (int i = 0; i < kVecElems; ++i) a.v[i] = __int_as_float(0x7FC00000);
+}
+
 // Round to nearest even, 8 fp32 -> 8 bf16 in one 16-byte vector (NaN -> canonical NaN, as torch on sm_90).
 MOK_DEVICE uint4 acc_to_bf16(const Acc8& a) {
   uint32_t words[4];
@@ -124,10 +130,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int64_t vec = vec0 + j * kWarpSize;
     if (vec >= vecs_per_row) continue;
     if (shared != nullptr) acc_add(acc[j], ld_stream_v4(shared + token * vecs_per_row + vec), 1.0f, true);
-    if (bad_row) {
-#pragma unroll
-      for (int i = 0; i < kVecElems; ++i) acc[j].v[i] = __int_as_float(0x7FC00000);  // NaN: never silent
-    }
+    if (bad_row) acc_nan(acc[j]);
     st_v4(out + token * vecs_per_row + vec, acc_to_bf16(acc[j]));
   }
 }
