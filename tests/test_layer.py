@@ -60,12 +60,13 @@ def test_auto_backend_runs_on_cpu():
     assert mok.testing.rel_err(out, ref) < 1e-2
 
 
-def test_unknown_or_unbuilt_backend():
+def test_unknown_or_unbuilt_backend(monkeypatch):
     inputs = make_inputs(CFG, seed=2)
     with pytest.raises(ValueError, match="backend"):
         mok.moe(*moe_args(inputs), backend="cuda-magic")
+    monkeypatch.setitem(mok.levels.LEVELS, "future", "mok.future_level")  # a level named but not written
     with pytest.raises(NotImplementedError, match="not built"):
-        mok.moe(*moe_args(inputs), backend="megakernel")
+        mok.moe(*moe_args(inputs), backend="future")
 
 
 def _bad(**changes):
@@ -122,12 +123,13 @@ def test_device_mismatch_is_named():
         mok.moe(**inputs, backend="reference")
 
 
-@pytest.mark.parametrize("option,value", [("num_sms", 8), ("mx_weights", "mainloop")])
-def test_fused_options_are_refused_by_levels_without_them(option, value):
-    """num_sms and mx_weights are the fused level's options: given to another level, a clear error, not ignored."""
+@pytest.mark.parametrize("option,value,takers", [("num_sms", 8, "'fused', 'megakernel'"),
+                                                ("mx_weights", "mainloop", "'fused'")])
+def test_fused_options_are_refused_by_levels_without_them(option, value, takers):
+    """num_sms and mx_weights are the Hopper levels' options: given to another level, a clear error, not ignored."""
     inputs = make_inputs(CFG, seed=2)
     with pytest.raises(ValueError, match=rf"{option}: expected None for backend 'torch' \(levels that take it: "
-                                         r"\['fused'\]\), got"):
+                                         rf"\[{takers}\]\), got"):
         mok.moe(*moe_args(inputs), backend="torch", **{option: value})
     assert mok.MoE(64, 96, 4, 2, backend="torch").num_sms is None  # unset: the level's default
 

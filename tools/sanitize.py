@@ -11,15 +11,15 @@ expert a full tile and a short tail.
 
 The word `rounding` also runs routing.round_to_tiles' kernels (the prep, the rounds and the end game) on end games
 with swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers. The word
-`chain` runs the forward in one launch (mok.chain: GEMM1, GEMM2 and the combine on counters between CTAs) against
-the fused level's out, at a grid of 3 and the full grid.
+`chain` runs the forward in one launch (mok.megakernel: GEMM1, GEMM2 and the combine on counters between CTAs)
+against the fused level's out, at a grid of 3 and the full grid.
 """
 
 import sys
 
 import torch
 
-from mok import chain, fused, routing, testing
+from mok import fused, megakernel, routing, testing
 from mok import reference as L0
 from mok.config import TINY_SHAPES, MoEConfig
 
@@ -52,9 +52,10 @@ if not words or "chain" in words:  # the forward in one launch: counters between
     for name, precision in [("tiny", "bf16"), ("tiny-top8", "mxfp8"), ("tails", "bf16")]:
         routing_fn = testing.routing_of("tails") if name == "tails" else None
         inputs = testing.make_inputs(SHAPES[name], device="cuda", seed=1, draw_on="cuda", routing_fn=routing_fn)
+        args = testing.moe_args(inputs)
         for num_sms in (3, None):
-            want, _ = fused.forward(*testing.moe_args(inputs), precision=precision, swiglu_limit=1.0, num_sms=num_sms)
-            got, _ = chain.forward(*testing.moe_args(inputs), precision=precision, swiglu_limit=1.0, num_sms=num_sms)
+            want, _ = fused.forward(*args, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
+            got, _ = megakernel.forward(*args, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
             torch.cuda.synchronize()
             assert testing.bitwise_equal(got, want), f"chain {name} {precision} num_sms={num_sms}: not fused's out"
         print(f"chain {name} {precision}: the forward in one launch gives the fused level's out", flush=True)

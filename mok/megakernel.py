@@ -1,17 +1,23 @@
-"""The layer's forward at EP = 1 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the shared expert's and
-the routed experts' GEMM1 and GEMM2, and the combine behind GEMM2's tiles on completion counters, after the
-schedule's three small launches. The megakernel level's first pass (docs/megakernel.md); not a level yet: its
-backward is the fused level's, and it has not run on a GPU.
+"""L3 `megakernel` at EP = 1 (DESIGN §6, docs/megakernel.md): the layer's forward in one persistent launch of the
+chain kernel (csrc/include/mok/gemm/chain.cuh) after the schedule's three small launches: the shared expert's and the
+routed experts' GEMM1 and GEMM2, and the combine behind GEMM2's tiles on completion counters. Its out and saved state
+are the fused level's bit for bit (tests/test_megakernel.py: on the CPU with every kernel an L0 twin; on a Hopper
+GPU), so the backward is the fused level's launches: not yet one launch. EP > 1 runs phase by phase over peer
+memory in mok.ep_peer, outside the level. "auto" picks the fused level (mok.levels); `backend="megakernel"` this one.
 
-`forward` has mok.fused.forward's arguments (BF16 or MXFP8) and returns the fused level's out and saved state bit
-for bit, so `mok.fused.backward` takes it (tests/test_chain.py: on the CPU with every kernel an L0 twin; on a Hopper
-GPU). `tools/chain_combine_probe.py` times it against the fused level."""
+Same interface as mok.fused (forward, backward, saved_like), BF16 and MXFP8 (the "dequantize" weight path: the
+chain's GEMMs read BF16 weights); its one option is num_sms."""
 
 from __future__ import annotations
 
 from mok import bad_ids, fused, ops, reference
 from mok.checks import fail
 from mok.fused import BLOCK_M, FusedSaved
+
+PRECISIONS = fused.PRECISIONS
+CHECKS_IDS_ON_DEVICE = True  # bad expert ids are counted on the device and raised later (mok.bad_ids), as in fused
+NO_HOST_SYNC = True  # neither pass reads the device on the host
+OPTIONS = ("num_sms",)
 
 
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
@@ -21,9 +27,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     weights' round trips before the launch, GEMM1's epilogue writing h's and the saved MXFP8 gate/up."""
     if precision not in fused.PRECISIONS:
         fail("precision", f"one of {fused.PRECISIONS}", repr(precision))
-    num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, None)
-    if precision == "mxfp8" and mx_weights != "dequantize":
-        fail("MOK_MX_WEIGHTS", "'dequantize' (the chain's GEMMs read BF16 weights)", repr(mx_weights))
+    num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, "dequantize")
     T = x.shape[0]
     if T == 0:  # an empty batch: no kernel has work, as in the fused level
         return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
@@ -49,3 +53,8 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
 
 
 backward = fused.backward
+
+
+def saved_like(*args, num_sms=None, **kwargs):
+    """forward's saved state from the inputs' shapes (mok.levels): the fused level's, whose forward it equals."""
+    return fused.saved_like(*args, num_sms=num_sms, mx_weights="dequantize", **kwargs)

@@ -1,0 +1,92 @@
+"""The megakernel level at EP = 1 (mok.megakernel): the layer's forward in one launch of the chain kernel gives the
+fused level's out and saved state bit for bit, and through mok.moe the fused level's gradients: on the CPU with every
+kernel an L0 twin (the wiring: schedules, the shared expert's rows, what is saved), and on a Hopper GPU with the
+kernels."""
+
+from __future__ import annotations
+
+import pytest
+
+import mok
+from mok import fused, megakernel, twins
+from mok.config import TINY_SHAPES, MoEConfig
+from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
+
+SHAPES = {**TINY_SHAPES, "wide": MoEConfig("wide", 300, 544, 192, 8, 3, shared_intermediate=136)}
+
+
+def _assert_fused_bits(shape: str, device: str, limit, precision: str = "bf16") -> None:
+    seed = fresh_seed()
+    inputs = make_inputs(SHAPES[shape], device=device, seed=seed, draw_on=device)
+    args = moe_args(inputs)
+    out0, saved0 = fused.forward(*args, swiglu_limit=limit, precision=precision)
+    grads0 = fused.backward(saved0, inputs["d_out"])
+    if device == "cuda":
+        poison_allocator(64 << 20)
+    out, saved = megakernel.forward(*args, swiglu_limit=limit, precision=precision)
+    assert bitwise_equal(out, out0), f"{shape}: out (seed {seed})"
+    grads = megakernel.backward(saved, inputs["d_out"])
+    for i, (g, g0) in enumerate(zip(grads, grads0)):
+        assert bitwise_equal(g, g0), f"{shape}: gradient {i} (seed {seed})"
+
+
+def _assert_layer_gives_fused_bits(device: str, precision: str) -> None:
+    """mok.moe(backend="megakernel") through autograd and the custom ops: the fused level's out and gradients."""
+    seed = fresh_seed()
+    inputs = make_inputs(SHAPES["wide"], device=device, seed=seed, draw_on=device)
+    args = moe_args(inputs)
+    out0, saved0 = fused.forward(*args, swiglu_limit=0.7, precision=precision)
+    want = fused.backward(saved0, inputs["d_out"])
+    leaves = [a.detach().clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in args]
+    out = mok.moe(*leaves, swiglu_limit=0.7, precision=precision, backend="megakernel")
+    out.backward(inputs["d_out"])
+    assert bitwise_equal(out.detach(), out0), f"out (seed {seed})"
+    got = [leaves[0].grad, leaves[2].grad, *(a.grad for a in leaves[3:])]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert bitwise_equal(g, w), f"gradient {i} (seed {seed})"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_launch_gives_the_fused_bits_with_l0_twins(monkeypatch, shape, limit, precision):
+    twins.install(monkeypatch.setattr)
+    _assert_fused_bits(shape, "cpu", limit, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_launch_gives_the_fused_bits(shape, limit, precision):
+    _assert_fused_bits(shape, "cuda", limit, precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_the_level_through_mok_moe_with_l0_twins(monkeypatch, precision):
+    twins.install(monkeypatch.setattr)
+    _assert_layer_gives_fused_bits("cpu", precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_the_level_through_mok_moe(precision):
+    _assert_layer_gives_fused_bits("cuda", precision)
+
+
+def test_one_launch_names_a_bad_precision_and_takes_an_empty_batch(monkeypatch):
+    monkeypatch.setattr(fused, "_check_runs_here", lambda x, precision: None)
+    inputs = make_inputs(TINY_SHAPES["tiny"].scaled(num_tokens=0))
+    with pytest.raises(ValueError, match="precision"):
+        megakernel.forward(*moe_args(inputs), precision="fp8")
+    out, saved = megakernel.forward(*moe_args(inputs))
+    assert out.shape == (0, 64) and all(not g.any() for g in megakernel.backward(saved, inputs["d_out"])[2:])
+
+
+def test_the_level_takes_num_sms_only_and_auto_keeps_the_fused_level():
+    inputs = make_inputs(TINY_SHAPES["tiny"])
+    with pytest.raises(ValueError, match="mx_weights"):
+        mok.moe(*moe_args(inputs), backend="megakernel", mx_weights="mainloop")
+    assert mok.levels.HOPPER_LEVELS[0] == "fused"
