@@ -114,6 +114,11 @@ def clocked_dense_ms(mnks, iters: int, device, time_fn=time_ms) -> tuple[float, 
 
 # --- levels and peers -------------------------------------------------------------------------------
 
+# The levels with an MXFP8 weight path: what their forward runs (mok.fused: MX_WEIGHTS; the megakernel's chain reads
+# dequantized weights) and whose mxfp8 rows --mx-weight-cache runs inside mok.mxfp8_weight_cache().
+MX_LEVELS = {"fused": lambda: fused.DEFAULT_MX_WEIGHTS, "megakernel": lambda: "dequantize"}
+
+
 def level_pass_fn(level_name: str, inputs: dict, precision: str, pass_: str):
     """A no-argument callable running one pass of a mok level."""
     level = get_level(level_name)
@@ -272,14 +277,14 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 if (level, precision) not in saved:
                     saved[level, precision] = saved_gb(level, inputs, precision)
                     errors[level, precision] = err_vs_l0(level_pass_fn(level, inputs, precision, "fwd"), precision)
-                cached = mx_weight_cache and level == "fused" and precision == "mxfp8"
+                cached = mx_weight_cache and level in MX_LEVELS and precision == "mxfp8"
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
                     (ms, clock), mem, cache_gb = clocked(time_fn, fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
                 rows[-1]["err_vs_l0"] = errors[level, precision]
-                if level == "fused" and precision == "mxfp8":  # the forward's weight path (mok.fused)
-                    rows[-1]["notes"] = f"mx_weights={fused.DEFAULT_MX_WEIGHTS}"
+                if level in MX_LEVELS and precision == "mxfp8":  # the forward's weight path
+                    rows[-1]["notes"] = f"mx_weights={MX_LEVELS[level]()}"
                     if cached:
                         rows[-1]["notes"] += "; mxfp8_weight_cache"
                         rows[-1]["mx_cache_gb"] = cache_gb
@@ -366,7 +371,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench moe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES), help="names from mok.config")
-    p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, fused)")
+    p.add_argument("--levels", nargs="+", default=["torch"], help="mok levels (reference, torch, fused, megakernel)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),

@@ -210,19 +210,20 @@ def test_committed_rows_have_provenance():
     assert (ceiling.frac_of_ceiling == 1.0).all()
 
 
+@pytest.mark.parametrize("level", ["fused", "megakernel"])
 @pytest.mark.parametrize("cached", [False, True])
-def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached):
-    """`moe --mx-weight-cache` (the fused level on its L0 twins): the mxfp8 rows say so in their notes, carry
+def test_mx_weight_cache_rows_on_cpu(twin_calls, monkeypatch, tmp_path, cached, level):
+    """`moe --mx-weight-cache` (the Hopper levels, kernels as L0 twins): the mxfp8 rows say so in their notes, carry
     the cache's size, and go to their own CSV (KEY has no notes); the timed runs reuse the warm-up's weight
     round trips, so the weights are quantized only by the saved_gb and err_vs_l0 forwards (3 + 3, outside) and the first
     warm-up (3 dual calls) instead of in every run (3 + 3 + 13 forward + backward runs x 6)."""
     monkeypatch.setattr(moe, "DATA", tmp_path)
-    argv = ["moe", "--shapes", "tiny", "--levels", "fused", "--precisions", "mxfp8", "--passes", "fwd+bwd",
+    argv = ["moe", "--shapes", "tiny", "--levels", level, "--precisions", "mxfp8", "--passes", "fwd+bwd",
             "--peers", "--iters", "2", "--warmup-ms", "0"] + (["--mx-weight-cache"] if cached else [])
     assert bench_main(argv) == 0
     csv = tmp_path / ("moe_mx_cache.csv" if cached else "moe.csv")
     assert sorted(p.name for p in tmp_path.iterdir()) == [csv.name]
-    row = timing.read_rows(csv).query("level == 'fused'").iloc[0]
+    row = timing.read_rows(csv).query(f"level == '{level}'").iloc[0]
     assert row.notes == "mx_weights=dequantize" + ("; mxfp8_weight_cache" if cached else "")
     weight_calls = sum(1 for name, args in twin_calls  # args: ((argument, (shape, dtype) of a tensor), ...)
                        if name in ("mxfp8_fake_quantize", "mxfp8_fake_quantize_dual")
