@@ -3,6 +3,7 @@
 #include "mok/api.h"
 #include "mok/gemm/api_params.cuh"
 #include "mok/gemm/chain.cuh"
+#include "mok/gemm/chain_backward.cuh"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
 #include "mok/moe/swiglu_backward_rows.cuh"
 
@@ -54,6 +55,73 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
                                                                                       stream)
                      : gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUp>(routed, shared, combine, num_sms,
                                                                                  stream);
+}
+
+namespace {
+
+// One group of the backward chain from the host API's structs (the fields the separate launches take).
+cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs* out) {
+  const DownDgradSwiGLU& d = a.dgrad;
+  const GateUpDgrad& gu = a.gate_up_dgrad;
+  if (d.gate_scales != nullptr || d.up_scales != nullptr || gu.d_gate != d.d_gate || gu.d_up != d.d_up ||
+      gu.hidden != d.hidden || gu.intermediate != d.intermediate || gu.num_experts != d.num_experts ||
+      a.counters == nullptr)
+    return cudaErrorInvalidValue;
+  const void* want_a[3] = {d.dy_rows, d.d_gate, d.d_up};
+  const void* want_b[3] = {d.h, a.wgrad[1].b_rows, a.wgrad[1].b_rows};
+  gemm::BackwardGroupArgs& g = *out;
+  g = {};
+  g.w_down = d.w_down, g.w_gate = gu.w_gate, g.w_up = gu.w_up, g.num_experts = d.num_experts;
+  g.dgrad = gemm::rows_params(a.sched);
+  g.dgrad.a = static_cast<const uint16_t*>(d.dy_rows);
+  g.dgrad.out = static_cast<uint16_t*>(d.d_gate);
+  g.dgrad.n = static_cast<int>(d.intermediate);
+  g.dgrad.k = static_cast<int>(d.hidden);
+  g.gate_up_dgrad = gemm::rows_params(a.sched);
+  g.gate_up_dgrad.a = static_cast<const uint16_t*>(gu.d_gate);
+  g.gate_up_dgrad.a2 = static_cast<const uint16_t*>(gu.d_up);
+  g.gate_up_dgrad.out = static_cast<uint16_t*>(gu.dx_rows);
+  g.gate_up_dgrad.n = static_cast<int>(gu.hidden);
+  g.gate_up_dgrad.k = static_cast<int>(gu.intermediate);
+  for (int w = 0; w < 3; ++w) {
+    const WeightGrad& wg = a.wgrad[w];
+    if (wg.a_rows != want_a[w] || wg.b_rows != want_b[w] || wg.num_rows != a.sched.num_rows ||
+        wg.num_experts != d.num_experts)
+      return cudaErrorInvalidValue;
+    gemm::Params& p = g.wgrad[w];
+    p.a = static_cast<const uint16_t*>(wg.a_rows);
+    p.expert_offsets = wg.expert_offsets;
+    p.expert_rows = wg.expert_rows;
+    p.out = static_cast<uint16_t*>(wg.d_w);
+    p.num_rows = static_cast<int>(wg.num_rows);
+    p.m = static_cast<int>(wg.m);
+    p.n = static_cast<int>(wg.n);
+    g.b_rows[w] = wg.b_rows;
+  }
+  g.rows = {static_cast<const uint16_t*>(d.d_gate), d.gate, d.up, nullptr, nullptr, a.sched.row_to_token,
+            d.route_weights, d.row_to_route, d.d_topk_weights, static_cast<uint16_t*>(d.d_gate),
+            static_cast<uint16_t*>(d.d_up), static_cast<uint16_t*>(d.h), d.intermediate, d.swiglu.limit,
+            d.swiglu.has_limit};
+  g.counters = a.counters;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_sms, cudaStream_t stream) {
+  const bool with_shared = args.shared.dgrad.w_down != nullptr;
+  gemm::BackwardGroupArgs routed, shared{};
+  cudaError_t err = backward_group(args.routed, &routed);
+  if (err || (with_shared && (err = backward_group(args.shared, &shared)))) return err;
+  if (args.routed.dgrad.route_weights == nullptr || (with_shared && args.shared.dgrad.route_weights != nullptr) ||
+      args.route_to_row == nullptr || args.d_x == nullptr || args.token_done == nullptr || args.num_topk < 1)
+    return cudaErrorInvalidValue;
+  const gemm::ChainCombine combine{args.route_to_row, nullptr,
+                                   with_shared ? static_cast<const uint16_t*>(args.shared.gate_up_dgrad.dx_rows)
+                                               : nullptr,
+                                   static_cast<uint16_t*>(args.d_x), args.token_done, static_cast<int>(args.num_topk),
+                                   with_shared ? 1 : 0};
+  return gemm::launch_grouped_gemm_bf16_chain_backward(routed, shared, combine, num_sms, stream);
 }
 
 namespace {

@@ -2,8 +2,10 @@
 chain kernel (csrc/include/mok/gemm/chain.cuh) after the schedule's three small launches: the shared expert's and the
 routed experts' GEMM1 and GEMM2, and the combine behind GEMM2's tiles on completion counters. Its out and saved state
 are the fused level's bit for bit (tests/test_megakernel.py: on the CPU with every kernel an L0 twin; on a Hopper
-GPU), so the backward is the fused level's launches: not yet one launch. EP > 1 runs phase by phase over peer
-memory in mok.ep_peer, outside the level. "auto" picks the fused level (mok.levels); `backend="megakernel"` this one.
+GPU). The backward in BF16 is one persistent launch of the backward chain (chain_backward.cuh) after the gathers of
+its rows, again the fused level's bits; in MXFP8 it is the fused level's launches (the operands' round trips between
+the GEMMs are not tasks yet). EP > 1 runs phase by phase over peer memory in mok.ep_peer, outside the level.
+"auto" picks the fused level (mok.levels); `backend="megakernel"` this one.
 
 Same interface as mok.fused (forward, backward, saved_like), BF16 and MXFP8 (the "dequantize" weight path: the
 chain's GEMMs read BF16 weights); its one option is num_sms."""
@@ -52,7 +54,25 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     return out, saved
 
 
-backward = fused.backward
+def backward(saved: FusedSaved, d_out):
+    """Gradients in mok.reference.moe_backward's order, the fused level's bits. In bf16 the experts' backward is one
+    launch of the chain kernel (ops.grouped_gemm_bf16_chain_backward) after the gathers of d_out's and x's rows (and
+    the shared expert's padded copies); in mxfp8 (and for an empty batch) the fused level's launches."""
+    if not isinstance(saved, FusedSaved) or saved.precision != "bf16":
+        return fused.backward(saved, d_out)
+    s, sched = saved, saved.sched
+    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
+    shared = None
+    if ws_gate is not None:  # its rows: the tokens in order, then zero padding (fused.shared_backward's operands)
+        sh = fused.shared_schedule(d_out.shape[0], d_out.device)  # cached
+        shared = (fused.pad_rows(d_out, sh.num_rows), fused.pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
+                  ws_down[None], *s.shared_rows, sh)
+    d_x, d_topk_weights, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(
+        ops.gather_rows_cuda(d_out, sched), fused.gather_x_rows(s.x, sched), w_gate, w_up, w_down, s.gate, s.up,
+        s.topk_weights, sched, swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared)
+    bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
+    d_w_shared = [None] * 3 if d_w_shared is None else [w[0] for w in d_w_shared]
+    return (d_x, d_topk_weights, *d_w, *d_w_shared)
 
 
 def saved_like(*args, num_sms=None, **kwargs):

@@ -21,7 +21,8 @@ from mok.torch_native import route_grads
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
-           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_swiglu",
+           "grouped_gemm_bf16_nt_contiguous", "grouped_gemm_bf16_chain", "grouped_gemm_bf16_chain_backward",
+           "grouped_gemm_bf16_dgrad_swiglu",
            "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
            "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_dgrad_gate_up",
            "grouped_gemm_bf16_weight_grad", "grouped_gemm_mxfp8_swiglu_gather", "grouped_gemm_mxfp8_nt_contiguous",
@@ -94,6 +95,27 @@ def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, n
         shared = shared_rows[0][: x.shape[0]] if topk_weights is not None else None
     out = None if topk_weights is None else combine_rows(y_rows, sched.route_to_row, topk_weights, shared)
     return y_rows, h, gate, up, out, shared_rows
+
+
+def grouped_gemm_bf16_chain_backward(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, sched,
+                                     swiglu_limit=None, num_sms=None, shared=None):
+    """The expert backward (one launch on the GPU): the route-gradient dgrad and SwiGLU backward, the gate/up dgrad,
+    the weight gradients and the combine of d_x, the shared expert's steps too: (d_x, d_topk_weights, [d_w_gate,
+    d_w_up, d_w_down], the shared expert's [...] or None)."""
+    d_gate, d_up, h, d_topk_weights = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
+                                                                                  topk_weights, sched, swiglu_limit)
+    d_w = [grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched), grouped_gemm_bf16_weight_grad(d_up, x_rows, sched),
+           grouped_gemm_bf16_weight_grad(dy_rows, h, sched)]
+    dx_rows = grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched)
+    dx_shared, d_w_shared = None, None
+    if shared is not None:
+        dy_sh, x_sh, wg_sh, wu_sh, wd_sh, gate_sh, up_sh, sh = shared
+        dg_sh, du_sh, h_sh = grouped_gemm_bf16_dgrad_swiglu(dy_sh, wd_sh, gate_sh, up_sh, sh, swiglu_limit)
+        d_w_shared = [grouped_gemm_bf16_weight_grad(dg_sh, x_sh, sh), grouped_gemm_bf16_weight_grad(du_sh, x_sh, sh),
+                      grouped_gemm_bf16_weight_grad(dy_sh, h_sh, sh)]
+        dx_shared = grouped_gemm_bf16_dgrad_gate_up(dg_sh, du_sh, wg_sh, wu_sh, sh)[: sched.num_tokens]
+    d_x = combine_rows(dx_rows, sched.route_to_row, None, dx_shared)
+    return d_x, d_topk_weights, d_w, d_w_shared
 
 
 def grouped_gemm_mxfp8_swiglu_gather(x, w_gate, w_up, sched, swiglu_limit=None, num_sms=None):

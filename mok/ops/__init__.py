@@ -5,6 +5,8 @@ One module per family, everything re-exported here (call them as `mok.ops.<name>
     core   the JIT build (csrc_hash, require_hopper, load_extension)
     quant  MXFP8 quantizers, dequantization and the one-pass round trip (mxfp8_*)
     gemm   grouped BF16 GEMMs over the route schedule (grouped_gemm_bf16_*), the L2 mainloops
+    chain  several of those kinds in one persistent launch on device counters (grouped_gemm_bf16_chain,
+           grouped_gemm_bf16_chain_backward): the megakernel level's passes at EP = 1
     gemm_mx  GEMM1 and GEMM2 with MXFP8 weights dequantized in the mainloop (grouped_gemm_mxfp8_*)
     peer   rows of other ranks through tables of their addresses (Peers, pull_rows, combine_peers): the
            megakernel's pull and combine bodies
@@ -19,12 +21,12 @@ csrc/bindings.cpp, filled into mok/api.h's structs field by field); `mok.twins` 
 kernel.
 """
 
+from mok.ops.chain import grouped_gemm_bf16_chain, grouped_gemm_bf16_chain_backward
 from mok.ops.core import ARCH_FLAGS, CACHE, CSRC, REPO, csrc_hash, load_extension, require_hopper
 from mok.ops.gemm import (
     GEMM_BLOCK_M,
     GEMM_K_ALIGN,
     gemm_schedule_tensors,
-    grouped_gemm_bf16_chain,
     grouped_gemm_bf16_dgrad_gate_up,
     grouped_gemm_bf16_dgrad_swiglu,
     grouped_gemm_bf16_dgrad_swiglu_mxfp8,
@@ -69,7 +71,8 @@ __all__ = [
     "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "Peers", "REPO",
     "ROUTE_GRADS_MAX_TOPK",
     "SCHEDULE_MAX_EXPERTS", "combine_peers", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
-    "grouped_gemm_bf16_chain", "grouped_gemm_bf16_dgrad_gate_up", "grouped_gemm_bf16_dgrad_swiglu",
+    "grouped_gemm_bf16_chain", "grouped_gemm_bf16_chain_backward", "grouped_gemm_bf16_dgrad_gate_up",
+    "grouped_gemm_bf16_dgrad_swiglu",
     "grouped_gemm_bf16_dgrad_swiglu_mxfp8",
     "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_nt_contiguous",
     "grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",

@@ -17,7 +17,6 @@ import torch
 from mok.checks import check_cuda, check_layout, check_optional_int, fail
 from mok.ops.core import load_extension
 from mok.ops.quant import BLOCK_SIZE
-from mok.schedule import make_schedule
 
 GEMM_BLOCK_M = 128  # rows per kernel tile: BLOCK_M of csrc/include/mok/gemm/config.cuh
 GEMM_BLOCK_K = 64  # k per pipeline stage: BLOCK_K; the weight gradients' K is each segment's real rows rounded up to it
@@ -136,100 +135,6 @@ def grouped_gemm_bf16_swiglu_gather(x: torch.Tensor, w_gate: torch.Tensor, w_up:
                    for _ in range(3))  # [num_rows, intermediate] each
     load_extension().grouped_gemm_bf16_swiglu_gather(x=x, w_gate=w_gate, w_up=w_up, h=h, gate=gate, up=up, **kwargs)
     return h, gate, up
-
-
-def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
-                            swiglu_limit: float | None = None, num_sms: int | None = None,
-                            topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-                            shared_weights: tuple | None = None, shared_sched=None,
-                            shared_x: torch.Tensor | None = None, mx_out: bool = False):
-    """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
-    grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
-    soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
-    intermediate].
-    - shared_weights (w_shared_gate [I_sh, H], w_shared_up, w_shared_down [H, I_sh]): the shared expert's GEMM1 and
-      GEMM2 in the same launch, over the tokens in order (rows padded to 128): what the fused level computes for it;
-      shared_sched: that schedule (mok.fused.shared_schedule, cached), or None: built here (one host sync);
-      shared_x: its input, or None: x (the MXFP8 forward's shared expert reads BF16 x, GEMM1 x's round trip).
-    - topk_weights (fp32 [num_tokens, num_topk]): GEMM2's tiles also finish the combine, out = combine_rows(y_rows,
-      sched.route_to_row, topk_weights, shared) bit for bit, each token's 256 columns summed by the tile that stores
-      the last of its rows; shared: the shared expert's rows (bf16 [num_tokens, hidden]) or None, or with
-      shared_weights its y computed here.
-    - mx_out: GEMM1 as grouped_gemm_bf16_swiglu_gather_mxfp8_out (the MXFP8 forward: h its row-wise round trip,
-      gate and up quantized row-wise, (data, scales) each); the shared expert stays BF16 (DESIGN §4).
-    Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None,
-    the shared expert's (y, h, gate, up) [R_sh, ·] or None), bf16 but for mx_out's gate and up."""
-    intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
-                                       intermediate_multiple=BLOCK_SIZE if mx_out else GEMM_K_ALIGN)
-    T, hidden = x.shape
-    check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
-                 "[num_experts, hidden, intermediate]")
-    _check_devices(x.device, w_down=w_down)
-    shared_expert, shared_rows = None, None
-    if shared_weights is not None:
-        if shared_x is not None:
-            check_layout("shared_x", shared_x, torch.bfloat16, tuple(x.shape), "[num_tokens, hidden] (x's)")
-            _check_devices(x.device, shared_x=shared_x)
-        shared_expert, shared_rows = _chain_shared_expert(x if shared_x is None else shared_x, shared_weights,
-                                                          shared_sched)
-        if shared is not None:
-            fail("shared", "None with shared_weights (the shared expert's rows are computed here)", "a tensor")
-        shared = shared_rows[0] if topk_weights is not None else None
-    route_to_row, out, token_done = None, None, None  # the combine's, with topk_weights
-    if topk_weights is not None:
-        K = sched.num_topk
-        check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
-        check_cuda("topk_weights", topk_weights, x.device, "x's")
-        if shared is not None and shared_weights is None:
-            check_layout("shared", shared, torch.bfloat16, (T, hidden), "[num_tokens, hidden]")
-            check_cuda("shared", shared, x.device, "x's", aligned=True)
-        route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
-        if shared_weights is not None:  # every token's slices complete (its shared row counts): all written
-            out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
-        else:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows gives it
-            out = torch.full((T, hidden), float("nan"), dtype=torch.bfloat16, device=x.device)  # [T, H]
-        token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
-    elif shared is not None:
-        fail("shared", "None without topk_weights (no combine)", "a tensor")
-    h = torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)  # [num_rows, I]
-    if mx_out:  # one buffer each (data, then scales) and its views
-        (gate_buffer, gate), (up_buffer, up) = (_rowwise_mx_buffer(sched.num_rows, intermediate, x.device)
-                                                for _ in range(2))
-    else:
-        gate_buffer, up_buffer = (torch.empty_like(h) for _ in range(2))  # [num_rows, I] each
-        gate, up = gate_buffer, up_buffer
-    y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
-    h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
-    load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
-                                             up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
-                                             route_to_row=route_to_row, topk_weights=topk_weights, shared=shared,
-                                             out=out, token_done=token_done, mx_out=mx_out, **kwargs)
-    return y_rows, h, gate, up, out, shared_rows
-
-
-def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, tuple]:
-    """The shared expert's tensors as the chain binding takes them (its input x, its weights as one expert, its
-    schedule of the tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]."""
-    if not isinstance(weights, (tuple, list)) or len(weights) != 3:
-        fail("shared_weights", "(w_shared_gate, w_shared_up, w_shared_down)", type(weights).__name__)
-    ws_gate, ws_up, ws_down = weights
-    T, hidden = x.shape
-    check_layout("w_shared_gate", ws_gate, torch.bfloat16, (None, hidden), "[shared_intermediate, hidden]")
-    I_sh = ws_gate.shape[0]
-    _check_gemm_dim("w_shared_gate", I_sh, "shared_intermediate (dim 0)")
-    check_layout("w_shared_up", ws_up, torch.bfloat16, (I_sh, hidden), "[shared_intermediate, hidden]")
-    check_layout("w_shared_down", ws_down, torch.bfloat16, (hidden, I_sh), "[hidden, shared_intermediate]")
-    _check_devices(x.device, w_shared_gate=ws_gate, w_shared_up=ws_up, w_shared_down=ws_down)
-    sh = make_schedule(torch.zeros(T, 1, dtype=torch.int64, device=x.device), 1) if sched is None else sched
-    if sh.num_experts != 1 or sh.num_tokens != T or sh.num_topk != 1:
-        fail("shared_sched", f"the one-expert schedule of the {T} tokens in order", f"{sh.num_experts} experts, "
-             f"{sh.num_tokens} tokens, {sh.num_topk} routes each")
-    row_to_token, tile_to_expert = gemm_schedule_tensors(sh, x.device)
-    rows = [torch.empty(sh.num_rows, width, dtype=torch.bfloat16, device=x.device)
-            for width in (hidden, I_sh, I_sh, I_sh)]  # y, h, gate, up
-    h_ready = torch.zeros(sh.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)
-    tensors = [x, ws_gate[None], ws_up[None], ws_down[None], row_to_token, tile_to_expert, *rows[1:], rows[0], h_ready]
-    return tensors, tuple(rows)
 
 
 def _rowwise_mx_buffer(rows: int, cols: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -195,6 +195,30 @@ struct WeightGrad {
 
 cudaError_t grouped_gemm_bf16_weight_grad(const WeightGrad& args, int num_sms, cudaStream_t stream);
 
+// The backward at EP = 1 in one persistent launch (csrc/include/mok/gemm/chain_backward.cuh), BF16, per expert group:
+// grouped_gemm_bf16_dgrad_swiglu (dgrad; the routed group with its route fields, as ..._route_grads), then
+// grouped_gemm_bf16_dgrad_gate_up (gate_up_dgrad, from dgrad's d_gate and d_up), then the weight gradients
+// (grouped_gemm_bf16_weight_grad: wgrad[0] = d_w_down from dgrad's dy_rows and h, wgrad[1] = d_w_gate from d_gate and
+// the x rows, wgrad[2] = d_w_up from d_up and the x rows), and the combine of d_x behind the gate/up dgrad's tiles:
+// d_x bf16 [num_tokens, hidden] = combine_rows(routed dx_rows, route_to_row, no weights, the shared group's dx rows)
+// bit for bit. The bits of those launches one by one. counters: int32 zeros [2 · num_rows / 128 + num_experts] per
+// group; route_to_row int32 [num_tokens, num_topk]; token_done int32 zeros [num_tokens, ceil(hidden / 256)].
+struct ChainBackwardGroup {
+  DownDgradSwiGLU dgrad;  // bf16 gate/up (no scales)
+  GateUpDgrad gate_up_dgrad;
+  WeightGrad wgrad[3];
+  RowSchedule sched;
+  int32_t* counters;
+};
+struct ChainBackward {
+  ChainBackwardGroup routed, shared;  // shared.dgrad.w_down null: no shared expert
+  const int32_t* route_to_row;
+  void* d_x;
+  int32_t* token_done;
+  int64_t num_topk;
+};
+cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_sms, cudaStream_t stream);
+
 // ---- fixed-order combine (csrc/combine.cu) -----------------------------------------------------------
 // out[t] = bf16(sum over k of w[t,k] * y_rows[route_to_row[t,k]] (fp32, increasing k) + shared[t]):
 // y_rows bf16 [num_rows, hidden]; route_to_row [num_tokens, num_topk], int64 or int32; topk_weights fp32

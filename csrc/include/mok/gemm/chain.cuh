@@ -72,7 +72,7 @@ struct ChainGroup {
 // The combine behind GEMM2 (out null: none). Tokens index route_to_row and topk_weights as [num_tokens, num_topk].
 struct ChainCombine {
   const int32_t* route_to_row;  // a route's row (the routed GEMM2's y row), -1: none (its token's slices are NaN)
-  const float* topk_weights;
+  const float* topk_weights;    // null: weights 1 (combine_rows without weights: the backward's d_x)
   const uint16_t* shared;       // the shared expert's rows, row t = token t, [>= num_tokens, hidden] bf16, or null
   uint16_t* out;                // [num_tokens, hidden] bf16
   int32_t* token_done;          // [num_tokens, GEMM2's n-tiles], zero at launch
@@ -146,36 +146,36 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
-// One token's 256-column slice n of out, by one warp (lane l: 8 columns): combine_rows' sum, from y rows that other
-// CTAs of this launch may have stored (read from L2).
-MOK_DEVICE void combine_slice(const ChainLaunch& L, int token, int n_tile, uint32_t lane) {
+// One token's 256-column slice n of out, by one warp (lane l: 8 columns): combine_rows' sum, from rows that other
+// CTAs of this launch may have stored (read from L2). rows: the routed GEMM whose rows route_to_row names.
+MOK_DEVICE void combine_slice(const ChainCombine& cb, const Params& rows, int token, int n_tile, uint32_t lane) {
   static_assert(Gemm2::kTaskN == kWarpSize * moe::kVecElems, "a lane's 8 columns of a GEMM2 tile");
-  const ChainCombine& cb = L.combine;
-  const Params& p2 = L.group[kRoutedGroup].p2;  // the routed y rows; the shared rows have the same width
-  const int64_t vecs = p2.n / moe::kVecElems, vec = static_cast<int64_t>(n_tile) * kWarpSize + lane;
+  const int64_t vecs = rows.n / moe::kVecElems, vec = static_cast<int64_t>(n_tile) * kWarpSize + lane;
   if (vec >= vecs) return;
   const int64_t route0 = static_cast<int64_t>(token) * cb.num_topk, col = vec * moe::kVecElems;
+  const bool weighted = cb.topk_weights != nullptr;
   moe::Acc8 acc;
   moe::acc_zero(acc);
   bool bad = false;
   for (int k = 0; k < cb.num_topk; ++k) {  // increasing k: combine_rows' order
     const int64_t row = cb.route_to_row[route0 + k];
-    if (row < 0 || row >= p2.num_rows) {
+    if (row < 0 || row >= rows.num_rows) {
       bad = true;
       continue;
     }
-    moe::acc_add(acc, ptx::ld_cg_v4(p2.out + row * p2.n + col), cb.topk_weights[route0 + k], false);
+    moe::acc_add(acc, ptx::ld_cg_v4(rows.out + row * rows.n + col), weighted ? cb.topk_weights[route0 + k] : 1.0f,
+                 !weighted);
   }
-  const int64_t token_col = static_cast<int64_t>(token) * p2.n + col;
+  const int64_t token_col = static_cast<int64_t>(token) * rows.n + col;
   if (cb.shared != nullptr) moe::acc_add(acc, ptx::ld_cg_v4(cb.shared + token_col), 1.0f, true);
   if (bad) moe::acc_nan(acc);
   st_v4(cb.out + token_col, moe::acc_to_bf16(acc));
 }
 
-// After this warp stored rows [row0, row0 + 16) of tile n of a group's GEMM2 (p2): each real row counts for its
-// token's slice n, and the warp combines the slices it completed.
-MOK_DEVICE void combine_rows_done(const ChainLaunch& L, const Params& p2, int row0, int n_tile, uint32_t lane) {
-  const ChainCombine& cb = L.combine;
+// After this warp stored rows [row0, row0 + 16) of tile n of a group's GEMM (p: the routed or the shared one): each
+// real row counts for its token's slice n, and the warp combines the slices it completed (rows: the routed GEMM).
+MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p, const Params& rows, int row0, int n_tile,
+                                  uint32_t lane) {
   if (lane == 0) {
     ptx::bulk_wait_group<0>();  // this warp's stores of the tile have finished
     ptx::fence_proxy_async_global();
@@ -184,19 +184,19 @@ MOK_DEVICE void combine_rows_done(const ChainLaunch& L, const Params& p2, int ro
   int token = -1;
   bool last = false;
   if (lane < 16) {
-    token = p2.row_to_token[row0 + lane];  // -1: a padding row (the shared group's rows: token = row)
+    token = p.row_to_token[row0 + lane];  // -1: a padding row (the shared group's rows: token = row)
     if (token >= 0) {
       int count = cb.shared_counts;  // the rows a slice waits for: the token's routes with a row, and its shared row
-      const int32_t* rows = cb.route_to_row + static_cast<int64_t>(token) * cb.num_topk;
-      for (int k = 0; k < cb.num_topk; ++k) count += rows[k] >= 0;
-      int32_t* done = cb.token_done + static_cast<int64_t>(token) * p2.num_n_tiles + n_tile;
+      const int32_t* route_rows = cb.route_to_row + static_cast<int64_t>(token) * cb.num_topk;
+      for (int k = 0; k < cb.num_topk; ++k) count += route_rows[k] >= 0;
+      int32_t* done = cb.token_done + static_cast<int64_t>(token) * p.num_n_tiles + n_tile;
       last = ptx::atom_add_acq_rel_gpu(done, 1) == count - 1;
     }
   }
   for (uint32_t left = __ballot_sync(kFullMask, last); left != 0; left &= left - 1) {
     const int t = __shfl_sync(kFullMask, token, __ffs(left) - 1);
     __syncwarp();  // the lane that counted last acquired the other rows' stores: ordered before every lane's loads
-    combine_slice(L, t, n_tile, lane);
+    combine_slice(cb, rows, t, n_tile, lane);
   }
 }
 
@@ -253,7 +253,8 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       const Outputs out2{&g.maps.y, nullptr, nullptr};
       epilogue2.finish(acc0, acc1, g.p2, out2, staging, row0, t.n_tile * Gemm2::kTaskN, t.expert, lane);
       epilogue2.store_rest(g.p2, out2, staging, lane);
-      if (L.combine.out != nullptr) combine_rows_done(L, g.p2, row0, t.n_tile, lane);
+      if (L.combine.out != nullptr)
+        combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2, row0, t.n_tile, lane);
     }
   });
   signal();

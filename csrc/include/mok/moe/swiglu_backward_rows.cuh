@@ -44,65 +44,83 @@ MOK_DEVICE uint4 load_gate_up8(const void* m, const uint8_t* scales, int64_t at)
 // h is written as bf16(w·h) (d_w_down's operand beside the unweighted d_out rows: Σ d_outᵀ·(w·h) = Σ dyᵀ·h), and
 // d_topk_weights[row_to_route[r]] = Σ_i g[i]·bf16(h[i]) (= ⟨d_out[t], y[t, k]⟩, DESIGN §3, without y): each lane
 // sums its vectors in column order, then a fixed butterfly over the warp, so the bits do not depend on the grid.
-//
-// One warp per row, grid-stride over rows; lane l takes the row's 8-column vectors l, l + 32, ...
+struct SwiGLUBackwardRows {
+  const uint16_t* d_h;
+  const void *gate, *up;
+  const uint8_t *gate_scales, *up_scales;  // kMx: the row-wise scales of gate, up
+  const int32_t* row_to_token;
+  const float* route_weights;  // null: no route gradients (row_to_route, d_topk_weights unused)
+  const int64_t* row_to_route;
+  float* d_topk_weights;
+  uint16_t *d_gate, *d_up, *h;
+  int64_t n;
+  float limit;
+  bool has_limit;
+};
+
+// Row r by one warp (lane l takes the row's 8-column vectors l, l + 32, ...). load_d_h(at) reads d_h's 8 elements
+// at `at` (the kernel: a plain load, d_h may alias d_gate; the chain kernel: from L2, another CTA wrote them).
+template <bool kMx, typename LoadDh>
+MOK_DEVICE void swiglu_backward_row(const SwiGLUBackwardRows& a, int64_t r, int lane, LoadDh load_d_h) {
+  const int64_t n = a.n;
+  const bool real = a.row_to_token[r] >= 0;
+  const int64_t route = real && a.route_weights != nullptr ? a.row_to_route[r] : -1;
+  const float w = route >= 0 ? a.route_weights[route] : 1.0f;
+  float dot = 0.0f;
+  for (int64_t at = r * n + lane * 8; at < (r + 1) * n; at += kWarpSize * 8) {
+    uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
+    if (real) {
+      const uint4 dh4 = load_d_h(at);
+      const uint4 g4 = load_gate_up8<kMx>(a.gate, a.gate_scales, at), u4 = load_gate_up8<kMx>(a.up, a.up_scales, at);
+      const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
+      const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
+      float g[8], u[8], dh[8], dg[8];  // element 2i + j = word i's half j (j = 0: low)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        g[2 * i] = bf16_lo_as_f32(g_w[i]), g[2 * i + 1] = bf16_hi_as_f32(g_w[i]);
+        u[2 * i] = bf16_lo_as_f32(u_w[i]), u[2 * i + 1] = bf16_hi_as_f32(u_w[i]);
+        dg[2 * i] = bf16_lo_as_f32(dh_w[i]), dg[2 * i + 1] = bf16_hi_as_f32(dh_w[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dh[i] = route >= 0 ? w * dg[i] : dg[i];
+      swiglu_backward_n(g, u, dh, a.limit, a.has_limit);  // g, u, dh <- d_gate, d_up, h
+      if (route >= 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dot = fmaf(dg[i], __bfloat162float(__float2bfloat16_rn(dh[i])), dot);  // ⟨g, h⟩, h as GEMM2 read it
+          dh[i] = w * dh[i];
+        }
+      }
+      out_g = make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
+                         pack_bf16x2(g[6], g[7]));
+      out_u = make_uint4(pack_bf16x2(u[0], u[1]), pack_bf16x2(u[2], u[3]), pack_bf16x2(u[4], u[5]),
+                         pack_bf16x2(u[6], u[7]));
+      out_h = make_uint4(pack_bf16x2(dh[0], dh[1]), pack_bf16x2(dh[2], dh[3]), pack_bf16x2(dh[4], dh[5]),
+                         pack_bf16x2(dh[6], dh[7]));
+    }
+    st_v4(a.d_gate + at, out_g);
+    st_v4(a.d_up + at, out_u);
+    st_v4(a.h + at, out_h);
+  }
+  if (a.route_weights != nullptr) {  // warp-uniform
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(kFullMask, dot, offset);
+    if (lane == 0 && route >= 0) a.d_topk_weights[route] = dot;
+  }
+}
+
+// One warp per row, grid-stride over rows.
 template <bool kMx>
 __global__ void __launch_bounds__(kSwiGLUThreads)
-    swiglu_backward_rows_kernel(const uint16_t* d_h, const void* gate, const void* up, const uint8_t* gate_scales,
-                                const uint8_t* up_scales, const int32_t* row_to_token, const int32_t* real_num_rows,
-                                const float* route_weights, const int64_t* row_to_route, float* d_topk_weights,
-                                uint16_t* d_gate, uint16_t* d_up, uint16_t* h, int64_t num_rows, int64_t n,
-                                float limit, bool has_limit) {
+    swiglu_backward_rows_kernel(const SwiGLUBackwardRows a, const int32_t* real_num_rows, int64_t num_rows) {
   if (real_num_rows != nullptr && *real_num_rows < num_rows) num_rows = *real_num_rows < 0 ? 0 : *real_num_rows;
   const int lane = static_cast<int>(lane_id());
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarpSize);
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
-       r < num_rows; r += warps) {
-    const bool real = row_to_token[r] >= 0;
-    const int64_t route = real && route_weights != nullptr ? row_to_route[r] : -1;
-    const float w = route >= 0 ? route_weights[route] : 1.0f;
-    float dot = 0.0f;
-    for (int64_t at = r * n + lane * 8; at < (r + 1) * n; at += kWarpSize * 8) {
-      uint4 out_g = make_uint4(0, 0, 0, 0), out_u = out_g, out_h = out_g;
-      if (real) {
-        const uint4 dh4 = *reinterpret_cast<const uint4*>(d_h + at);  // plain load: d_h may alias d_gate
-        const uint4 g4 = load_gate_up8<kMx>(gate, gate_scales, at), u4 = load_gate_up8<kMx>(up, up_scales, at);
-        const uint32_t dh_w[4] = {dh4.x, dh4.y, dh4.z, dh4.w}, g_w[4] = {g4.x, g4.y, g4.z, g4.w};
-        const uint32_t u_w[4] = {u4.x, u4.y, u4.z, u4.w};
-        float g[8], u[8], dh[8], dg[8];  // element 2i + j = word i's half j (j = 0: low)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          g[2 * i] = bf16_lo_as_f32(g_w[i]), g[2 * i + 1] = bf16_hi_as_f32(g_w[i]);
-          u[2 * i] = bf16_lo_as_f32(u_w[i]), u[2 * i + 1] = bf16_hi_as_f32(u_w[i]);
-          dg[2 * i] = bf16_lo_as_f32(dh_w[i]), dg[2 * i + 1] = bf16_hi_as_f32(dh_w[i]);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dh[i] = route >= 0 ? w * dg[i] : dg[i];
-        swiglu_backward_n(g, u, dh, limit, has_limit);  // g, u, dh <- d_gate, d_up, h
-        if (route >= 0) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            dot = fmaf(dg[i], __bfloat162float(__float2bfloat16_rn(dh[i])), dot);  // ⟨g, h⟩, h as GEMM2 read it
-            dh[i] = w * dh[i];
-          }
-        }
-        out_g = make_uint4(pack_bf16x2(g[0], g[1]), pack_bf16x2(g[2], g[3]), pack_bf16x2(g[4], g[5]),
-                           pack_bf16x2(g[6], g[7]));
-        out_u = make_uint4(pack_bf16x2(u[0], u[1]), pack_bf16x2(u[2], u[3]), pack_bf16x2(u[4], u[5]),
-                           pack_bf16x2(u[6], u[7]));
-        out_h = make_uint4(pack_bf16x2(dh[0], dh[1]), pack_bf16x2(dh[2], dh[3]), pack_bf16x2(dh[4], dh[5]),
-                           pack_bf16x2(dh[6], dh[7]));
-      }
-      st_v4(d_gate + at, out_g);
-      st_v4(d_up + at, out_u);
-      st_v4(h + at, out_h);
-    }
-    if (route_weights != nullptr) {  // warp-uniform
-#pragma unroll
-      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(kFullMask, dot, offset);
-      if (lane == 0 && route >= 0) d_topk_weights[route] = dot;
-    }
-  }
+       r < num_rows; r += warps)
+    swiglu_backward_row<kMx>(a, r, lane, [&](int64_t at) {
+      return *reinterpret_cast<const uint4*>(a.d_h + at);  // plain load: d_h may alias d_gate
+    });
 }
 
 // rows = the row buffers' rows (the grid is sized for them); real_num_rows: int32 [1] on the device or null;
@@ -128,11 +146,12 @@ inline cudaError_t launch_swiglu_backward_rows(const void* d_h, const void* gate
   const int64_t blocks_needed = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t resident = static_cast<int64_t>(num_sms) * (2048 / kSwiGLUThreads);
   const int grid = static_cast<int>(blocks_needed < resident ? blocks_needed : resident);
+  const SwiGLUBackwardRows a{static_cast<const uint16_t*>(d_h), gate, up, static_cast<const uint8_t*>(gate_scales),
+                             static_cast<const uint8_t*>(up_scales), row_to_token, route_weights, row_to_route,
+                             d_topk_weights, static_cast<uint16_t*>(d_gate), static_cast<uint16_t*>(d_up),
+                             static_cast<uint16_t*>(h), n, limit, has_limit};
   (mx ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>)<<<grid, kSwiGLUThreads, 0, stream>>>(
-      static_cast<const uint16_t*>(d_h), gate, up, static_cast<const uint8_t*>(gate_scales),
-      static_cast<const uint8_t*>(up_scales), row_to_token, real_num_rows, route_weights, row_to_route,
-      d_topk_weights, static_cast<uint16_t*>(d_gate),
-      static_cast<uint16_t*>(d_up), static_cast<uint16_t*>(h), num_rows, n, limit, has_limit);
+      a, real_num_rows, num_rows);
   return cudaGetLastError();
 }
 

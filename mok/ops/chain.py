@@ -1,0 +1,213 @@
+"""The chain kernels (csrc/include/mok/gemm/chain.cuh, chain_backward.cuh): the megakernel level's passes at EP = 1,
+each one persistent launch of several of mok.ops.gemm's kinds whose tasks wait on device counters, with the bits of
+those kinds launched one by one (docs/gemm.md, docs/megakernel.md).
+
+    grouped_gemm_bf16_chain            GEMM1 and GEMM2, the shared expert's and the combine optional
+    grouped_gemm_bf16_chain_backward   the layer's backward (BF16): down dgrad, SwiGLU backward, gate/up dgrad with
+                                       the combine of d_x, the three weight gradients, the shared expert's too
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok.checks import check_cuda, check_layout, fail
+from mok.ops.core import load_extension
+from mok.ops.gemm import (
+    GEMM_BLOCK_M,
+    GEMM_DOWN_TILE_N,
+    GEMM_K_ALIGN,
+    _check_devices,
+    _check_gemm_dim,
+    _check_limit,
+    _check_num_sms,
+    _gemm1_args,
+    _limit_kwargs,
+    _rowwise_mx_buffer,
+    gemm_schedule_kwargs,
+    gemm_schedule_tensors,
+    weight_grad_schedule_tensors,
+)
+from mok.ops.quant import BLOCK_SIZE
+from mok.schedule import make_schedule
+
+
+def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
+                            swiglu_limit: float | None = None, num_sms: int | None = None,
+                            topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
+                            shared_weights: tuple | None = None, shared_sched=None,
+                            shared_x: torch.Tensor | None = None, mx_out: bool = False):
+    """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
+    grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
+    soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
+    intermediate].
+    - shared_weights (w_shared_gate [I_sh, H], w_shared_up, w_shared_down [H, I_sh]): the shared expert's GEMM1 and
+      GEMM2 in the same launch, over the tokens in order (rows padded to 128): what the fused level computes for it;
+      shared_sched: that schedule (mok.fused.shared_schedule, cached), or None: built here (one host sync);
+      shared_x: its input, or None: x (the MXFP8 forward's shared expert reads BF16 x, GEMM1 x's round trip).
+    - topk_weights (fp32 [num_tokens, num_topk]): GEMM2's tiles also finish the combine, out = combine_rows(y_rows,
+      sched.route_to_row, topk_weights, shared) bit for bit, each token's 256 columns summed by the tile that stores
+      the last of its rows; shared: the shared expert's rows (bf16 [num_tokens, hidden]) or None, or with
+      shared_weights its y computed here.
+    - mx_out: GEMM1 as grouped_gemm_bf16_swiglu_gather_mxfp8_out (the MXFP8 forward: h its row-wise round trip,
+      gate and up quantized row-wise, (data, scales) each); the shared expert stays BF16 (DESIGN §4).
+    Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None,
+    the shared expert's (y, h, gate, up) [R_sh, ·] or None), bf16 but for mx_out's gate and up."""
+    intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
+                                       intermediate_multiple=BLOCK_SIZE if mx_out else GEMM_K_ALIGN)
+    T, hidden = x.shape
+    check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
+                 "[num_experts, hidden, intermediate]")
+    _check_devices(x.device, w_down=w_down)
+    shared_expert, shared_rows = None, None
+    if shared_weights is not None:
+        if shared_x is not None:
+            check_layout("shared_x", shared_x, torch.bfloat16, tuple(x.shape), "[num_tokens, hidden] (x's)")
+            _check_devices(x.device, shared_x=shared_x)
+        shared_expert, shared_rows = _chain_shared_expert(x if shared_x is None else shared_x, shared_weights,
+                                                          shared_sched)
+        if shared is not None:
+            fail("shared", "None with shared_weights (the shared expert's rows are computed here)", "a tensor")
+        shared = shared_rows[0] if topk_weights is not None else None
+    route_to_row, out, token_done = None, None, None  # the combine's, with topk_weights
+    if topk_weights is not None:
+        K = sched.num_topk
+        check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
+        check_cuda("topk_weights", topk_weights, x.device, "x's")
+        if shared is not None and shared_weights is None:
+            check_layout("shared", shared, torch.bfloat16, (T, hidden), "[num_tokens, hidden]")
+            check_cuda("shared", shared, x.device, "x's", aligned=True)
+        route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
+        if shared_weights is not None:  # every token's slices complete (its shared row counts): all written
+            out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
+        else:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows gives it
+            out = torch.full((T, hidden), float("nan"), dtype=torch.bfloat16, device=x.device)  # [T, H]
+        token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
+    elif shared is not None:
+        fail("shared", "None without topk_weights (no combine)", "a tensor")
+    h = torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)  # [num_rows, I]
+    if mx_out:  # one buffer each (data, then scales) and its views
+        (gate_buffer, gate), (up_buffer, up) = (_rowwise_mx_buffer(sched.num_rows, intermediate, x.device)
+                                                for _ in range(2))
+    else:
+        gate_buffer, up_buffer = (torch.empty_like(h) for _ in range(2))  # [num_rows, I] each
+        gate, up = gate_buffer, up_buffer
+    y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
+    h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
+    load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
+                                             up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
+                                             route_to_row=route_to_row, topk_weights=topk_weights, shared=shared,
+                                             out=out, token_done=token_done, mx_out=mx_out, **kwargs)
+    return y_rows, h, gate, up, out, shared_rows
+
+
+def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, tuple]:
+    """The shared expert's tensors as the chain binding takes them (its input x, its weights as one expert, its
+    schedule of the tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]."""
+    if not isinstance(weights, (tuple, list)) or len(weights) != 3:
+        fail("shared_weights", "(w_shared_gate, w_shared_up, w_shared_down)", type(weights).__name__)
+    ws_gate, ws_up, ws_down = weights
+    T, hidden = x.shape
+    check_layout("w_shared_gate", ws_gate, torch.bfloat16, (None, hidden), "[shared_intermediate, hidden]")
+    I_sh = ws_gate.shape[0]
+    _check_gemm_dim("w_shared_gate", I_sh, "shared_intermediate (dim 0)")
+    check_layout("w_shared_up", ws_up, torch.bfloat16, (I_sh, hidden), "[shared_intermediate, hidden]")
+    check_layout("w_shared_down", ws_down, torch.bfloat16, (hidden, I_sh), "[hidden, shared_intermediate]")
+    _check_devices(x.device, w_shared_gate=ws_gate, w_shared_up=ws_up, w_shared_down=ws_down)
+    sh = make_schedule(torch.zeros(T, 1, dtype=torch.int64, device=x.device), 1) if sched is None else sched
+    if sh.num_experts != 1 or sh.num_tokens != T or sh.num_topk != 1:
+        fail("shared_sched", f"the one-expert schedule of the {T} tokens in order", f"{sh.num_experts} experts, "
+             f"{sh.num_tokens} tokens, {sh.num_topk} routes each")
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sh, x.device)
+    rows = [torch.empty(sh.num_rows, width, dtype=torch.bfloat16, device=x.device)
+            for width in (hidden, I_sh, I_sh, I_sh)]  # y, h, gate, up
+    h_ready = torch.zeros(sh.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)
+    tensors = [x, ws_gate[None], ws_up[None], ws_down[None], row_to_token, tile_to_expert, *rows[1:], rows[0], h_ready]
+    return tensors, tuple(rows)
+
+
+def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name: str) -> tuple[list, dict]:
+    """One expert group's tensors as the backward chain's binding takes them (checked; outputs allocated) and its
+    outputs by name: d_gate, d_up, h [num_rows, I]; dx_rows [num_rows, H]; d_w_gate, d_w_up [E, I, H], d_w_down
+    [E, H, I]. name: how errors call the group ("" for the routed experts, "shared " for the shared expert)."""
+    check_layout(f"{name}dy_rows", dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
+    hidden = dy_rows.shape[1]
+    _check_gemm_dim(f"{name}dy_rows", hidden, "hidden (dim 1)")
+    check_layout(f"{name}x_rows", x_rows, torch.bfloat16, (sched.num_rows, hidden), "[num_rows, hidden]")
+    check_layout(f"{name}w_gate", w_gate, torch.bfloat16, (sched.num_experts, None, hidden),
+                 "[num_experts, intermediate, hidden]")
+    intermediate = w_gate.shape[1]
+    _check_gemm_dim(f"{name}w_gate", intermediate, "intermediate (dim 1)")
+    check_layout(f"{name}w_up", w_up, torch.bfloat16, tuple(w_gate.shape), "[num_experts, intermediate, hidden]")
+    check_layout(f"{name}w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
+                 "[num_experts, hidden, intermediate]")
+    for what, t in (("gate", gate), ("up", up)):
+        check_layout(f"{name}{what}", t, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    _check_devices(dy_rows.device, **{f"{name}x_rows": x_rows, f"{name}w_gate": w_gate, f"{name}w_up": w_up,
+                                      f"{name}w_down": w_down, f"{name}gate": gate, f"{name}up": up})
+    if sched.block_m % GEMM_BLOCK_M:
+        fail(f"{name}sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
+    device, E, R = dy_rows.device, sched.num_experts, sched.num_rows
+    out = {"d_gate": torch.empty_like(gate), "d_up": torch.empty_like(gate), "h": torch.empty_like(gate),
+           "dx_rows": torch.empty_like(dy_rows),
+           "d_w_gate": torch.empty_like(w_gate), "d_w_up": torch.empty_like(w_gate),
+           "d_w_down": torch.empty_like(w_down)}
+    row_to_token, tile_to_expert = gemm_schedule_tensors(sched, device)
+    offsets, expert_rows = weight_grad_schedule_tensors(sched, device)  # [E + 1], [E]
+    counters = torch.zeros(2 * (R // GEMM_BLOCK_M) + E, dtype=torch.int32, device=device)
+    tensors = [dy_rows, x_rows, w_gate, w_up, w_down, gate, up, *out.values(), row_to_token, tile_to_expert, offsets,
+               expert_rows, counters]
+    return tensors, out
+
+
+def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor, w_gate: torch.Tensor,
+                                     w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                                     topk_weights: torch.Tensor, sched, swiglu_limit: float | None = None,
+                                     num_sms: int | None = None, shared=None) -> tuple:
+    """The layer's expert backward in BF16 in one persistent launch: the fused level's backward kernels over the
+    routed schedule and, with `shared`, the shared expert's, and the combine of d_x, with their bits:
+        (d_gate, d_up, h, d_topk_weights) = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
+                                                                                        topk_weights, sched)
+        d_w_down = weight_grad(dy_rows, h); d_w_gate = weight_grad(d_gate, x_rows); d_w_up = weight_grad(d_up, x_rows)
+        dx_rows = grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched)
+        d_x = combine_rows(dx_rows, sched.route_to_row, None, the shared expert's dx rows [: num_tokens])
+    the shared expert's steps the same (grouped_gemm_bf16_dgrad_swiglu: no route weights) over its one-expert schedule.
+    dy_rows: the unweighted d_out rows (gather_rows_cuda(d_out, sched)), x_rows: x's rows (gather_rows_cuda(x,
+    sched)), [num_rows, hidden]; gate, up: the forward's [num_rows, intermediate]; topk_weights fp32 [num_tokens,
+    num_topk]. shared: None, or (dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched) of the shared expert, its
+    weights as one expert ([1, ...]) and its schedule of the tokens in order (fused.shared_schedule).
+    Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row),
+    [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or None)."""
+    _check_limit(swiglu_limit)
+    sms = _check_num_sms(num_sms)
+    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "")
+    T, K = sched.num_tokens, sched.num_topk
+    check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
+    check_cuda("topk_weights", topk_weights, dy_rows.device, "dy_rows'")
+    shared_tensors, shared_out = None, None
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 8:
+            fail("shared", "(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched) of the shared expert",
+                 type(shared).__name__)
+        sh = shared[7]
+        if sh.num_experts != 1 or sh.num_tokens != T or sh.num_topk != 1:
+            fail("shared", f"a one-expert schedule of the {T} tokens in order", f"{sh.num_experts} experts, "
+                 f"{sh.num_tokens} tokens, {sh.num_topk} routes each")
+        shared_tensors, shared_out = _backward_group(*shared, "shared ")
+        if shared_out["dx_rows"].shape[1] != dy_rows.shape[1]:
+            fail("shared dy_rows", f"hidden {dy_rows.shape[1]} (dy_rows')", shared_out["dx_rows"].shape[1])
+    hidden = dy_rows.shape[1]
+    d_topk_weights = torch.full_like(topk_weights, float("nan"))  # [T, K]: every route with a row is written
+    d_x = torch.empty(T, hidden, dtype=torch.bfloat16, device=dy_rows.device)  # [T, H]
+    if shared is None:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows
+        d_x.fill_(float("nan"))
+    token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=dy_rows.device)
+    counts = gemm_schedule_kwargs(sched, dy_rows.device)["counts"]
+    load_extension().grouped_gemm_bf16_chain_backward(
+        routed=tensors, counts=counts, topk_weights=topk_weights,
+        row_to_route=sched.row_to_route.to(dy_rows.device).contiguous(), d_topk_weights=d_topk_weights,
+        shared=shared_tensors, route_to_row=sched.route_to_row.to(dy_rows.device, torch.int32), d_x=d_x,
+        token_done=token_done, **_limit_kwargs(swiglu_limit), num_sms=sms)
+    d_w = [out["d_w_gate"], out["d_w_up"], out["d_w_down"]]
+    d_w_shared = None if shared_out is None else [shared_out["d_w_gate"], shared_out["d_w_up"], shared_out["d_w_down"]]
+    return d_x, d_topk_weights, d_w, d_w_shared
