@@ -281,6 +281,56 @@ def test_chain_is_gemm1_then_gemm2_bit_for_bit(case):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_chain_backward_is_the_launches_bit_for_bit(case):
+    """The expert backward in one launch (the dgrad and SwiGLU backward, the gate/up dgrad with d_x's combine, the
+    weight gradients, on device counters) stores the bits of the launches one by one: the routed experts alone and
+    with a shared expert, at grids of 1 CTA, 3, 7 and every SM. Outputs poisoned first: a counter bug shows as a
+    timeout fault, a NaN or a tile left unwritten."""
+    seed = fresh_seed()
+    cfg = CHAIN_CASES[case]
+    inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(CASES[case][1]) if case in CASES else None)
+    sched = make_schedule(inputs["topk_idx"], cfg.num_experts).to("cuda")
+    x, wg, wu, wd, w = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down", "topk_weights"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d_out = torch.randn(cfg.num_tokens, cfg.hidden, generator=g, device="cuda").bfloat16()
+    _, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=0.75)
+    dy_rows, x_rows = ops.gather_rows_cuda(d_out, sched), ops.gather_rows_cuda(x, sched)
+    d_gate, d_up, h, d_tw = ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, wd, gate, up, w, sched,
+                                                                           swiglu_limit=0.75)
+    wgrad = ops.grouped_gemm_bf16_weight_grad
+    want_w = [wgrad(d_gate, x_rows, sched), wgrad(d_up, x_rows, sched), wgrad(dy_rows, h, sched)]
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched)
+    I_sh = 192  # the shared expert: its own width, weights drawn here
+    ws = tuple((torch.randn(*shape, generator=g, device="cuda") / shape[1] ** 0.5).bfloat16()[None]
+               for shape in ((I_sh, cfg.hidden), (I_sh, cfg.hidden), (cfg.hidden, I_sh)))
+    sh = make_schedule(torch.zeros(cfg.num_tokens, 1, dtype=torch.int64), 1).to("cuda")  # the tokens in order
+    _, gate_sh, up_sh = ops.grouped_gemm_bf16_swiglu_gather(x, ws[0], ws[1], sh, swiglu_limit=0.75)
+    dy_sh, x_sh = (ops.gather_rows_cuda(t, sh) for t in (d_out, x))
+    dg_sh, du_sh, h_sh = ops.grouped_gemm_bf16_dgrad_swiglu(dy_sh, ws[2], gate_sh, up_sh, sh, swiglu_limit=0.75)
+    want_w_sh = [wgrad(dg_sh, x_sh, sh), wgrad(du_sh, x_sh, sh), wgrad(dy_sh, h_sh, sh)]
+    dx_sh = ops.grouped_gemm_bf16_dgrad_gate_up(dg_sh, du_sh, ws[0], ws[1], sh)[: cfg.num_tokens]
+    shared = (dy_sh, x_sh, *ws, gate_sh, up_sh, sh)
+    want = {False: ops.combine_rows(dx_rows, sched.route_to_row, None, None),
+            True: ops.combine_rows(dx_rows, sched.route_to_row, None, dx_sh)}
+    same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # noqa: E731
+    for num_sms, with_shared in ((1, True), (3, False), (7, True), (None, True), (None, False)):
+        poison_allocator(2 * sched.num_rows * (3 * cfg.intermediate + 2 * cfg.hidden) * 2)
+        d_x, d_topk, d_w, d_w_sh = ops.grouped_gemm_bf16_chain_backward(
+            dy_rows, x_rows, wg, wu, wd, gate, up, w, sched, swiglu_limit=0.75, num_sms=num_sms,
+            shared=shared if with_shared else None)
+        where = f"{case} shared={with_shared} num_sms={num_sms} (seed {seed})"
+        assert same(d_x, want[with_shared]), f"d_x: {where}"
+        assert torch.equal(d_topk.view(torch.int32), d_tw.view(torch.int32)), f"d_topk_weights: {where}"
+        for name, a, b in zip(("d_w_gate", "d_w_up", "d_w_down"), d_w, want_w):
+            assert same(a, b), f"{name}: {where}"
+        assert (d_w_sh is None) != with_shared, where
+        for name, a, b in zip(("d_w_gate", "d_w_up", "d_w_down"), d_w_sh or (), want_w_sh):
+            assert same(a, b), f"shared {name}: {where}"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("case", list(CASES))
 def test_dgrad_swiglu_matches_l0(case, limit):
