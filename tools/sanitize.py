@@ -11,8 +11,8 @@ expert a full tile and a short tail.
 
 The word `rounding` also runs routing.round_to_tiles' kernels (the prep, the rounds and the end game) on end games
 with swaps, against the CPU's routing; the other words skip it. synccheck is the tool for their barriers. The word
-`chain` runs the forward in one launch (mok.megakernel: GEMM1, GEMM2 and the combine on counters between CTAs)
-against the fused level's out, at a grid of 3 and the full grid.
+`chain` runs the megakernel level (mok.megakernel: each pass one launch, its tasks on counters between CTAs) against
+the fused level's out and gradients, at a grid of 3 and the full grid.
 """
 
 import sys
@@ -48,14 +48,15 @@ for name, precision, mx_weights in CASES:
     worst = max(errors)
     assert worst <= TOLERANCE[precision], f"{name} {precision}: worst rel_err {worst:.3e}"
     print(f"{name} {precision} ({mx_weights}): fused == L0 within tolerance (worst rel_err {worst:.2e})", flush=True)
-if not words or "chain" in words:  # the forward in one launch: counters between CTAs (h rows, the combine's slices)
+if not words or "chain" in words:  # the passes in one launch: counters between CTAs (rows, the combines' slices)
     for name, precision in [("tiny", "bf16"), ("tiny-top8", "mxfp8"), ("tails", "bf16")]:
         routing_fn = testing.routing_of("tails") if name == "tails" else None
         inputs = testing.make_inputs(SHAPES[name], device="cuda", seed=1, draw_on="cuda", routing_fn=routing_fn)
-        args = testing.moe_args(inputs)
         for num_sms in (3, None):
-            want, _ = fused.forward(*args, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
-            got, _ = megakernel.forward(*args, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
+            want = testing.run_level(fused, inputs, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
+            got = testing.run_level(megakernel, inputs, precision=precision, swiglu_limit=1.0, num_sms=num_sms)
             torch.cuda.synchronize()
-            assert testing.bitwise_equal(got, want), f"chain {name} {precision} num_sms={num_sms}: not fused's out"
-        print(f"chain {name} {precision}: the forward in one launch gives the fused level's out", flush=True)
+            for i, (a, b) in enumerate(zip((got[0], *got[1]), (want[0], *want[1]))):
+                same = a is None if b is None else testing.bitwise_equal(a, b)
+                assert same, f"chain {name} {precision} num_sms={num_sms}: output {i} not the fused level's"
+        print(f"chain {name} {precision}: both passes in one launch give the fused level's bits", flush=True)
