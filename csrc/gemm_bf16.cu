@@ -72,30 +72,14 @@ cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs*
   gemm::BackwardGroupArgs& g = *out;
   g = {};
   g.w_down = d.w_down, g.w_gate = gu.w_gate, g.w_up = gu.w_up, g.num_experts = d.num_experts;
-  g.dgrad = gemm::rows_params(a.sched);
-  g.dgrad.a = static_cast<const uint16_t*>(d.dy_rows);
-  g.dgrad.out = static_cast<uint16_t*>(d.d_gate);
-  g.dgrad.n = static_cast<int>(d.intermediate);
-  g.dgrad.k = static_cast<int>(d.hidden);
-  g.gate_up_dgrad = gemm::rows_params(a.sched);
-  g.gate_up_dgrad.a = static_cast<const uint16_t*>(gu.d_gate);
-  g.gate_up_dgrad.a2 = static_cast<const uint16_t*>(gu.d_up);
-  g.gate_up_dgrad.out = static_cast<uint16_t*>(gu.dx_rows);
-  g.gate_up_dgrad.n = static_cast<int>(gu.hidden);
-  g.gate_up_dgrad.k = static_cast<int>(gu.intermediate);
+  g.dgrad = gemm::down_dgrad_params(d, a.sched);
+  g.gate_up_dgrad = gemm::gate_up_dgrad_params(gu, a.sched);
   for (int w = 0; w < 3; ++w) {
     const WeightGrad& wg = a.wgrad[w];
     if (wg.a_rows != want_a[w] || wg.b_rows != want_b[w] || wg.num_rows != a.sched.num_rows ||
         wg.num_experts != d.num_experts)
       return cudaErrorInvalidValue;
-    gemm::Params& p = g.wgrad[w];
-    p.a = static_cast<const uint16_t*>(wg.a_rows);
-    p.expert_offsets = wg.expert_offsets;
-    p.expert_rows = wg.expert_rows;
-    p.out = static_cast<uint16_t*>(wg.d_w);
-    p.num_rows = static_cast<int>(wg.num_rows);
-    p.m = static_cast<int>(wg.m);
-    p.n = static_cast<int>(wg.n);
+    g.wgrad[w] = gemm::weight_grad_params(wg);
     g.b_rows[w] = wg.b_rows;
   }
   g.rows = {static_cast<const uint16_t*>(d.d_gate), d.gate, d.up, nullptr, nullptr, a.sched.row_to_token,
@@ -130,13 +114,8 @@ namespace {
 // writes d_up and h. gate/up: bf16, or row-wise MXFP8 data with args' scales (null: bf16).
 cudaError_t dgrad_then_swiglu(const DownDgradSwiGLU& args, const RowSchedule& sched, int num_sms,
                               cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.dy_rows);
-  p.out = static_cast<uint16_t*>(args.d_gate);
-  p.n = static_cast<int>(args.intermediate);
-  p.k = static_cast<int>(args.hidden);
-  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(args.w_down, args.w_down,
-                                                                            args.num_experts, p, num_sms, stream);
+  cudaError_t err = gemm::launch_grouped_gemm_bf16<gemm::Gemm::kDownDgrad>(
+      args.w_down, args.w_down, args.num_experts, gemm::down_dgrad_params(args, sched), num_sms, stream);
   if (err) return err;
   return moe::launch_swiglu_backward_rows(args.d_gate, args.gate, args.up, sched.row_to_token, sched.real_num_rows,
                                           args.d_gate, args.d_up, args.h, sched.num_rows, args.intermediate,
@@ -170,27 +149,13 @@ cudaError_t grouped_gemm_bf16_dgrad_swiglu_mxfp8(const DownDgradSwiGLU& args, co
 
 cudaError_t grouped_gemm_bf16_dgrad_gate_up(const GateUpDgrad& args, const RowSchedule& sched, int num_sms,
                                             cudaStream_t stream) {
-  gemm::Params p = gemm::rows_params(sched);
-  p.a = static_cast<const uint16_t*>(args.d_gate);
-  p.a2 = static_cast<const uint16_t*>(args.d_up);
-  p.out = static_cast<uint16_t*>(args.dx_rows);
-  p.n = static_cast<int>(args.hidden);
-  p.k = static_cast<int>(args.intermediate);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(args.w_gate, args.w_up, args.num_experts, p,
-                                                                  num_sms, stream);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kGateUpDgrad>(
+      args.w_gate, args.w_up, args.num_experts, gemm::gate_up_dgrad_params(args, sched), num_sms, stream);
 }
 
 cudaError_t grouped_gemm_bf16_weight_grad(const WeightGrad& args, int num_sms, cudaStream_t stream) {
-  gemm::Params p{};
-  p.a = static_cast<const uint16_t*>(args.a_rows);
-  p.expert_offsets = args.expert_offsets;
-  p.expert_rows = args.expert_rows;
-  p.out = static_cast<uint16_t*>(args.d_w);
-  p.num_rows = static_cast<int>(args.num_rows);
-  p.m = static_cast<int>(args.m);
-  p.n = static_cast<int>(args.n);
-  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(args.b_rows, args.b_rows, args.num_experts, p,
-                                                                 num_sms, stream);
+  return gemm::launch_grouped_gemm_bf16<gemm::Gemm::kWeightGrad>(args.b_rows, args.b_rows, args.num_experts,
+                                                                 gemm::weight_grad_params(args), num_sms, stream);
 }
 
 }  // namespace mok

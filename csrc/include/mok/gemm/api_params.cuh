@@ -31,4 +31,39 @@ inline Params down_params(const DownGemm& args, const RowSchedule& sched) {
   return p;
 }
 
+// The down dgrad: out (d_gate's buffer) [num_rows, intermediate] = dy_rows [num_rows, hidden] · Wd[e].
+inline Params down_dgrad_params(const DownDgradSwiGLU& args, const RowSchedule& sched) {
+  Params p = rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.dy_rows);
+  p.out = static_cast<uint16_t*>(args.d_gate);
+  p.n = static_cast<int>(args.intermediate);
+  p.k = static_cast<int>(args.hidden);
+  return p;
+}
+
+// The gate/up dgrad: dx_rows [num_rows, hidden] from d_gate, d_up [num_rows, intermediate].
+inline Params gate_up_dgrad_params(const GateUpDgrad& args, const RowSchedule& sched) {
+  Params p = rows_params(sched);
+  p.a = static_cast<const uint16_t*>(args.d_gate);
+  p.a2 = static_cast<const uint16_t*>(args.d_up);
+  p.out = static_cast<uint16_t*>(args.dx_rows);
+  p.n = static_cast<int>(args.hidden);
+  p.k = static_cast<int>(args.intermediate);
+  return p;
+}
+
+// A weight gradient: d_w [num_experts, m, n] over each expert's segment of a_rows and b_rows (B: the launch's
+// w_b0 = w_b1 = args.b_rows).
+inline Params weight_grad_params(const WeightGrad& args) {
+  Params p{};
+  p.a = static_cast<const uint16_t*>(args.a_rows);
+  p.expert_offsets = args.expert_offsets;
+  p.expert_rows = args.expert_rows;
+  p.out = static_cast<uint16_t*>(args.d_w);
+  p.num_rows = static_cast<int>(args.num_rows);
+  p.m = static_cast<int>(args.m);
+  p.n = static_cast<int>(args.n);
+  return p;
+}
+
 }  // namespace mok::gemm

@@ -265,15 +265,11 @@ template <Gemm kRoutedGemm1>
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_chain_kernel(const __grid_constant__ ChainLaunch launch) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
-                                 ptx::kSw128AtomBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
-  uint64_t* empty = full + kNumStages;
+  const CtaSmem c = cta_smem(smem_raw);
+  uint8_t* smem = c.smem;
+  uint64_t *full = c.full, *empty = c.empty;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], Gemm1::kFullArrivals);
-      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
-    }
+    init_stage_barriers(c, kNumStages, Gemm1::kFullArrivals);
     ptx::fence_mbarrier_init();
     for (const ChainGroup& g : launch.group) {
       if (!g.runs) continue;

@@ -241,15 +241,11 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_chain_backward_kernel(const __grid_constant__ BackwardLaunch launch) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
-                                 ptx::kSw128AtomBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
-  uint64_t* empty = full + kNumStages;
+  const CtaSmem c = cta_smem(smem_raw);
+  uint8_t* smem = c.smem;
+  uint64_t *full = c.full, *empty = c.empty;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
-    }
+    init_stage_barriers(c, kNumStages, 1);
     ptx::fence_mbarrier_init();
     for (const BackwardGroup& g : launch.group) {
       if (!g.runs) continue;

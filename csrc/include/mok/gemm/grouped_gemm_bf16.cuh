@@ -60,6 +60,28 @@ namespace mok::gemm {
 
 // ---- the kernel ----------------------------------------------------------------------------------------
 
+// A CTA's shared memory: [ring][staging of the 8 consumer warps][landing scales][barriers]. Dynamic shared memory is
+// only 16-byte aligned for sure; the swizzle atoms need 1024 (kSmemBytes has the slack). NOTE: the barriers lie past
+// the staging, where no stmatrix of a consumer warp can overwrite them.
+struct CtaSmem {
+  uint8_t* smem;          // the ring, 1024-aligned
+  uint64_t *full, *empty;  // [kNumStages] each, then the landing barriers (MXFP8 kinds)
+};
+MOK_DEVICE CtaSmem cta_smem(uint8_t* smem_raw) {
+  uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
+                                 ptx::kSw128AtomBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
+  return {smem, full, full + kNumStages};
+}
+
+// Thread 0: the stage ring's barriers (full: full_arrivals per stage, empty: one per consumer warp).
+MOK_DEVICE void init_stage_barriers(const CtaSmem& c, int stages, uint32_t full_arrivals) {
+  for (int s = 0; s < stages; ++s) {
+    ptx::mbarrier_init(&c.full[s], full_arrivals);
+    ptx::mbarrier_init(&c.empty[s], kNumConsumerWarps);
+  }
+}
+
 template <Gemm kGemm>
 __global__ void __launch_bounds__(kNumThreads, 1)
     grouped_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_a2,
@@ -72,22 +94,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                              const Params p) {
   using T = Tile<kGemm>;
   extern __shared__ uint8_t smem_raw[];
-  // Dynamic shared memory is only 16-byte aligned for sure; the swizzle atoms need 1024 (kSmemBytes has
-  // the slack).
-  uint8_t* smem = smem_raw + (ptx::kSw128AtomBytes - ptx::smem_addr(smem_raw) % ptx::kSw128AtomBytes) %
-                                 ptx::kSw128AtomBytes;
-  // Layout: [ring][staging of the 8 consumer warps][landing scales][barriers]. NOTE: the barriers lie past the
-  // staging, where no stmatrix of a consumer warp can overwrite them.
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kMainBytes + kStagingBytes + kLandScalesBytes);
-  uint64_t* empty = full + kNumStages;                                              // [T::kStages]
+  const CtaSmem c = cta_smem(smem_raw);
+  uint8_t* smem = c.smem;
+  uint64_t *full = c.full, *empty = c.empty;
   const Landing land{&tmap_b0, &tmap_b1, &tmap_s0, &tmap_s1, empty + kNumStages,
                      empty + kNumStages + kNumLanding};  // full, empty [kNumLanding] each
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < T::kStages; ++s) {
-      ptx::mbarrier_init(&full[s], T::kFullArrivals);
-      ptx::mbarrier_init(&empty[s], kNumConsumerWarps);
-    }
+    init_stage_barriers(c, T::kStages, T::kFullArrivals);
     if constexpr (T::kMx) {
       for (int s = 0; s < kNumLanding; ++s) {
         ptx::mbarrier_init(&land.full[s], 1);
