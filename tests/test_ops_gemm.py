@@ -100,6 +100,7 @@ def test_gemm_bad_inputs_name_the_argument():
     gemm1, gemm2 = ops.grouped_gemm_bf16_swiglu_gather, ops.grouped_gemm_bf16_nt_contiguous
     gemm1_mx, dgrad_mx = ops.grouped_gemm_bf16_swiglu_gather_mxfp8_out, ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8
     dgrad_down, dgrad_gate_up = ops.grouped_gemm_bf16_dgrad_swiglu, ops.grouped_gemm_bf16_dgrad_gate_up
+    chain_bwd, w = ops.grouped_gemm_bf16_chain_backward, inputs["topk_weights"]
     a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
     dy_rows = torch.zeros(sched.num_rows, x.shape[1], dtype=BF16)  # [num_rows, H]
     mx_rows = twins.mxfp8_quantize_rowwise(a_rows)  # (data, scales) of [num_rows, I]
@@ -131,6 +132,12 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows[1:], dy_rows, sched), "a_rows: expected shape"),
         (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows, dy_rows[:, :-4], sched), "b_rows: expected n"),
         (lambda: ops.grouped_gemm_bf16_weight_grad(a_rows, dy_rows, sched), "a_rows: expected a CUDA tensor"),
+        (lambda: chain_bwd(dy_rows, dy_rows[:, :-8], wg, wu, wd, a_rows, a_rows, w, sched), "x_rows: expected shape"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows[1:], w, sched), "up: expected shape"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w[:, :1], sched), "topk_weights: expected"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched, shared=(dy_rows,)),
+         "dy_rows: expected a CUDA tensor"),  # the routed group's checks come first
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched), "dy_rows: expected a CUDA tensor"),
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):

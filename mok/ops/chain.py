@@ -143,8 +143,8 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
                  "[num_experts, hidden, intermediate]")
     for what, t in (("gate", gate), ("up", up)):
         check_layout(f"{name}{what}", t, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
-    _check_devices(dy_rows.device, **{f"{name}x_rows": x_rows, f"{name}w_gate": w_gate, f"{name}w_up": w_up,
-                                      f"{name}w_down": w_down, f"{name}gate": gate, f"{name}up": up})
+    _check_devices(dy_rows.device, **{f"{name}{n}": t for n, t in (("dy_rows", dy_rows), ("x_rows", x_rows),
+                   ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("gate", gate), ("up", up))})
     if sched.block_m % GEMM_BLOCK_M:
         fail(f"{name}sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     device, E, R = dy_rows.device, sched.num_experts, sched.num_rows
@@ -180,9 +180,9 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or None)."""
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
-    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "")
     T, K = sched.num_tokens, sched.num_topk
     check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
+    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "")
     check_cuda("topk_weights", topk_weights, dy_rows.device, "dy_rows'")
     shared_tensors, shared_out = None, None
     if shared is not None:
