@@ -26,7 +26,7 @@ LEVELS = {
     "reference": "mok.reference",  # L0
     "torch": "mok.torch_native",  # L1
     "fused": "mok.fused",  # L2 (Hopper kernels; bf16)
-    "megakernel": "mok.megakernel",  # L3 at EP = 1 (its forward in one launch; its backward the fused level's)
+    "megakernel": "mok.megakernel",  # L3 at EP = 1: each pass one launch of a chain kernel
 }
 # Run only on sm_90 (Hopper); "auto" tries them in this order, the fastest measured first. The megakernel gives the
 # fused level's bits and has not been measured faster (docs/megakernel.md): it runs by name only.
