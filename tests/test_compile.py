@@ -151,14 +151,15 @@ def _use_twins(monkeypatch):
     twins.install(monkeypatch.setattr)
 
 
+@pytest.mark.parametrize("level", ["fused", "megakernel"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_fused_wiring_compiles_with_twins(monkeypatch, precision):
-    """The fused level's saved state (schedule of max_num_rows rows, MXFP8 gate/up, the shared expert's rows) through
+def test_hopper_levels_wiring_compiles_with_twins(monkeypatch, precision, level):
+    """The Hopper levels' saved state (schedule of max_num_rows rows, MXFP8 gate/up, the shared expert's rows) through
     the ops: opcheck (its saved_like against its forward, for a batch and an empty one), and compiled = eager."""
     _use_twins(monkeypatch)
     for num_tokens in (5, 0):
-        _opcheck_moe("fused", precision, num_tokens=num_tokens, utils=("test_faketensor",))
-    _check_moe_compiles("fused", precision)
+        _opcheck_moe(level, precision, num_tokens=num_tokens, utils=("test_faketensor",))
+    _check_moe_compiles(level, precision)
 
 
 def test_saved_tensors_sharing_memory_are_copied():
@@ -202,13 +203,14 @@ def test_host_checks_still_raise_under_compile():
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("level", ["fused", "megakernel"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_fused_compiles_with_eagers_bits(precision):
-    _check_moe_compiles("fused", precision, device="cuda")
+def test_hopper_levels_compile_with_eagers_bits(precision, level):
+    _check_moe_compiles(level, precision, device="cuda")
     torch._dynamo.reset()
-    _check_module_compiles("fused", precision, device="cuda")
+    _check_module_compiles(level, precision, device="cuda")
     torch._dynamo.reset()
     # opcheck's AOT-dispatch test sums every output, which CUDA cannot for the saved float8 gate/up (torch 2.11)
     utils = None if precision == "bf16" else ("test_schema", "test_autograd_registration", "test_faketensor")
-    _opcheck_moe("fused", precision, device="cuda", num_tokens=37, utils=utils)
+    _opcheck_moe(level, precision, device="cuda", num_tokens=37, utils=utils)
     mok.check_errors()  # clean ids: nothing queued raises

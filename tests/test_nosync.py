@@ -1,4 +1,5 @@
-"""No host sync in the L2 `fused` passes: the static row bound, spare rows, and the deferred bad-id check.
+"""No host sync in the Hopper levels' passes (L2 `fused`, L3 `megakernel`): the static row bound, spare rows, and
+the deferred bad-id check.
 
 CPU: `max_num_rows` is the most padded rows any routing needs (against a brute force over every routing of
 small problems); a schedule with spare rows (`Schedule.extended`) trims back to make_schedule's and works
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import mok
-from mok import bad_ids, fused, ops, testing, twins
+from mok import bad_ids, fused, megakernel, ops, testing, twins
 from mok import reference as L0
 from mok.config import STANDARD_SHAPES, TINY_SHAPES
 from mok.routing import hot_expert_routing, random_routing
@@ -107,9 +108,10 @@ def _use_twins(monkeypatch) -> None:
     twins.install(monkeypatch.setattr)
 
 
+@pytest.mark.parametrize("level", [fused, megakernel], ids=["fused", "megakernel"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("kind", ["hot", "empty-experts"])
-def test_fused_wiring_never_reads_spare_rows_with_twins(monkeypatch, kind, precision):
+def test_wiring_never_reads_spare_rows_with_twins(monkeypatch, kind, precision, level):
     """The twins leave NaN in every spare row of what they return (the kernels leave anything there): L0's
     bits on routings with many spare rows (one hot expert: E - 1 empty segments; most experts empty) show that
     no step of the level reads them into a result."""
@@ -118,10 +120,10 @@ def test_fused_wiring_never_reads_spare_rows_with_twins(monkeypatch, kind, preci
     cfg = TINY_SHAPES["tiny"].scaled(num_tokens=100, num_experts=64)  # either routing leaves most experts empty
     inputs = make_inputs(cfg, seed=seed, routing_fn=_irregular_routing(kind))
     out0, grads0 = run_level(L0, inputs, precision=precision)
-    out, saved = fused.forward(*moe_args(inputs), precision=precision)
+    out, saved = level.forward(*moe_args(inputs), precision=precision)
     assert saved.sched.num_rows == max_num_rows(cfg.num_tokens, cfg.num_topk, cfg.num_experts, fused.BLOCK_M)
     assert saved.sched.num_rows > int(saved.sched.expert_offsets[-1]), "no spare rows to check"
-    grads = fused.backward(saved, inputs["d_out"])
+    grads = level.backward(saved, inputs["d_out"])
     assert bitwise_equal(out, out0), f"{kind} {precision}: out (seed {seed})"
     assert testing.twin_level_mismatches(grads, grads0, precision) == [], f"{kind} {precision} (seed {seed})"
 
@@ -237,16 +239,17 @@ IRREGULAR = [(STANDARD_SHAPES["qwen3-30b-a3b"].scaled(num_tokens=300), "empty-ex
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("level", [fused, megakernel], ids=["fused", "megakernel"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("cfg,kind", IRREGULAR, ids=lambda v: getattr(v, "name", v))
-def test_fused_without_sync_gives_the_synced_bits(monkeypatch, cfg, kind, precision):
+def test_without_sync_gives_the_synced_bits(monkeypatch, cfg, kind, precision, level):
     seed = fresh_seed()
     inputs = make_inputs(cfg, device="cuda", seed=seed, draw_on="cuda", routing_fn=_irregular_routing(kind))
     testing.poison_allocator(256 << 20)
-    out, grads = run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    out, grads = run_level(level, inputs, precision=precision, swiglu_limit=1.0)
     _synced_level(monkeypatch)
     testing.poison_allocator(256 << 20)
-    out_s, grads_s = run_level(fused, inputs, precision=precision, swiglu_limit=1.0)
+    out_s, grads_s = run_level(level, inputs, precision=precision, swiglu_limit=1.0)
     what = f"{cfg.name} {kind} {precision} (seed {seed})"
     assert torch.isfinite(out).all() and bitwise_equal(out, out_s), f"{what}: out"
     for name, g, g_s in zip(GRAD_NAMES, grads, grads_s):
@@ -255,21 +258,22 @@ def test_fused_without_sync_gives_the_synced_bits(monkeypatch, cfg, kind, precis
 
 @pytest.mark.gpu
 @pytest.mark.sm90
+@pytest.mark.parametrize("level", [fused, megakernel], ids=["fused", "megakernel"])
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "noshared"])
-def test_fused_passes_make_no_host_sync(precision, with_shared):
+def test_passes_make_no_host_sync(precision, with_shared, level):
     inputs = make_inputs(STANDARD_SHAPES["dsv4pro-rank"].scaled(num_tokens=300), device="cuda", seed=fresh_seed(),
                          draw_on="cuda", routing_fn=_irregular_routing("hot"))
     if not with_shared:
         inputs.update(w_shared_gate=None, w_shared_up=None, w_shared_down=None)
-    run_level(fused, inputs, precision=precision)  # warm: the JIT build, the cached shared-expert schedule
+    run_level(level, inputs, precision=precision)  # warm: the JIT build, the cached shared-expert schedule
     torch.cuda.synchronize()
     with _no_host_sync():
-        out, saved = fused.forward(*moe_args(inputs), precision=precision)
-        fused.backward(saved, inputs["d_out"])
+        out, saved = level.forward(*moe_args(inputs), precision=precision)
+        level.backward(saved, inputs["d_out"])
     with _no_host_sync():  # the functional op too (its input checks included), forward and backward
         args = [a.clone().requires_grad_() if a is not None and a.is_floating_point() else a for a in moe_args(inputs)]
-        mok.moe(*args, precision=precision).backward(inputs["d_out"])
+        mok.moe(*args, precision=precision, backend=level.__name__.split(".")[-1]).backward(inputs["d_out"])
 
 
 def _raw_row_kernels(sched, x, w_gate, w_up, w_down, d_out, weights, sentinel):
