@@ -6,10 +6,13 @@ kernels."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mok
-from mok import fused, megakernel, twins
+from mok import fused, megakernel, ops, twins
 from mok.config import TINY_SHAPES, MoEConfig
+from mok.ops.gemm import weight_grad_schedule_tensors
+from mok.routing import hot_expert_routing, random_routing
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
 
 SHAPES = {**TINY_SHAPES, "wide": MoEConfig("wide", 300, 544, 192, 8, 3, shared_intermediate=136)}
@@ -90,3 +93,27 @@ def test_the_level_takes_num_sms_only_and_auto_keeps_the_fused_level():
     with pytest.raises(ValueError, match="mx_weights"):
         mok.moe(*moe_args(inputs), backend="megakernel", mx_weights="mainloop")
     assert mok.levels.HOPPER_LEVELS[0] == "fused"
+
+
+@pytest.mark.parametrize("block_m", [128, 256])
+@pytest.mark.parametrize("kind", ["random", "hot", "empty-experts"])
+def test_backward_chain_counter_targets_match_the_schedule(kind, block_m):
+    """The backward chain's weight-gradient tasks wait until expert e's counter reaches kNumConsumerWarps ·
+    (expert_offsets[e + 1] - expert_offsets[e]) / 128, and each consumer warp of a row task adds 1 to the counter of
+    its tile's expert (tile_to_expert): the two agree only if the real 128-row tiles of each expert are exactly its
+    segment's. On the schedules the kernels read (make_schedule_cuda without a sync: spare tiles past the real rows),
+    for skewed routings, empty experts and schedule tiles of two kernel tiles."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    T, E, K = 300, 16, 4
+    if kind == "hot":
+        topk_idx, _ = hot_expert_routing(T, E, K, hot_expert=3, hot_fraction=0.9, generator=g)
+    else:
+        topk_idx, _ = random_routing(T, K + 1 if kind == "empty-experts" else E, K, generator=g)
+    sched = twins.make_schedule_cuda(topk_idx, E, block_m=block_m, sync=False)
+    _, tile_to_expert = ops.gemm_schedule_tensors(sched, "cpu")  # per 128-row kernel tile
+    offsets, _ = weight_grad_schedule_tensors(sched, "cpu")
+    real_tiles = int(sched.counts[0]) // ops.GEMM_BLOCK_M  # the row tasks: the real m-tiles
+    signals = torch.bincount(tile_to_expert[:real_tiles].long(), minlength=E)  # row tasks per expert
+    targets = (offsets[1:] - offsets[:-1]) // ops.GEMM_BLOCK_M  # the kernel's expert_target / kNumConsumerWarps
+    assert signals.tolist() == targets.tolist()
+    assert int(offsets[-1]) == int(sched.counts[0]) and bool((tile_to_expert[real_tiles:] < 0).all())
