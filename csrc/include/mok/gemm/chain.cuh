@@ -94,17 +94,18 @@ struct ChainCounts {
   MOK_DEVICE int total() const { return num1[0] + num1[1] + num2[0] + num2[1]; }
 };
 
-// Task `task` of the launch: its group, kind (1: GEMM1, 2: GEMM2) and index among that group's tasks of the kind.
+// Task `task` of the launch: its group, kind (1: GEMM1, 2: GEMM2), index among that group's tasks of the kind, and
+// their number (picked here with constant indices: the counts stay in registers, no local memory).
 struct ChainTask {
-  int group, kind, index;
+  int group, kind, index, num;
 };
 MOK_DEVICE ChainTask chain_task(const ChainCounts& n, int task) {
-  if (task < n.num1[kSharedGroup]) return {kSharedGroup, 1, task};
+  if (task < n.num1[kSharedGroup]) return {kSharedGroup, 1, task, n.num1[kSharedGroup]};
   task -= n.num1[kSharedGroup];
-  if (task < n.num1[kRoutedGroup]) return {kRoutedGroup, 1, task};
+  if (task < n.num1[kRoutedGroup]) return {kRoutedGroup, 1, task, n.num1[kRoutedGroup]};
   task -= n.num1[kRoutedGroup];
-  if (task < n.num2[kSharedGroup]) return {kSharedGroup, 2, task};
-  return {kRoutedGroup, 2, task - n.num2[kSharedGroup]};
+  if (task < n.num2[kSharedGroup]) return {kSharedGroup, 2, task, n.num2[kSharedGroup]};
+  return {kRoutedGroup, 2, task - n.num2[kSharedGroup], n.num2[kRoutedGroup]};
 }
 
 MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_t* smem, uint64_t* full,
@@ -116,7 +117,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
     const ChainTask ct = chain_task(n, task);
     const ChainGroup& g = L.group[ct.group];
     if (ct.kind == 1) {
-      const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, n.num1[ct.group]);
+      const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, ct.num);
       int32_t token[kRowsPerThread];
       gathered_tokens(g.p1, t.m_tile, row_in_tile, token);
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
@@ -128,7 +129,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         gather_a_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb);
       }
     } else {
-      const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, n.num2[ct.group]);
+      const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
       if (thread == 0) {
         ptx::wait_counter(&g.h_ready[t.m_tile], g.h_target);
         ptx::fence_proxy_async_global();  // h's rows, announced by the counter, before the TMA loads read them
@@ -233,7 +234,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
     if (ct.kind == 1) {
-      const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, n.num1[ct.group]);
+      const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, ct.num);
       it = mma_k_blocks<kNumStages, true, false, false, 0>(acc0, acc1, smem, a_offset, full, empty, it,
                                                            t.num_k_blocks, lane, [] {});
       signal();
@@ -245,7 +246,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         epilogue1.finish(acc0, acc1, g.p1, out1, staging, row0, t.n_tile * Gemm1::kTaskN, t.expert, lane);
       pending = t.m_tile, pending_group = ct.group;
     } else {
-      const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, n.num2[ct.group]);
+      const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
       signal();  // before any kDown mainloop: a producer may wait for it
       it = mma_k_blocks<kNumStages, false, false, false, 0>(acc0, acc1, smem, a_offset, full, empty, it,
                                                             t.num_k_blocks, lane, [] {});
