@@ -9,7 +9,7 @@ calls queued back to back after 1 s of sustained calls), tflops (MoK's FLOP conv
 dense ceiling on the same aggregate GEMM shapes measured in the same process, frac_of_ceiling, speedup_vs_torch
 (L1), peak_mem_gb (what the pass allocates on top of its inputs), saved_gb (the activations a forward keeps for
 the backward; mok levels only), and provenance: gpu, torch, cuda, commit, date.
-- --mx-weight-cache: the fused level's mxfp8 rows run inside mok.mxfp8_weight_cache(), filled by the warm-up
+- --mx-weight-cache: the Hopper levels' mxfp8 rows run inside mok.mxfp8_weight_cache(), filled by the warm-up
   (a gradient-accumulation step's steady state); their notes say so and mx_cache_gb is the cache's size.
 - With the fused level each pass also gets a `bound` row (level cublas-executed): the ceiling's GEMMs over the
   rows the level executes, each expert's routes rounded up to its tile: the most a kernel that multiplies those
@@ -113,11 +113,6 @@ def clocked_dense_ms(mnks, iters: int, device, time_fn=time_ms) -> tuple[float, 
 
 
 # --- levels and peers -------------------------------------------------------------------------------
-
-# The levels with an MXFP8 weight path: what their forward runs (mok.fused: MX_WEIGHTS; the megakernel's chain reads
-# dequantized weights) and whose mxfp8 rows --mx-weight-cache runs inside mok.mxfp8_weight_cache().
-MX_LEVELS = {"fused": lambda: fused.DEFAULT_MX_WEIGHTS, "megakernel": lambda: "dequantize"}
-
 
 def level_pass_fn(level_name: str, inputs: dict, precision: str, pass_: str):
     """A no-argument callable running one pass of a mok level."""
@@ -277,14 +272,16 @@ def bench_shape(cfg: MoEConfig, levels, precisions, passes, peers, iters: int, d
                 if (level, precision) not in saved:
                     saved[level, precision] = saved_gb(level, inputs, precision)
                     errors[level, precision] = err_vs_l0(level_pass_fn(level, inputs, precision, "fwd"), precision)
-                cached = mx_weight_cache and level in MX_LEVELS and precision == "mxfp8"
+                # the Hopper levels' mxfp8 weight path (DEFAULT_MX_WEIGHTS): noted, and cached with --mx-weight-cache
+                mx_path = getattr(get_level(level), "DEFAULT_MX_WEIGHTS", None) if precision == "mxfp8" else None
+                cached = mx_weight_cache and mx_path is not None
                 with mx_cache.mxfp8_weight_cache() if cached else contextlib.nullcontext():
                     # cached: time_ms's warm-up computes the weights' round trips, the timed runs reuse them
                     (ms, clock), mem, cache_gb = clocked(time_fn, fn, n), peak_mem_gb(fn), mx_cache.nbytes() / 1e9
                 row(level, "mok", precision, pass_, ms, ceiling_ms, mem, clock, saved[level, precision])
                 rows[-1]["err_vs_l0"] = errors[level, precision]
-                if level in MX_LEVELS and precision == "mxfp8":  # the forward's weight path
-                    rows[-1]["notes"] = f"mx_weights={MX_LEVELS[level]()}"
+                if mx_path is not None:
+                    rows[-1]["notes"] = f"mx_weights={mx_path}"
                     if cached:
                         rows[-1]["notes"] += "; mxfp8_weight_cache"
                         rows[-1]["mx_cache_gb"] = cache_gb

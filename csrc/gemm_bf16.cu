@@ -67,8 +67,8 @@ cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs*
       gu.hidden != d.hidden || gu.intermediate != d.intermediate || gu.num_experts != d.num_experts ||
       a.counters == nullptr)
     return cudaErrorInvalidValue;
-  const void* want_a[3] = {d.dy_rows, d.d_gate, d.d_up};
-  const void* want_b[3] = {d.h, a.wgrad[1].b_rows, a.wgrad[1].b_rows};
+  const void* want_a[3] = {d.dy_rows, d.d_gate, d.d_up};  // and B: h, then the x rows twice
+  if (a.wgrad[0].b_rows != d.h || a.wgrad[2].b_rows != a.wgrad[1].b_rows) return cudaErrorInvalidValue;
   gemm::BackwardGroupArgs& g = *out;
   g = {};
   g.w_down = d.w_down, g.w_gate = gu.w_gate, g.w_up = gu.w_up, g.num_experts = d.num_experts;
@@ -76,8 +76,7 @@ cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs*
   g.gate_up_dgrad = gemm::gate_up_dgrad_params(gu, a.sched);
   for (int w = 0; w < 3; ++w) {
     const WeightGrad& wg = a.wgrad[w];
-    if (wg.a_rows != want_a[w] || wg.b_rows != want_b[w] || wg.num_rows != a.sched.num_rows ||
-        wg.num_experts != d.num_experts)
+    if (wg.a_rows != want_a[w] || wg.num_rows != a.sched.num_rows || wg.num_experts != d.num_experts)
       return cudaErrorInvalidValue;
     g.wgrad[w] = gemm::weight_grad_params(wg);
     g.b_rows[w] = wg.b_rows;

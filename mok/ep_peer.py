@@ -79,6 +79,11 @@ def peers(buffers: list[dict]) -> dict:
     return {name: ops.Peers.of([b[name] for b in buffers]) for name in buffers[0]}
 
 
+def _all_tokens(p: ops.Peers, split: list) -> torch.Tensor:
+    """Every rank's first split[s] rows of a per-token buffer, rank-major: the tokens of all ranks in global order."""
+    return torch.cat([b[:n] for b, n in zip(p.keep, split)])
+
+
 @dataclass
 class PeerSaved:
     """What a rank's forward keeps for its backward."""
@@ -108,7 +113,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     yield  # every rank's inputs are in place
 
     split = [int(c[0, 0]) for c in P["count"].keep]
-    idx = torch.cat([b[:n] for b, n in zip(P["idx"].keep, split)])  # [T_all, K]: the all-gather, rank-major
+    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
     H, I = x.shape[1], w_gate.shape[1]
     sched = ops.make_schedule_cuda(idx, num_experts, block_m=fused.BLOCK_M) if idx.is_cuda else None
     I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
@@ -124,7 +129,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     own["y"][: real.shape[0]][real] = y
     shared_out, shared = None, None
     if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
-        x_all = torch.cat([b[:n] for b, n in zip(P["x"].keep, split)])  # [T_all, H]
+        x_all = _all_tokens(P["x"], split)  # [T_all, H]
         ws = (w_shared_gate, w_shared_up, w_shared_down)
         out_sh, rows = fused.shared_forward(x_all, ws, swiglu_limit, fused.DEFAULT_NUM_SMS)
         first = sum(split[:rank])
@@ -153,7 +158,7 @@ def backward_rank(P: dict, saved: PeerSaved, d_out):
     dx_shared, d_shared = None, [None, None, None]
     if s.shared is not None:  # the fused level's shared-expert backward over every token
         x_all, rows, ws = s.shared
-        d_out_all = torch.cat([b[:n] for b, n in zip(P["d_out"].keep, s.split)])  # [T_all, H]
+        d_out_all = _all_tokens(P["d_out"], s.split)  # [T_all, H]
         dx_all, d_shared = fused.shared_backward(x_all, rows, d_out_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)
         first = sum(s.split[: s.rank])
         dx_shared = dx_all[first: first + d_out.shape[0]]

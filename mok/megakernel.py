@@ -20,6 +20,7 @@ PRECISIONS = fused.PRECISIONS
 CHECKS_IDS_ON_DEVICE = True  # bad expert ids are counted on the device and raised later (mok.bad_ids), as in fused
 NO_HOST_SYNC = True  # neither pass reads the device on the host
 OPTIONS = ("num_sms",)
+DEFAULT_MX_WEIGHTS = "dequantize"  # the mxfp8 forward's weight path (fused.MX_WEIGHTS): the chain reads BF16 weights
 
 
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
@@ -29,7 +30,7 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     weights' round trips before the launch, GEMM1's epilogue writing h's and the saved MXFP8 gate/up."""
     if precision not in fused.PRECISIONS:
         fail("precision", f"one of {fused.PRECISIONS}", repr(precision))
-    num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, "dequantize")
+    num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, DEFAULT_MX_WEIGHTS)
     T = x.shape[0]
     if T == 0:  # an empty batch: no kernel has work, as in the fused level
         return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
@@ -77,4 +78,4 @@ def backward(saved: FusedSaved, d_out):
 
 def saved_like(*args, num_sms=None, **kwargs):
     """forward's saved state from the inputs' shapes (mok.levels): the fused level's, whose forward it equals."""
-    return fused.saved_like(*args, num_sms=num_sms, mx_weights="dequantize", **kwargs)
+    return fused.saved_like(*args, num_sms=num_sms, mx_weights=DEFAULT_MX_WEIGHTS, **kwargs)

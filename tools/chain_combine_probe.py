@@ -3,19 +3,18 @@ experiment (issue 45): delete it once it has answered, its answer in docs/gemm.m
 
 Per shape, by the method of record (bench.timing.time_ms, 1 s warm-up, calls queued), the routed forward's GEMMs and
 combine three ways: the fused level's two launches + combine_rows, the chain + combine_rows, and the chain with the
-combine inside; and the layer's forward two ways: the fused level (schedule, shared expert, routed, combine) and one
-launch after the schedule (the chain with the shared expert and the combine). Bits checked equal first.
+combine inside. Bits checked equal first. (The layer's forward in one launch against the fused level's is the
+megakernel level's row of `python -m bench moe --levels fused megakernel --passes fwd`.)
     python tools/chain_combine_probe.py [--shapes dsv4pro-rank qwen3-30b-a3b ...] [--rounds 2]
 Reading: "inside" below "chain_then_combine" by about the combine's time: it hides; equal: the store waits per tile
-cost what the combine saved; above: they cost more. "one_launch" against "level": the issue's EP = 1 target (no
-slower)."""
+cost what the combine saved; above: they cost more."""
 
 import argparse
 
 import torch
 
 from bench.timing import WARMUP_MS, time_ms
-from mok import fused, ops
+from mok import ops
 from mok.config import get_shape
 from mok.testing import make_inputs
 
@@ -38,24 +37,13 @@ def probe(name: str, rounds: int) -> None:
     def inside():
         return ops.grouped_gemm_bf16_chain(x, wg, wu, wd, sched, topk_weights=w)[4]
 
-    shared = tuple(inp[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down"))
-
-    def level():
-        return fused.forward(x, inp["topk_idx"], w, wg, wu, wd, *shared)[0]
-
-    def one_launch():
-        s = ops.make_schedule_cuda(inp["topk_idx"], cfg.num_experts, sync=False)
-        return ops.grouped_gemm_bf16_chain(x, wg, wu, wd, s, topk_weights=w,
-                                           shared_weights=None if shared[0] is None else shared)[4]
-
     same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # noqa: E731
-    assert same(inside(), launches()) and same(one_launch(), level()), f"{name}: out differs"
-    calls = (launches, chain_then_combine, inside, level, one_launch)
+    assert same(inside(), launches()), f"{name}: out differs"
+    calls = (launches, chain_then_combine, inside)
     for r in range(rounds):
         ms = {f.__name__: time_ms(f, iters=20, warmup_ms=WARMUP_MS) for f in calls}
         print(name, f"round {r}", "  ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
-              f"inside/launches {ms['inside'] / ms['launches']:.3f}",
-              f"one_launch/level {ms['one_launch'] / ms['level']:.3f}", flush=True)
+              f"inside/launches {ms['inside'] / ms['launches']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -297,6 +297,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 }
 
+// Whether a combine behind a GEMM's tiles can run on these rows: whole 8-column vectors, a route or more per token,
+// and the shared group's rows (when it runs in the launch) as wide as the routed ones.
+inline bool combine_fits(const ChainCombine& combine, const Params& routed, const Params& shared, bool with_shared) {
+  return routed.n % moe::kVecElems == 0 && combine.num_topk >= 1 && (!with_shared || shared.n == routed.n);
+}
+
+// A chain kernel's persistent launch for `total` tasks (none: nothing to launch).
+template <typename Launch>
+cudaError_t launch_chain_kernel(void (*kernel)(Launch), const Launch& launch, int64_t total, int num_sms,
+                                cudaStream_t stream) {
+  if (total == 0) return cudaSuccess;
+  if (total > INT32_MAX) return cudaErrorInvalidValue;
+  int grid = 0;
+  cudaError_t err = persistent_gemm_grid(kernel, total, num_sms, &grid);
+  if (err) return err;
+  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(launch);
+  return cudaGetLastError();
+}
+
 // One group's operands: p1 = gate_up_params, p2 = down_params (a = p1's h); h_ready: int32 zeros, one per m-tile of
 // its row buffers (num_rows / BLOCK_M).
 struct ChainGroupArgs {
@@ -336,18 +355,11 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     total += num1 + num2;
   }
   if (total == 0) return cudaSuccess;
-  if (total > INT32_MAX) return cudaErrorInvalidValue;
-  if (combine.out != nullptr && (launch.group[kRoutedGroup].p2.n % moe::kVecElems != 0 || combine.num_topk < 1 ||
-                                 (shared.w_gate != nullptr && launch.group[kSharedGroup].p2.n !=
-                                                                  launch.group[kRoutedGroup].p2.n)))
+  if (combine.out != nullptr && !combine_fits(combine, launch.group[kRoutedGroup].p2, launch.group[kSharedGroup].p2,
+                                              shared.w_gate != nullptr))
     return cudaErrorInvalidValue;
   launch.combine = combine;
-  int grid = 0;
-  const auto kernel = grouped_gemm_bf16_chain_kernel<kRoutedGemm1>;
-  cudaError_t err = persistent_gemm_grid(kernel, total, num_sms, &grid);
-  if (err) return err;
-  kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(launch);
-  return cudaGetLastError();
+  return launch_chain_kernel(grouped_gemm_bf16_chain_kernel<kRoutedGemm1>, launch, total, num_sms, stream);
 }
 
 }  // namespace mok::gemm

@@ -328,18 +328,12 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
     total += sum + num_m_tiles;
   }
   if (total == 0) return cudaSuccess;
-  if (total > INT32_MAX) return cudaErrorInvalidValue;
-  if (combine.out == nullptr || combine.topk_weights != nullptr || combine.num_topk < 1 ||
-      launch.group[kRoutedGroup].gate_up_dgrad.n % moe::kVecElems != 0 ||
-      (shared.w_down != nullptr &&
-       launch.group[kSharedGroup].gate_up_dgrad.n != launch.group[kRoutedGroup].gate_up_dgrad.n))
+  if (combine.out == nullptr || combine.topk_weights != nullptr ||
+      !combine_fits(combine, launch.group[kRoutedGroup].gate_up_dgrad, launch.group[kSharedGroup].gate_up_dgrad,
+                    shared.w_down != nullptr))
     return cudaErrorInvalidValue;
   launch.combine = combine;
-  int grid = 0;
-  cudaError_t err = persistent_gemm_grid(grouped_gemm_bf16_chain_backward_kernel, total, num_sms, &grid);
-  if (err) return err;
-  grouped_gemm_bf16_chain_backward_kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(launch);
-  return cudaGetLastError();
+  return launch_chain_kernel(grouped_gemm_bf16_chain_backward_kernel, launch, total, num_sms, stream);
 }
 
 }  // namespace mok::gemm
