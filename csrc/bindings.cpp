@@ -220,6 +220,34 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
   launch_rows(mok::grouped_gemm_bf16_nt_contiguous, "grouped_gemm_bf16_nt_contiguous", args, sched, num_sms, a_rows);
 }
 
+// The chain over ranks from its lists (x, y, topk_weights, shared, out, token_done; entry s: rank s's tensor, as
+// mok.ops.chain.ChainRanks holds them): entry `rank` of y, out and token_done must be args' own.
+mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, int64_t rank,
+                            const std::vector<int64_t>& token_offsets, const mok::ChainGemm& args) {
+  TORCH_CHECK(lists.size() == 6, "ranks: expected 6 lists (x, y, topk_weights, shared, out, token_done)");
+  const int64_t R = static_cast<int64_t>(lists[0].size());
+  TORCH_CHECK(R >= 1 && R <= mok::kMaxRanks, "ranks: expected 1 to ", mok::kMaxRanks, " ranks, got ", R);
+  TORCH_CHECK(rank >= 0 && rank < R, "rank: expected in [0, ", R, "), got ", rank);
+  TORCH_CHECK(static_cast<int64_t>(token_offsets.size()) == R, "token_offsets: expected one per rank");
+  for (const auto& list : lists)
+    TORCH_CHECK(static_cast<int64_t>(list.size()) == R || list.empty(), "ranks: expected one tensor per rank");
+  mok::ChainRanks r{};
+  r.num_ranks = static_cast<int>(R), r.rank = static_cast<int>(rank);
+  const auto ptr = [&](int list, int64_t s) -> void* {
+    return lists[list].empty() ? nullptr : lists[list][s].data_ptr();
+  };
+  for (int64_t s = 0; s < R; ++s) {
+    r.x[s] = ptr(0, s), r.y[s] = ptr(1, s), r.topk_weights[s] = static_cast<const float*>(ptr(2, s));
+    r.shared[s] = ptr(3, s), r.out[s] = ptr(4, s), r.token_done[s] = static_cast<int32_t*>(ptr(5, s));
+    r.token_offset[s] = static_cast<int32_t>(token_offsets[s]);
+  }
+  r.y_capacity = lists[1][rank].size(0);
+  TORCH_CHECK(r.y[rank] == args.down.out && r.out[rank] == args.out && r.token_done[rank] == args.token_done &&
+                  r.shared[rank] == args.shared,
+              "ranks: expected this rank's y, out, token_done and shared as entry `rank`");
+  return r;
+}
+
 void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                 const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                 const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
@@ -227,7 +255,8 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
                 const std::optional<at::Tensor>& route_to_row, const std::optional<at::Tensor>& topk_weights,
                 const std::optional<at::Tensor>& shared, const std::optional<at::Tensor>& out,
                 const std::optional<at::Tensor>& token_done, bool mx_out, double swiglu_limit, bool has_limit,
-                int64_t num_sms) {
+                int64_t num_sms, const std::optional<std::vector<std::vector<at::Tensor>>>& ranks, int64_t rank,
+                const std::vector<int64_t>& token_offsets) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   check_arg(h_ready, "h_ready");
   if (mx_out) {
@@ -269,6 +298,7 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
     args.token_done = token_done->data_ptr<int32_t>();
     args.num_topk = route_to_row->size(1);
   }
+  if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets, args);
   launch_rows(mok::grouped_gemm_bf16_chain, "grouped_gemm_bf16_chain", args, sched, num_sms, x);
 }
 
@@ -720,12 +750,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_chain", &gemm_chain,
         "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]; "
         "shared_expert: None or its 11 tensors; with out, the combine behind GEMM2 (route_to_row int32, topk_weights, "
-        "shared or None, token_done int32 zeros); mx_out: gate, up as row-wise MXFP8 buffers, h its round trip",
+        "shared or None, token_done int32 zeros); mx_out: gate, up as row-wise MXFP8 buffers, h its round trip; "
+        "ranks: None, or over ranks the lists (x, y, topk_weights, shared, out, token_done) with rank, token_offsets",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("row_to_token"),
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"), py::arg("y"),
         py::arg("h_ready"), py::arg("shared_expert"), py::arg("route_to_row"), py::arg("topk_weights"),
         py::arg("shared"), py::arg("out"), py::arg("token_done"), py::arg("mx_out"), py::arg("swiglu_limit"),
-        py::arg("has_limit"), py::arg("num_sms"));
+        py::arg("has_limit"), py::arg("num_sms"), py::arg("ranks") = py::none(), py::arg("rank") = 0,
+        py::arg("token_offsets") = std::vector<int64_t>{});
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
         "GEMM1 with MXFP8 weights",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),

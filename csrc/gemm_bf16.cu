@@ -40,17 +40,29 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
                               args.token_done == nullptr || args.num_topk < 1 ||
                               (with_shared && args.shared != args.shared_down.out)))
     return cudaErrorInvalidValue;
-  const gemm::ChainGroupArgs routed{args.gate_up.w_gate, args.gate_up.w_up, args.down.w, args.gate_up.num_experts,
-                                    gemm::gate_up_params(args.gate_up, sched), gemm::down_params(args.down, sched),
-                                    args.h_ready};
+  gemm::ChainGroupArgs routed{args.gate_up.w_gate, args.gate_up.w_up, args.down.w, args.gate_up.num_experts,
+                              gemm::gate_up_params(args.gate_up, sched), gemm::down_params(args.down, sched),
+                              args.h_ready};
   gemm::ChainGroupArgs shared{};
   if (with_shared)
     shared = {args.shared_gate_up.w_gate, args.shared_gate_up.w_up, args.shared_down.w, 1,
               gemm::gate_up_params(args.shared_gate_up, args.shared_sched),
               gemm::down_params(args.shared_down, args.shared_sched), args.shared_h_ready};
-  const gemm::ChainCombine combine{args.route_to_row, args.topk_weights, static_cast<const uint16_t*>(args.shared),
-                                   static_cast<uint16_t*>(args.out), args.token_done, static_cast<int>(args.num_topk),
-                                   with_shared ? 1 : 0};
+  gemm::ChainCombine combine = gemm::local_combine(args.route_to_row, args.topk_weights, args.shared, args.out,
+                                                   args.token_done, static_cast<int>(args.num_topk),
+                                                   with_shared ? 1 : 0, routed.p2);
+  if (const ChainRanks& r = args.ranks; r.num_ranks > 0) {  // over ranks: every table from the lists
+    if (r.num_ranks > kMaxRanks || r.rank < 0 || r.rank >= r.num_ranks || r.y[r.rank] != args.down.out ||
+        r.out[r.rank] != args.out || (args.out != nullptr && r.y_capacity < sched.num_rows))
+      return cudaErrorInvalidValue;
+    for (int s = 0; s < r.num_ranks; ++s) {
+      routed.a[s] = r.x[s];
+      combine.topk_weights[s] = r.topk_weights[s], combine.shared[s] = static_cast<const uint16_t*>(r.shared[s]);
+      combine.out[s] = static_cast<uint16_t*>(r.out[s]), combine.token_done[s] = r.token_done[s];
+      combine.rows[s] = static_cast<const uint16_t*>(r.y[s]), combine.token_offset[s] = r.token_offset[s];
+    }
+    combine.rows_capacity = r.y_capacity, combine.rank = r.rank;
+  }
   return args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>(routed, shared, combine, num_sms,
                                                                                       stream)
                      : gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUp>(routed, shared, combine, num_sms,
@@ -99,11 +111,10 @@ cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_
   if (args.routed.dgrad.route_weights == nullptr || (with_shared && args.shared.dgrad.route_weights != nullptr) ||
       args.route_to_row == nullptr || args.d_x == nullptr || args.token_done == nullptr || args.num_topk < 1)
     return cudaErrorInvalidValue;
-  const gemm::ChainCombine combine{args.route_to_row, nullptr,
-                                   with_shared ? static_cast<const uint16_t*>(args.shared.gate_up_dgrad.dx_rows)
-                                               : nullptr,
-                                   static_cast<uint16_t*>(args.d_x), args.token_done, static_cast<int>(args.num_topk),
-                                   with_shared ? 1 : 0};
+  const gemm::ChainCombine combine =
+      gemm::local_combine(args.route_to_row, nullptr, with_shared ? args.shared.gate_up_dgrad.dx_rows : nullptr,
+                          args.d_x, args.token_done, static_cast<int>(args.num_topk), with_shared ? 1 : 0,
+                          routed.gate_up_dgrad);
   return gemm::launch_grouped_gemm_bf16_chain_backward(routed, shared, combine, num_sms, stream);
 }
 

@@ -28,6 +28,7 @@ from mok import fused, ops
 from mok.checks import check_int, fail
 from mok.ep_build import build_tables
 from mok.ep_plan import expert_ranges
+from mok.ops.gemm import GEMM_DOWN_TILE_N
 from mok.schedule import max_num_rows
 
 BF16 = torch.bfloat16
@@ -36,13 +37,16 @@ BF16 = torch.bfloat16
 def buffer_shapes(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int) -> dict:
     """name -> (rows, width, dtype) of each rank's buffers, the same on every rank (symmetric): routing ids, token
     count, x, topk_weights and d_out over max_tokens tokens; y, dx and the rows' d_topk_weights over the most rows
-    a rank's experts can receive (every route of every rank to its largest block of experts)."""
+    a rank's experts can receive (every route of every rank to its largest block of experts). mok.ep_chain's too:
+    x's MXFP8 round trip (xq), out, the shared expert's rows (sy, whole tiles) and the combine's counters (done)."""
     experts = max(len(g) for g in expert_ranges(num_experts, num_ranks))
     rows = max(max_num_rows(num_ranks * max_tokens, num_topk, experts, fused.BLOCK_M), 1)
     tokens = max(max_tokens, 1)
     return {"idx": (tokens, num_topk, torch.int64), "count": (1, 1, torch.int64), "x": (tokens, hidden, BF16),
             "w": (tokens, num_topk, torch.float32), "d_out": (tokens, hidden, BF16), "y": (rows, hidden, BF16),
-            "dx": (rows, hidden, BF16), "dtw": (rows, 1, torch.float32)}
+            "dx": (rows, hidden, BF16), "dtw": (rows, 1, torch.float32), "xq": (tokens, hidden, BF16),
+            "out": (tokens, hidden, BF16), "sy": (-(-tokens // fused.BLOCK_M) * fused.BLOCK_M, hidden, BF16),
+            "done": (tokens, -(-hidden // GEMM_DOWN_TILE_N), torch.int32)}
 
 
 def allocate(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int, device) -> list[dict]:
@@ -92,8 +96,19 @@ class PeerSaved:
     real: torch.Tensor  # bool [rows]: the rows holding a route (pull_rank >= 0)
     experts: object  # the fused level's saved state of its rows
     split: list  # every rank's token count
-    shared: tuple | None  # (x of every token, its (gate, up) rows, its weights) of the shared expert
+    shared: tuple | None  # the shared expert's (x of every token, its (gate, up) rows or None, its weights)
     swiglu_limit: float | None
+
+
+def check_rank_inputs(P: dict, rank: int, x, w_gate, num_experts: int) -> None:
+    """A rank's forward inputs against the peers' buffers: its rank, its token count, its block of experts."""
+    R, T = P["x"].num_ranks, x.shape[0]
+    check_int("rank", rank, 0, R - 1)
+    if T > P["x"].keep[rank].shape[0]:
+        fail("x", f"at most {P['x'].keep[rank].shape[0]} tokens (the buffers' capacity)", T)
+    if w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
+        fail("w_gate", f"rank {rank}'s {len(expert_ranges(num_experts, R)[rank])} experts of {num_experts}",
+             w_gate.shape[0])
 
 
 def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
@@ -101,14 +116,9 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     """Rank `rank`'s forward over the peers' buffers P (peers()): a generator yielding at each barrier, returning
     (out [T_r, H], PeerSaved). topk_idx holds global expert ids; w_gate, w_up, w_down are its experts [E_r, ...]
     (mok.ep_plan.expert_ranges); the shared expert's weights are replicated."""
-    R, T = P["x"].num_ranks, x.shape[0]
-    check_int("rank", rank, 0, R - 1)
+    check_rank_inputs(P, rank, x, w_gate, num_experts)
+    T = x.shape[0]
     own = {name: p.keep[rank] for name, p in P.items()}
-    if T > own["x"].shape[0]:
-        fail("x", f"at most {own['x'].shape[0]} tokens (the buffers' capacity)", T)
-    if w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
-        fail("w_gate", f"rank {rank}'s {len(expert_ranges(num_experts, R)[rank])} experts of {num_experts}",
-             w_gate.shape[0])
     own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T
     yield  # every rank's inputs are in place
 
@@ -158,6 +168,8 @@ def backward_rank(P: dict, saved: PeerSaved, d_out):
     dx_shared, d_shared = None, [None, None, None]
     if s.shared is not None:  # the fused level's shared-expert backward over every token
         x_all, rows, ws = s.shared
+        if rows is None:  # its forward ran over this rank's tokens only (mok.ep_chain): every token's rows here
+            rows = fused.shared_forward(x_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)[1]
         d_out_all = _all_tokens(P["d_out"], s.split)  # [T_all, H]
         dx_all, d_shared = fused.shared_backward(x_all, rows, d_out_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)
         first = sum(s.split[: s.rank])

@@ -35,24 +35,39 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     if T == 0:  # an empty batch: no kernel has work, as in the fused level
         return reference.forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
                                  w_shared_down, precision=precision, swiglu_limit=swiglu_limit)
-    shared = None if w_shared_gate is None else (w_shared_gate, w_shared_up, w_shared_down)
-    sh = None if shared is None else fused.shared_schedule(T, x.device)  # cached: no host sync
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
-    p, mx = precision, fused._mx_weight
-    y_rows, _, gate, up, out, shared_rows = ops.grouped_gemm_bf16_chain(
-        fused._mx(x, -1, p), mx(w_gate, -1, p), mx(w_up, -1, p), mx(w_down, -1, p), sched, swiglu_limit=swiglu_limit,
-        num_sms=num_sms, topk_weights=topk_weights, shared_weights=shared, shared_sched=sh, shared_x=x,
-        mx_out=p == "mxfp8")
-    gate_mx, up_mx = (gate, up) if p == "mxfp8" else (None, None)  # row-wise MXFP8 (data, scales): what is saved
-    gate, up = (None, None) if p == "mxfp8" else (gate, up)
+    weights = (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    out, rows = run_chain(fused._mx(x, -1, precision), x, topk_weights, weights, sched, precision=precision,
+                          swiglu_limit=swiglu_limit, num_sms=num_sms)
     bad_ids.raise_landed()  # as fused.forward: earlier calls' bad-id counts, then this call's deferred
     bad_ids.defer(sched)
-    saved = FusedSaved(x, topk_idx, topk_weights, (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
-                       gate, up, None, None, None, precision, swiglu_limit,
-                       sched=sched, y_rows=y_rows if p == "mxfp8" else None,
-                       shared_rows=None if shared_rows is None else shared_rows[2:], num_sms=num_sms,
-                       mx_weights=mx_weights, gate_mx=gate_mx, up_mx=up_mx)
-    return out, saved
+    return out, saved_state(x, topk_idx, topk_weights, weights, sched, rows, precision=precision,
+                            swiglu_limit=swiglu_limit, num_sms=num_sms, mx_weights=mx_weights)
+
+
+def run_chain(x_routed, x, topk_weights, weights, sched, *, precision, swiglu_limit, num_sms, ranks=None):
+    """The forward's chain launch: (out, its row outputs (y_rows, gate, up, shared_rows)) for saved_state. x_routed:
+    the routed GEMM1's input (x's round trip in mxfp8); x: the shared expert's; weights: the six (routed
+    dequantized here in mxfp8); ranks: None, or the launch's ops.ChainRanks (EP > 1)."""
+    w_gate, w_up, w_down, *shared = weights
+    shared = None if shared[0] is None else tuple(shared)
+    sh = None if shared is None else fused.shared_schedule(x.shape[0], x.device)  # cached: no host sync
+    p, mx = precision, fused._mx_weight
+    y_rows, _, gate, up, out, shared_rows = ops.grouped_gemm_bf16_chain(
+        x_routed, mx(w_gate, -1, p), mx(w_up, -1, p), mx(w_down, -1, p), sched, swiglu_limit=swiglu_limit,
+        num_sms=num_sms, topk_weights=topk_weights, shared_weights=shared, shared_sched=sh, shared_x=x,
+        mx_out=p == "mxfp8", ranks=ranks)
+    return out, (y_rows, gate, up, shared_rows)
+
+
+def saved_state(x, topk_idx, topk_weights, weights, sched, rows, *, precision, swiglu_limit, num_sms, mx_weights):
+    """The FusedSaved of a forward whose chain launch gave rows (run_chain's): the fused level's."""
+    y_rows, gate, up, shared_rows = rows
+    mx = precision == "mxfp8"  # then gate, up are row-wise MXFP8 (data, scales): what is saved
+    return FusedSaved(x, topk_idx, topk_weights, weights, None if mx else gate, None if mx else up, None, None, None,
+                      precision, swiglu_limit, sched=sched, y_rows=y_rows if mx else None,
+                      shared_rows=None if shared_rows is None else shared_rows[2:], num_sms=num_sms,
+                      mx_weights=mx_weights, gate_mx=gate if mx else None, up_mx=up if mx else None)
 
 
 def backward(saved: FusedSaved, d_out):

@@ -97,6 +97,12 @@ def routing_of(kind: str):
     raise ValueError(f"kind: expected one of 'random', 'hot', 'two', 'balanced', 'rounded', 'tails', got {kind!r}")
 
 
+def row_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mok.reference.mm with each output an fp32 torch sum over K of exact products: a row's bits do not depend on
+    the other rows or columns, as a GPU tile's do not (CPU BLAS gives a row other bits in another GEMM)."""
+    return (a.float().contiguous()[:, None, :] * b.float().contiguous()[None]).sum(-1)  # [m, n]
+
+
 def fresh_seed() -> int:
     """A new seed per call (tests print it on failure, so a failing draw can be replayed)."""
     return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF

@@ -12,12 +12,17 @@ The MXFP8 quantizer twins are the L0 spec itself (mok.mxfp8), which the kernels 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mok import mxfp8, rounding
+from mok.ops.chain import RANK_SHIFT
 from mok.reference import BF16, combine, mm, swiglu, swiglu_backward
 from mok.schedule import gather_rows, make_schedule, max_num_rows, scatter_routes, segment
 from mok.torch_native import route_grads
+
+LOCAL_MASK = (1 << RANK_SHIFT) - 1  # a row id's local part
 
 # the mok.ops kernels that have a twin here (the names tests patch)
 KERNELS = ("grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
@@ -77,10 +82,14 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
 
 
 def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None, topk_weights=None,
-                            shared=None, shared_weights=None, shared_sched=None, shared_x=None, mx_out=False):
+                            shared=None, shared_weights=None, shared_sched=None, shared_x=None, mx_out=False,
+                            ranks=None):
     """GEMM1 then GEMM2 (one launch on the GPU), with shared_weights the shared expert's too (over the tokens in
     order), and with topk_weights the combine: (y_rows [num_rows, hidden], h, gate, up, out [num_tokens, hidden] or
-    None, the shared expert's (y, h, gate, up) or None)."""
+    None, the shared expert's (y, h, gate, up) or None). ranks: _chain_over_ranks."""
+    if ranks is not None:
+        return _chain_over_ranks(x, w_gate, w_up, w_down, sched, swiglu_limit, topk_weights, shared_weights,
+                                 shared_sched, shared_x, mx_out, ranks)
     gemm1 = grouped_gemm_bf16_swiglu_gather_mxfp8_out if mx_out else grouped_gemm_bf16_swiglu_gather
     h, gate, up = gemm1(x, w_gate, w_up, sched, swiglu_limit)  # [num_rows, I] each (mx_out: gate, up MXFP8)
     y_rows = grouped_gemm_bf16_nt_contiguous(h, w_down, sched)
@@ -95,6 +104,49 @@ def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, n
         shared = shared_rows[0][: x.shape[0]] if topk_weights is not None else None
     out = None if topk_weights is None else combine_rows(y_rows, sched.route_to_row, topk_weights, shared)
     return y_rows, h, gate, up, out, shared_rows
+
+
+def _chain_over_ranks(x, w_gate, w_up, w_down, sched, swiglu_limit, topk_weights, shared_weights, shared_sched,
+                      shared_x, mx_out, ranks):
+    """One rank's chain launch among several (mok.ops.ChainRanks): its rows gathered from every rank's x by row id,
+    its y rows and shared rows written into its entries, each real row counted in its token's token_done on the
+    home rank, and every token whose count this launch completes combined there: out = combine of its routes'
+    rows at their owners, in increasing k, then its shared row (the kernel's completion counters, in order)."""
+    R, r, cap = len(ranks.x), ranks.rank, ranks.x[0].shape[0]
+    ids = ranks.row_ids.long()  # [num_rows]
+    flat = torch.where(ids >= 0, (ids >> RANK_SHIFT) * cap + (ids & LOCAL_MASK), -1)  # rows of every rank's x
+    y_rows, h, gate, up, _, _ = grouped_gemm_bf16_chain(torch.cat(list(ranks.x)), w_gate, w_up, w_down,
+                                                        replace(sched, row_to_token=flat), swiglu_limit,
+                                                        mx_out=mx_out)
+    ranks.y[r][: sched.num_rows] = y_rows
+    T, shared_rows = x.shape[0], None
+    before = [d[:, 0].clone() for d in ranks.token_done]  # the counts before this launch's rows
+    if shared_weights is not None:  # the shared expert over this rank's tokens, its rows counted with the routes'
+        sh = shared_sched or make_schedule(torch.zeros(T, 1, dtype=torch.int64, device=x.device), 1)
+        shared_rows = grouped_gemm_bf16_chain(x if shared_x is None else shared_x,
+                                              *(w[None] for w in shared_weights), sh, swiglu_limit)[:4]
+        ranks.shared[r][: shared_rows[0].shape[0]] = shared_rows[0]
+        ranks.token_done[r][:T] += 1
+    real = ids >= 0
+    home, token = ids[real] >> RANK_SHIFT, ids[real] & LOCAL_MASK  # [real rows]
+    for s in range(R):
+        ranks.token_done[s].index_add_(0, token[home == s], torch.ones_like(ranks.token_done[s][token[home == s]]))
+    shared_counts = int(shared_weights is not None)
+    for s in range(R):  # home rank s: its tokens whose count reached the target in this launch
+        n = min(ranks.token_done[s].shape[0], ranks.route_to_row.shape[0] - ranks.token_offsets[s])
+        routes = ranks.route_to_row[ranks.token_offsets[s]: ranks.token_offsets[s] + n].long()  # [n, K]
+        target = (routes >= 0).sum(1) + shared_counts  # [n]
+        done = (ranks.token_done[s][:n, 0] == target) & (before[s][:n] < target) & (target > 0)
+        t = done.nonzero()[:, 0]  # [d]
+        if t.numel() == 0:
+            continue
+        rid = routes[t]  # [d, K]
+        y_all = torch.stack([ranks.y[o] for o in range(R)])  # [R, rows, H]
+        rows = y_all[(rid >> RANK_SHIFT).clamp(min=0), rid.clamp(min=0) & LOCAL_MASK]  # [d, K, H]
+        rows[rid < 0] = float("nan")
+        sh = ranks.shared[s][t] if shared_counts else None
+        ranks.out[s][t] = combine(rows, ranks.topk_weights[s][t], sh)
+    return y_rows, h, gate, up, ranks.out[r][:T], shared_rows
 
 
 def grouped_gemm_bf16_chain_backward(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, sched,

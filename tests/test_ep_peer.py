@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ep_peer, fused, twins
+from mok import ep_chain, ep_peer, fused, twins
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
-from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator
+from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator, row_mm
 
 CASES = {  # name: (config, splits of its tokens over the ranks)
     "shared": (MoEConfig("ep-shared", 300, 256, 192, 8, 3, shared_intermediate=128),
@@ -44,7 +44,7 @@ def _mismatches(outs: list, grads: list, want: tuple) -> list[str]:
     return bad + [f"shared grad {j}" for j in range(5, 8) if not all(bitwise_equal(g[j], want[j + 1]) for g in grads)]
 
 
-def _check_every_degree(name: str, device: str, precision: str = "bf16") -> None:
+def _check_every_degree(name: str, device: str, precision: str = "bf16", forward=ep_peer.forward_ranks) -> None:
     cfg, splits, seed, inp, want = _problem(name, device, precision)
     args = moe_args(inp)
     for split in splits:
@@ -53,7 +53,7 @@ def _check_every_degree(name: str, device: str, precision: str = "bf16") -> None
         local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
         if device == "cuda":
             poison_allocator(64 << 20)
-        outs, saved = ep_peer.forward_ranks(*part[:3], *local, *args[6:], precision=precision)
+        outs, saved = forward(*part[:3], *local, *args[6:], precision=precision)
         grads = ep_peer.backward_ranks(saved, part[3])
         assert _mismatches(outs, grads, want) == [], f"{precision}, split {split}, seed {seed}"
 
@@ -71,6 +71,25 @@ def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
     for name in CASES:
         for precision in ("bf16", "mxfp8"):
             _check_every_degree(name, "cpu", precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_chain_over_ranks_gives_the_fused_levels_bits(name, precision):
+    """mok.ep_chain: each rank's forward one chain launch (x gathered from the tokens' ranks, the combine by the
+    tile completing a token, on any rank), the backward phase by phase."""
+    _check_every_degree(name, "cuda", precision, ep_chain.forward_ranks)
+
+
+def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
+    """The same with L0 twins: the row ids, route table, counters and saved state, in CI. The shared expert runs on
+    each rank's tokens here, so the GEMM is row_mm (a row's bits alone, as on the GPU)."""
+    twins.install(monkeypatch.setattr)
+    monkeypatch.setattr(twins, "mm", row_mm)
+    for name in CASES:
+        for precision in ("bf16", "mxfp8"):
+            _check_every_degree(name, "cpu", precision, ep_chain.forward_ranks)
 
 
 def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, want: tuple) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 
 from mok import comm, ep_plan, ep_twin, ep_twin_ranks, reference
 from mok.schedule import make_schedule
-from mok.testing import GRAD_NAMES, TOLERANCES, rel_err
+from mok.testing import GRAD_NAMES, TOLERANCES, rel_err, row_mm
 
 BF16 = torch.bfloat16
 SPLITS = {1: lambda T: [T], 2: lambda T: [T - T // 3, T // 3], 3: lambda T: [T // 2, 0, T - T // 2],
@@ -29,11 +29,6 @@ SPLITS = {1: lambda T: [T], 2: lambda T: [T - T // 3, T // 3], 3: lambda T: [T /
 
 
 TORCH_MM = reference.mm  # L0's own GEMM, before any test patches it
-
-
-def row_mm(a, b):
-    """a·bᵀ in fp32, each output a torch sum over K of exact products: bits independent of the other rows, columns."""
-    return (a.float().contiguous()[:, None, :] * b.float().contiguous()[None]).sum(-1)  # [m, n]
 
 
 @pytest.fixture(autouse=True)

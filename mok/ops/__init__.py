@@ -21,7 +21,7 @@ csrc/bindings.cpp, filled into mok/api.h's structs field by field); `mok.twins` 
 kernel.
 """
 
-from mok.ops.chain import grouped_gemm_bf16_chain, grouped_gemm_bf16_chain_backward
+from mok.ops.chain import ChainRanks, grouped_gemm_bf16_chain, grouped_gemm_bf16_chain_backward, row_ids
 from mok.ops.core import ARCH_FLAGS, CACHE, CSRC, REPO, csrc_hash, load_extension, require_hopper
 from mok.ops.gemm import (
     GEMM_BLOCK_M,
@@ -68,7 +68,8 @@ from mok.ops.quant import (
 )
 
 __all__ = [
-    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN", "Peers", "REPO",
+    "ARCH_FLAGS", "BLOCK_SIZE", "CACHE", "ChainRanks", "CSRC", "FILL_MAX_RECEIVERS", "GEMM_BLOCK_M", "GEMM_K_ALIGN",
+    "Peers", "REPO",
     "ROUTE_GRADS_MAX_TOPK",
     "SCHEDULE_MAX_EXPERTS", "combine_peers", "combine_rows", "csrc_hash", "gather_rows_cuda", "gemm_schedule_tensors",
     "grouped_gemm_bf16_chain", "grouped_gemm_bf16_chain_backward", "grouped_gemm_bf16_dgrad_gate_up",
@@ -77,7 +78,7 @@ __all__ = [
     "grouped_gemm_bf16_dgrad_swiglu_route_grads", "grouped_gemm_bf16_nt_contiguous",
     "grouped_gemm_bf16_swiglu_gather", "grouped_gemm_bf16_swiglu_gather_mxfp8_out",
     "grouped_gemm_bf16_weight_grad", "MX_K_BLOCK", "grouped_gemm_mxfp8_nt_contiguous",
-    "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block",
+    "grouped_gemm_mxfp8_swiglu_gather", "mx_scales_by_k_block", "row_ids",
     "load_extension", "make_schedule_cuda", "mxfp8_dequantize", "mxfp8_fake_quantize",
     "mxfp8_fake_quantize_dual", "mxfp8_fake_quantize_gathered", "mxfp8_quantize_colwise", "mxfp8_quantize_dual",
     "mxfp8_quantize_rowwise", "pull_rows", "require_hopper", "route_fill_rounds", "route_grads_prep",

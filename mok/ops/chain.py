@@ -9,6 +9,8 @@ those kinds launched one by one (docs/gemm.md, docs/megakernel.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mok.checks import check_cuda, check_layout, fail
@@ -31,12 +33,39 @@ from mok.ops.gemm import (
 from mok.ops.quant import BLOCK_SIZE
 from mok.schedule import make_schedule
 
+RANK_SHIFT = 24  # a row id over ranks: rank << RANK_SHIFT | local id (csrc/include/mok/gemm/chain.cuh)
+MAX_RANKS = 8  # mok::kMaxRanks
+
+
+def row_ids(rank: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """int32 row ids over ranks (rank << RANK_SHIFT | local), -1 where rank < 0."""
+    return torch.where(rank >= 0, (rank.long() << RANK_SHIFT) | local.long(), -1).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class ChainRanks:
+    """grouped_gemm_bf16_chain over ranks (EP > 1, docs/megakernel.md): this rank's place among R, and entry s of
+    each list rank s's tensor as this process reaches it (its own, a CUDA IPC handle's, or symmetric memory's peer
+    tensor). Row ids are row_ids(rank, local id). The combine of a token runs on the rank whose tile completes it,
+    so a rank's out is whole once every rank's launch has ended; token_done must be zero on every rank first."""
+    rank: int
+    row_ids: torch.Tensor  # int32 [sched.num_rows]: each routed row's token as a row id, -1: padding
+    route_to_row: torch.Tensor  # int32 [every rank's tokens, K], rank-major: each route's row id (its owner's row)
+    token_offsets: list  # rank s's first token in route_to_row
+    x: list  # bf16 [capacity, hidden]: the routed GEMM1's input rows (x, or its MXFP8 round trip)
+    y: list  # bf16 [row capacity, hidden]: the routed rows (entry rank: written here)
+    topk_weights: list  # fp32 [capacity, K]
+    out: list  # bf16 [capacity, hidden] (entry rank: returned)
+    token_done: list  # int32 [capacity, ceil(hidden / 256)]
+    shared: list = ()  # with a shared expert: bf16 [capacity rounded up to 128, hidden], its rows (written here)
+
 
 def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, sched,
                             swiglu_limit: float | None = None, num_sms: int | None = None,
                             topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
                             shared_weights: tuple | None = None, shared_sched=None,
-                            shared_x: torch.Tensor | None = None, mx_out: bool = False):
+                            shared_x: torch.Tensor | None = None, mx_out: bool = False,
+                            ranks: ChainRanks | None = None):
     """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
     grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
     soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
@@ -51,6 +80,10 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
       shared_weights its y computed here.
     - mx_out: GEMM1 as grouped_gemm_bf16_swiglu_gather_mxfp8_out (the MXFP8 forward: h its row-wise round trip,
       gate and up quantized row-wise, (data, scales) each); the shared expert stays BF16 (DESIGN §4).
+    - ranks (ChainRanks, with topk_weights): the launch of one rank among several: the routed rows (sched's, this
+      rank's experts) gather their tokens' x rows from any rank (ranks.row_ids), and the combine sums every rank's
+      tokens whose last row is stored here, from the owners' rows, into their home rank's out. y_rows, out and the
+      shared expert's y are views of this rank's entries.
     Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None,
     the shared expert's (y, h, gate, up) [R_sh, ·] or None), bf16 but for mx_out's gate and up."""
     intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
@@ -59,13 +92,18 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
                  "[num_experts, hidden, intermediate]")
     _check_devices(x.device, w_down=w_down)
+    if ranks is not None:
+        if topk_weights is None:
+            fail("topk_weights", "a tensor with ranks (the combine over ranks)", None)
+        _check_ranks(ranks, x, sched, shared_weights is not None)
+        kwargs["row_to_token"] = ranks.row_ids
     shared_expert, shared_rows = None, None
     if shared_weights is not None:
         if shared_x is not None:
             check_layout("shared_x", shared_x, torch.bfloat16, tuple(x.shape), "[num_tokens, hidden] (x's)")
             _check_devices(x.device, shared_x=shared_x)
         shared_expert, shared_rows = _chain_shared_expert(x if shared_x is None else shared_x, shared_weights,
-                                                          shared_sched)
+                                                          shared_sched, ranks and ranks.shared[ranks.rank])
         if shared is not None:
             fail("shared", "None with shared_weights (the shared expert's rows are computed here)", "a tensor")
         shared = shared_rows[0] if topk_weights is not None else None
@@ -77,12 +115,16 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
         if shared is not None and shared_weights is None:
             check_layout("shared", shared, torch.bfloat16, (T, hidden), "[num_tokens, hidden]")
             check_cuda("shared", shared, x.device, "x's", aligned=True)
-        route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
-        if shared_weights is not None:  # every token's slices complete (its shared row counts): all written
+        if ranks is not None:
+            route_to_row = ranks.route_to_row
+            out, token_done = ranks.out[ranks.rank][:T], ranks.token_done[ranks.rank][:T]
+        elif shared_weights is not None:  # every token's slices complete (its shared row counts): all written
             out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
         else:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows gives it
             out = torch.full((T, hidden), float("nan"), dtype=torch.bfloat16, device=x.device)  # [T, H]
-        token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
+        if ranks is None:
+            route_to_row = sched.route_to_row.to(x.device, torch.int32)  # [T, K]
+            token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=x.device)
     elif shared is not None:
         fail("shared", "None without topk_weights (no combine)", "a tensor")
     h = torch.empty(sched.num_rows, intermediate, dtype=torch.bfloat16, device=x.device)  # [num_rows, I]
@@ -92,18 +134,64 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     else:
         gate_buffer, up_buffer = (torch.empty_like(h) for _ in range(2))  # [num_rows, I] each
         gate, up = gate_buffer, up_buffer
-    y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device)  # [num_rows, hidden]
+    y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device) if ranks is None \
+        else ranks.y[ranks.rank][: sched.num_rows]  # [num_rows, hidden]
     h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
+    lists = None if ranks is None else [ranks.x, ranks.y, ranks.topk_weights, list(ranks.shared), ranks.out,
+                                        ranks.token_done]
     load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
                                              up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
                                              route_to_row=route_to_row, topk_weights=topk_weights, shared=shared,
-                                             out=out, token_done=token_done, mx_out=mx_out, **kwargs)
+                                             out=out, token_done=token_done, mx_out=mx_out, ranks=lists,
+                                             rank=0 if ranks is None else ranks.rank,
+                                             token_offsets=[] if ranks is None else list(ranks.token_offsets),
+                                             **kwargs)
     return y_rows, h, gate, up, out, shared_rows
 
 
-def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, tuple]:
+def _check_ranks(ranks: ChainRanks, x: torch.Tensor, sched, with_shared: bool) -> None:
+    """ChainRanks' lists against this launch: one entry per rank, each rank's buffers alike and large enough, ids
+    that fit their bits."""
+    if not isinstance(ranks, ChainRanks):
+        fail("ranks", "a mok.ops.ChainRanks", type(ranks).__name__)
+    R, (T, hidden), K = len(ranks.x), x.shape, sched.num_topk
+    if not 1 <= R <= MAX_RANKS:
+        fail("ranks.x", f"1 to {MAX_RANKS} tensors (one per rank)", R)
+    if not isinstance(ranks.rank, int) or not 0 <= ranks.rank < R:
+        fail("ranks.rank", f"an int in [0, {R})", ranks.rank)
+    n_tiles = -(-hidden // GEMM_DOWN_TILE_N)
+    want = {"x": (torch.bfloat16, hidden, T), "y": (torch.bfloat16, hidden, sched.num_rows),
+            "topk_weights": (torch.float32, K, T), "out": (torch.bfloat16, hidden, T),
+            "token_done": (torch.int32, n_tiles, T)}
+    if with_shared:  # the shared expert's rows: the tokens, padded to whole tiles
+        want["shared"] = (torch.bfloat16, hidden, -(-T // GEMM_BLOCK_M) * GEMM_BLOCK_M)
+    elif ranks.shared:
+        fail("ranks.shared", "empty without shared_weights", f"{len(ranks.shared)} tensors")
+    for name, (dtype, width, rows) in want.items():
+        entries = getattr(ranks, name)
+        if len(entries) != R:
+            fail(f"ranks.{name}", f"{R} tensors (one per rank, as ranks.x)", len(entries))
+        first = entries[0]
+        for s, t in enumerate(entries):
+            check_layout(f"ranks.{name}[{s}]", t, dtype, (first.shape[0], width), f"[capacity, {width}], alike")
+            check_cuda(f"ranks.{name}[{s}]", t, x.device, "x's", aligned=True)
+        if not rows <= first.shape[0] < 1 << RANK_SHIFT:
+            fail(f"ranks.{name}", f"a capacity in [{rows}, 2^{RANK_SHIFT})", first.shape[0])
+    if ranks.token_offsets is None or len(ranks.token_offsets) != R:
+        fail("ranks.token_offsets", f"{R} ints (one per rank)", ranks.token_offsets)
+    check_layout("ranks.row_ids", ranks.row_ids, torch.int32, (sched.num_rows,), "[num_rows]")
+    check_layout("ranks.route_to_row", ranks.route_to_row, torch.int32, (None, K), "[every rank's tokens, K]")
+    if ranks.route_to_row.shape[0] < ranks.token_offsets[ranks.rank] + T:
+        fail("ranks.route_to_row", f"at least {ranks.token_offsets[ranks.rank] + T} tokens (this rank's offset + T)",
+             ranks.route_to_row.shape[0])
+    for name in ("row_ids", "route_to_row"):
+        check_cuda(f"ranks.{name}", getattr(ranks, name), x.device, "x's")
+
+
+def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched, y_buffer=None) -> tuple[list, tuple]:
     """The shared expert's tensors as the chain binding takes them (its input x, its weights as one expert, its
-    schedule of the tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]."""
+    schedule of the tokens in order, its outputs and counters) and its outputs (y, h, gate, up) [R_sh, ·]. y_buffer:
+    None, or a buffer whose first R_sh rows are y (ChainRanks.shared's entry)."""
     if not isinstance(weights, (tuple, list)) or len(weights) != 3:
         fail("shared_weights", "(w_shared_gate, w_shared_up, w_shared_down)", type(weights).__name__)
     ws_gate, ws_up, ws_down = weights
@@ -121,6 +209,8 @@ def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched) -> tuple[list, 
     row_to_token, tile_to_expert = gemm_schedule_tensors(sh, x.device)
     rows = [torch.empty(sh.num_rows, width, dtype=torch.bfloat16, device=x.device)
             for width in (hidden, I_sh, I_sh, I_sh)]  # y, h, gate, up
+    if y_buffer is not None:
+        rows[0] = y_buffer[: sh.num_rows]  # its capacity checked by _check_ranks
     h_ready = torch.zeros(sh.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)
     tensors = [x, ws_gate[None], ws_up[None], ws_down[None], row_to_token, tile_to_expert, *rows[1:], rows[0], h_ready]
     return tensors, tuple(rows)

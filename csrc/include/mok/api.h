@@ -9,6 +9,9 @@
 
 namespace mok {
 
+// The most ranks a kernel reaches through its tables of peers' addresses (expert parallelism, docs/megakernel.md).
+constexpr int kMaxRanks = 8;
+
 // ---- MXFP8 (csrc/quant_mxfp8.cu) --------------------------------------------------------------------
 // x: bf16, data: E4M3 bytes with x's shape; rows = numel / cols. Row-wise scales: [rows, cols / 32];
 // column-wise scales: [rows / 32, cols] (a leading experts dim folds into rows).
@@ -102,6 +105,24 @@ cudaError_t grouped_gemm_bf16_nt_contiguous(const DownGemm& args, const RowSched
 // shared) bit for bit, route_to_row int32 and topk_weights fp32 [num_tokens, num_topk], shared = the shared
 // expert's y when it runs here, else bf16 [num_tokens, hidden] or null; token_done int32 [num_tokens,
 // ceil(hidden / 256)] zero at the call.
+// The chain over ranks (EP > 1, docs/megakernel.md): the routed rows' tokens (gate_up's row_to_token) and
+// route_to_row's rows are row ids (rank << 24 | local id); route_to_row holds every rank's tokens, rank-major (rank
+// s's from token_offset[s]). Entry s of each list is rank s's tensor as this process reaches it: x (routed GEMM1's
+// gathered A), y (the routed rows, [y_capacity, hidden]; entry `rank` is down.out), and per home rank topk_weights,
+// shared, out and token_done (entry `rank`: the ChainGemm's own). The combine of a token runs on the rank that
+// completes it, so a rank's out is whole only once every rank's launch has ended.
+struct ChainRanks {
+  int num_ranks, rank;
+  const void* x[kMaxRanks];
+  const void* y[kMaxRanks];
+  const float* topk_weights[kMaxRanks];
+  const void* shared[kMaxRanks];
+  void* out[kMaxRanks];
+  int32_t* token_done[kMaxRanks];
+  int32_t token_offset[kMaxRanks];
+  int64_t y_capacity;
+};
+
 struct ChainGemm {
   GateUpGemm gate_up;  // mx_out: gate and up are row-wise MXFP8 buffers, h the round trip (as ..._mxfp8_out)
   DownGemm down;
@@ -117,6 +138,7 @@ struct ChainGemm {
   void* out;
   int32_t* token_done;
   int64_t num_topk;
+  ChainRanks ranks;  // num_ranks 0: EP = 1
 };
 cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sched, int num_sms, cudaStream_t stream);
 

@@ -28,6 +28,12 @@
 // kGateUp's arrivals (one cp.async arrival per producer thread and thread 0's expect_tx); in kDown tasks every
 // producer thread arrives plainly and thread 0 also with expect_tx, the same 129.
 //
+// Over ranks (EP > 1, docs/megakernel.md): a row id names a row of any rank's buffer as (rank << kRankShift | local
+// id); at EP = 1 every id is rank 0's, so the ids are the local ones. The routed GEMM1 gathers x's rows from the
+// token's rank (group.a[rank]), and the combine of a token runs on whichever rank completes it, reading the owners'
+// rows and writing its home rank's out through the same tables. No task waits on another rank: only the completion
+// counters cross ranks (.sys scope), so the ranks' launches need not run at the same time.
+//
 // With a combine (ChainCombine::out set), GEMM2's tiles also finish the layer's combine, and no CTA waits for it:
 // after a consumer warp's 16 rows of a GEMM2 tile are stored, each row counts once for its token's 256-column slice
 // (token_done[token, n-tile], acquire-release), and the warp whose count completes the slice (the token's routes
@@ -37,6 +43,7 @@
 // of in a launch after them.
 #pragma once
 
+#include "mok/api.h"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
 #include "mok/moe/combine.cuh"
 
@@ -59,25 +66,36 @@ struct ChainMaps {
   CUtensorMap h_rows, w_down, y;          // GEMM2: A, B (both halves), its output
 };
 
+// Row ids over ranks: (rank << kRankShift | local id), -1: none.
+constexpr int kRankShift = 24;
+constexpr int32_t kLocalIdMask = (1 << kRankShift) - 1;
+static_assert(kMaxRanks <= (1 << (31 - kRankShift)), "a rank fits a row id's high bits");
+
 // One expert group's GEMM1 and GEMM2.
 struct ChainGroup {
   ChainMaps maps;
   Params p1, p2;     // gate_up_params, down_params (p2.a = p1's h)
+  const uint16_t* a[kMaxRanks];  // GEMM1's gathered A: row id (s, t) of p1.row_to_token reads a[s]'s row t
   int32_t* h_ready;  // [its m-tiles], zero at launch
   int h_target;      // kNumConsumerWarps · GEMM1's n-tiles
   int k_blocks1, k_blocks2;
   int runs;          // 0: no tasks (no shared expert)
 };
 
-// The combine behind GEMM2 (out null: none). Tokens index route_to_row and topk_weights as [num_tokens, num_topk].
+// The combine behind GEMM2 (out null: none), over ranks: entry s of each table is rank s's tensor (EP = 1: entry 0).
+// Home rank s's token t is route_to_row's token token_offset[s] + t.
 struct ChainCombine {
-  const int32_t* route_to_row;  // a route's row (the routed GEMM2's y row), -1: none (its token's slices are NaN)
-  const float* topk_weights;    // null: weights 1 (combine_rows without weights: the backward's d_x)
-  const uint16_t* shared;       // the shared expert's rows, row t = token t, [>= num_tokens, hidden] bf16, or null
-  uint16_t* out;                // [num_tokens, hidden] bf16
-  int32_t* token_done;          // [num_tokens, GEMM2's n-tiles], zero at launch
+  const int32_t* route_to_row;             // [every rank's tokens, num_topk]: a route's row id, -1: none (NaN slices)
+  const float* topk_weights[kMaxRanks];    // [tokens, num_topk] of each home rank; entry 0 null: weights 1 (d_x)
+  const uint16_t* shared[kMaxRanks];       // the shared expert's rows, row t = token t, [>= tokens, hidden], or null
+  uint16_t* out[kMaxRanks];                // [tokens, hidden] bf16; entry `rank` null: no combine
+  int32_t* token_done[kMaxRanks];          // [tokens, GEMM2's n-tiles], zero at launch
+  const uint16_t* rows[kMaxRanks];         // the routed GEMM's rows of each owner, [rows_capacity, hidden]
+  int32_t token_offset[kMaxRanks];
+  int64_t rows_capacity;
   int num_topk;
-  int shared_counts;            // 1: the shared rows are the shared group's y, stored in this launch (they count)
+  int shared_counts;  // 1: the shared rows are the shared group's, stored in this launch (they count)
+  int rank;           // this launch's: the home of the shared group's rows, whose ids are local
 };
 
 constexpr int kSharedGroup = 0, kRoutedGroup = 1;
@@ -126,7 +144,9 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         if (thread == 0)
           issue_tma<Gemm::kGateUp>(nullptr, nullptr, &g.maps.w_gate, &g.maps.w_up, smem, &full[stage], stage, t, kb,
                                    g.p1.k);
-        gather_a_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb);
+        gather_rows_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb, [&](int32_t id) {
+          return g.a[id >> kRankShift] + static_cast<int64_t>(id & kLocalIdMask) * g.p1.k;
+        });
       }
     } else {
       const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
@@ -147,57 +167,65 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
-// One token's 256-column slice n of out, by one warp (lane l: 8 columns): combine_rows' sum, from rows that other
-// CTAs of this launch may have stored (read from L2). rows: the routed GEMM whose rows route_to_row names.
-MOK_DEVICE void combine_slice(const ChainCombine& cb, const Params& rows, int token, int n_tile, uint32_t lane) {
+// Home rank `home`'s token t, its 256-column slice n of out, by one warp (lane l: 8 columns): combine_rows' sum,
+// from rows that other CTAs (of any rank's launch) may have stored (read from L2, or the peer's memory).
+// width: the rows' (the routed GEMM's n).
+MOK_DEVICE void combine_slice(const ChainCombine& cb, int width, int home, int token, int n_tile, uint32_t lane) {
   static_assert(Gemm2::kTaskN == kWarpSize * moe::kVecElems, "a lane's 8 columns of a GEMM2 tile");
-  const int64_t vecs = rows.n / moe::kVecElems, vec = static_cast<int64_t>(n_tile) * kWarpSize + lane;
+  const int64_t vecs = width / moe::kVecElems, vec = static_cast<int64_t>(n_tile) * kWarpSize + lane;
   if (vec >= vecs) return;
-  const int64_t route0 = static_cast<int64_t>(token) * cb.num_topk, col = vec * moe::kVecElems;
-  const bool weighted = cb.topk_weights != nullptr;
+  const int64_t route0 = static_cast<int64_t>(cb.token_offset[home] + token) * cb.num_topk;
+  const int64_t col = vec * moe::kVecElems;
+  const float* weights = cb.topk_weights[home];
+  const bool weighted = cb.topk_weights[0] != nullptr;
   moe::Acc8 acc;
   moe::acc_zero(acc);
   bool bad = false;
   for (int k = 0; k < cb.num_topk; ++k) {  // increasing k: combine_rows' order
-    const int64_t row = cb.route_to_row[route0 + k];
-    if (row < 0 || row >= rows.num_rows) {
+    const int32_t id = cb.route_to_row[route0 + k];
+    const int64_t row = id & kLocalIdMask;
+    if (id < 0 || row >= cb.rows_capacity) {
       bad = true;
       continue;
     }
-    moe::acc_add(acc, ptx::ld_cg_v4(rows.out + row * rows.n + col), weighted ? cb.topk_weights[route0 + k] : 1.0f,
-                 !weighted);
+    const float w = weighted ? weights[static_cast<int64_t>(token) * cb.num_topk + k] : 1.0f;
+    moe::acc_add(acc, ptx::ld_cg_v4(cb.rows[id >> kRankShift] + row * width + col), w, !weighted);
   }
-  const int64_t token_col = static_cast<int64_t>(token) * rows.n + col;
-  if (cb.shared != nullptr) moe::acc_add(acc, ptx::ld_cg_v4(cb.shared + token_col), 1.0f, true);
+  const int64_t token_col = static_cast<int64_t>(token) * width + col;
+  if (cb.shared[home] != nullptr) moe::acc_add(acc, ptx::ld_cg_v4(cb.shared[home] + token_col), 1.0f, true);
   if (bad) moe::acc_nan(acc);
-  st_v4(cb.out + token_col, moe::acc_to_bf16(acc));
+  st_v4(cb.out[home] + token_col, moe::acc_to_bf16(acc));
 }
 
 // After this warp stored rows [row0, row0 + 16) of tile n of a group's GEMM (p: the routed or the shared one): each
-// real row counts for its token's slice n, and the warp combines the slices it completed (rows: the routed GEMM).
-MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p, const Params& rows, int row0, int n_tile,
-                                  uint32_t lane) {
+// real row counts for its token's slice n on the token's home rank, and the warp combines the slices it completed
+// (width: the routed GEMM's n). local_ids: p's row ids are this rank's tokens (the shared group's).
+MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p, int width, int row0, int n_tile,
+                                  bool local_ids, uint32_t lane) {
   if (lane == 0) {
     ptx::bulk_wait_group<0>();  // this warp's stores of the tile have finished
     ptx::fence_proxy_async_global();
   }
   __syncwarp();
-  int token = -1;
+  int32_t slice = -1;  // the row's token as a row id (home rank, token)
   bool last = false;
   if (lane < 16) {
-    token = p.row_to_token[row0 + lane];  // -1: a padding row (the shared group's rows: token = row)
-    if (token >= 0) {
+    const int32_t id = p.row_to_token[row0 + lane];  // -1: a padding row (the shared group's rows: token = row)
+    if (id >= 0) {
+      const int home = local_ids ? cb.rank : id >> kRankShift, token = id & kLocalIdMask;
+      slice = home << kRankShift | token;
       int count = cb.shared_counts;  // the rows a slice waits for: the token's routes with a row, and its shared row
-      const int32_t* route_rows = cb.route_to_row + static_cast<int64_t>(token) * cb.num_topk;
+      const int32_t* route_rows =
+          cb.route_to_row + static_cast<int64_t>(cb.token_offset[home] + token) * cb.num_topk;
       for (int k = 0; k < cb.num_topk; ++k) count += route_rows[k] >= 0;
-      int32_t* done = cb.token_done + static_cast<int64_t>(token) * p.num_n_tiles + n_tile;
-      last = ptx::atom_add_acq_rel_gpu(done, 1) == count - 1;
+      int32_t* done = cb.token_done[home] + static_cast<int64_t>(token) * p.num_n_tiles + n_tile;
+      last = ptx::atom_add_acq_rel_sys(done, 1) == count - 1;
     }
   }
   for (uint32_t left = __ballot_sync(kFullMask, last); left != 0; left &= left - 1) {
-    const int t = __shfl_sync(kFullMask, token, __ffs(left) - 1);
+    const int32_t s = __shfl_sync(kFullMask, slice, __ffs(left) - 1);
     __syncwarp();  // the lane that counted last acquired the other rows' stores: ordered before every lane's loads
-    combine_slice(cb, rows, t, n_tile, lane);
+    combine_slice(cb, width, s >> kRankShift, s & kLocalIdMask, n_tile, lane);
   }
 }
 
@@ -254,8 +282,9 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       const Outputs out2{&g.maps.y, nullptr, nullptr};
       epilogue2.finish(acc0, acc1, g.p2, out2, staging, row0, t.n_tile * Gemm2::kTaskN, t.expert, lane);
       epilogue2.store_rest(g.p2, out2, staging, lane);
-      if (L.combine.out != nullptr)
-        combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2, row0, t.n_tile, lane);
+      if (L.combine.out[L.combine.rank] != nullptr)
+        combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2.n, row0, t.n_tile, ct.group == kSharedGroup,
+                          lane);
     }
   });
   signal();
@@ -298,9 +327,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 // Whether a combine behind a GEMM's tiles can run on these rows: whole 8-column vectors, a route or more per token,
-// and the shared group's rows (when it runs in the launch) as wide as the routed ones.
+// the shared group's rows (when it runs in the launch) as wide as the routed ones, and one table entry per rank.
 inline bool combine_fits(const ChainCombine& combine, const Params& routed, const Params& shared, bool with_shared) {
-  return routed.n % moe::kVecElems == 0 && combine.num_topk >= 1 && (!with_shared || shared.n == routed.n);
+  return routed.n % moe::kVecElems == 0 && combine.num_topk >= 1 && (!with_shared || shared.n == routed.n) &&
+         combine.rank >= 0 && combine.rank < kMaxRanks && combine.rows[combine.rank] == routed.out &&
+         combine.rows_capacity >= routed.num_rows;
+}
+
+// The combine at EP = 1: every table's entry 0, the routed GEMM's rows (routed_rows) this launch's.
+inline ChainCombine local_combine(const int32_t* route_to_row, const float* topk_weights, const void* shared,
+                                  void* out, int32_t* token_done, int num_topk, int shared_counts,
+                                  const Params& routed_rows) {
+  ChainCombine c{};
+  c.route_to_row = route_to_row, c.topk_weights[0] = topk_weights;
+  c.shared[0] = static_cast<const uint16_t*>(shared), c.out[0] = static_cast<uint16_t*>(out);
+  c.token_done[0] = token_done, c.rows[0] = routed_rows.out, c.rows_capacity = routed_rows.num_rows;
+  c.num_topk = num_topk, c.shared_counts = shared_counts;
+  return c;
 }
 
 // A chain kernel's persistent launch for `total` tasks (none: nothing to launch).
@@ -323,9 +366,10 @@ struct ChainGroupArgs {
   int64_t num_experts;
   Params p1, p2;
   int32_t* h_ready;
+  const void* a[kMaxRanks];  // GEMM1's gathered A by rank (row ids over ranks); entry 0 null: p1.a (EP = 1)
 };
 
-// routed: the routed experts; shared: the shared expert (w_gate null: none); combine: out null, or its tensors
+// routed: the routed experts; shared: the shared expert (w_gate null: none); combine: out[rank] null, or its tables
 // (token_done zeros; with a shared expert, its shared is the shared group's y and shared_counts 1). kRoutedGemm1:
 // kGateUp, or kGateUpMxOut (routed.p1's gate and up then the row-wise MXFP8 buffers, mx_of).
 template <Gemm kRoutedGemm1>
@@ -340,6 +384,8 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     if (a.w_gate == nullptr) continue;  // no shared expert: its group runs no task
     ChainGroup& g = launch.group[i];
     g.p1 = a.p1, g.p2 = a.p2, g.h_ready = a.h_ready;
+    for (int s = 0; s < kMaxRanks; ++s) g.a[s] = static_cast<const uint16_t*>(a.a[s]);
+    if (g.a[0] == nullptr) g.a[0] = g.p1.a;
     TaskMaps m1, m2;
     int64_t num1 = 0, num2 = 0;
     cudaError_t err = i == kRoutedGroup
@@ -355,8 +401,8 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     total += num1 + num2;
   }
   if (total == 0) return cudaSuccess;
-  if (combine.out != nullptr && !combine_fits(combine, launch.group[kRoutedGroup].p2, launch.group[kSharedGroup].p2,
-                                              shared.w_gate != nullptr))
+  if (combine.out[combine.rank] != nullptr &&
+      !combine_fits(combine, launch.group[kRoutedGroup].p2, launch.group[kSharedGroup].p2, shared.w_gate != nullptr))
     return cudaErrorInvalidValue;
   launch.combine = combine;
   return launch_chain_kernel(grouped_gemm_bf16_chain_kernel<kRoutedGemm1>, launch, total, num_sms, stream);

@@ -218,7 +218,8 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
       epilogue_gate_up_dgrad.finish(acc0, acc1, g.gate_up_dgrad, out, staging, row0,
                                     t.n_tile * Tile<Gemm::kGateUpDgrad>::kTaskN, t.expert, lane);
       epilogue_gate_up_dgrad.store_rest(g.gate_up_dgrad, out, staging, lane);
-      combine_rows_done(L.combine, g.gate_up_dgrad, L.group[kRoutedGroup].gate_up_dgrad, row0, t.n_tile, lane);
+      combine_rows_done(L.combine, g.gate_up_dgrad, L.group[kRoutedGroup].gate_up_dgrad.n, row0, t.n_tile,
+                        bt.group == kSharedGroup, lane);
     } else {
       signal();
       const int which = bt.kind - kBwdWgradDown;
@@ -328,7 +329,7 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
     total += sum + num_m_tiles;
   }
   if (total == 0) return cudaSuccess;
-  if (combine.out == nullptr || combine.topk_weights != nullptr ||
+  if (combine.out[combine.rank] == nullptr || combine.topk_weights[0] != nullptr ||
       !combine_fits(combine, launch.group[kRoutedGroup].gate_up_dgrad, launch.group[kSharedGroup].gate_up_dgrad,
                     shared.w_down != nullptr))
     return cudaErrorInvalidValue;

@@ -103,18 +103,27 @@ MOK_DEVICE void gathered_tokens(const Params& p, int m_tile, uint32_t row_in_til
 }
 
 // Its 16-byte chunks of k-block kb of the gathered A into stage `stage` by cp.async, then its arrival on `full`
-// once they have landed.
-MOK_DEVICE void gather_a_stage(const Params& p, uint8_t* smem, uint32_t stage, uint64_t* full,
-                               const int32_t (&token)[kRowsPerThread], uint32_t row_in_tile, uint32_t chunk, int kb) {
+// once they have landed. row_of(token): that token's row of A (its first element).
+template <typename RowOf>
+MOK_DEVICE void gather_rows_stage(const Params& p, uint8_t* smem, uint32_t stage, uint64_t* full,
+                                  const int32_t (&token)[kRowsPerThread], uint32_t row_in_tile, uint32_t chunk, int kb,
+                                  RowOf row_of) {
   uint8_t* a_tile = stage_a(smem, stage);
   const int col = kb * BLOCK_K + static_cast<int>(chunk) * 8;  // first element of this thread's chunk
 #pragma unroll
   for (int j = 0; j < kRowsPerThread; ++j) {
     const bool real = token[j] >= 0 && col < p.k;  // k % 8 == 0: a chunk is all in or all out
-    const uint16_t* src = real ? p.a + static_cast<int64_t>(token[j]) * p.k + col : p.a;
+    const uint16_t* src = real ? row_of(token[j]) + col : p.a;
     ptx::cp_async_16_zfill(a_tile + sw128_offset(row_in_tile + kRowStride * j, chunk), src, real ? 16 : 0);
   }
   ptx::cp_async_mbarrier_arrive_noinc(full);
+}
+
+// gather_rows_stage from p.a's rows, token t at row t.
+MOK_DEVICE void gather_a_stage(const Params& p, uint8_t* smem, uint32_t stage, uint64_t* full,
+                               const int32_t (&token)[kRowsPerThread], uint32_t row_in_tile, uint32_t chunk, int kb) {
+  gather_rows_stage(p, smem, stage, full, token, row_in_tile, chunk, kb,
+                    [&](int32_t t) { return p.a + static_cast<int64_t>(t) * p.k; });
 }
 
 template <Gemm kGemm>

@@ -99,15 +99,17 @@ MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* counter) {
   return value;
 }
 
+
 // The count before this increment (acquire and release: the increments of one counter form one chain, so the
-// last one sees every earlier incrementer's writes).
-MOK_DEVICE int32_t atom_add_acq_rel_gpu(int32_t* counter, int32_t value) {
+// last one sees every earlier incrementer's writes). System scope: the counter and the writes it announces may
+// live on other GPUs (peers' memory).
+MOK_DEVICE int32_t atom_add_acq_rel_sys(int32_t* counter, int32_t value) {
   int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(value) : "memory");
   return old;
 }
 
-// 16 bytes another CTA of this kernel wrote (announced by a counter): from L2, past the SM's L1.
+// 16 bytes another CTA wrote (announced by a counter), of this launch or a peer's: from L2, past the SM's L1.
 MOK_DEVICE uint4 ld_cg_v4(const void* ptr) {
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"

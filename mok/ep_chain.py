@@ -1,0 +1,99 @@
+"""Expert parallelism with each rank's forward one launch of the chain kernel (docs/megakernel.md, "The chain over
+ranks"): the routed GEMM1 gathers its rows' x from the tokens' ranks, GEMM2's tiles count each row on its token's
+home rank, and the tile that completes a token's slice sums it there (out = the routes' rows in increasing k, then
+the shared expert's row) from the owners' rows. No task waits on another rank, so the launches need no co-residency:
+R ranks in one process run them one after another on one GPU, as mok.ep_peer's lockstep runs its phases.
+
+Around the launch: the inputs written and the counters zeroed on every rank (a barrier), every rank's routing read
+and this rank's rows planned (mok.ep_build's tables), then the launch, then a barrier before out is read. The
+backward is mok.ep_peer's, phase by phase, from the saved state this forward leaves (the shared expert's rows over
+every token recomputed there). The bits: mok.ep_peer's, the fused level's at EP = 1 (tests/test_ep_chain.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from mok import fused, megakernel, ops
+from mok.checks import fail
+from mok.ep_build import build_tables
+from mok.ep_peer import PeerSaved, _all_tokens, allocate, check_rank_inputs, lockstep, peers
+from mok.ep_plan import expert_ranges
+from mok.schedule import make_schedule
+
+
+def route_rows(sched, row_starts: torch.Tensor) -> torch.Tensor:
+    """int32 [T_all, K]: every route's row id (owner rank, row there) from the schedule of every rank's tokens,
+    whose rows rank s owns from row_starts[s] on (ops.row_ids; -1 for a route without a row)."""
+    g = sched.route_to_row.to(row_starts.device)  # [T_all, K] global rows
+    owner = torch.searchsorted(row_starts, g.clamp(min=0), right=True) - 1  # [T_all, K]
+    return ops.row_ids(torch.where(g >= 0, owner, -1), g - row_starts[owner.clamp(min=0)])
+
+
+def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
+                 w_shared_up=None, w_shared_down=None, *, num_experts: int, precision="bf16", swiglu_limit=None,
+                 num_sms=None):
+    """Rank `rank`'s forward over the peers' buffers P (mok.ep_peer.peers): a generator yielding at each barrier,
+    returning (out [T_r, H], PeerSaved) as mok.ep_peer.forward_rank does, with the experts in one chain launch."""
+    check_rank_inputs(P, rank, x, w_gate, num_experts)
+    R, T = P["x"].num_ranks, x.shape[0]
+    own = {name: p.keep[rank] for name, p in P.items()}
+    own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T
+    if precision == "mxfp8":  # the routed GEMM1 reads x's round trip (row-wise: each token's alone)
+        own["xq"][:T] = fused._mx(x, -1, precision)
+    own["done"].zero_()
+    own["out"].fill_(float("nan"))  # a token whose routes all lack a row is written by no tile (bad ids)
+    yield  # every rank's inputs are in place and its counters zero
+
+    split = [int(c[0, 0]) for c in P["count"].keep]
+    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
+    H, I = x.shape[1], w_gate.shape[1]
+    sched_all = ops.make_schedule_cuda(idx, num_experts, block_m=fused.BLOCK_M) if idx.is_cuda \
+        else make_schedule(idx, num_experts, block_m=fused.BLOCK_M)
+    I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
+    t = build_tables(idx, split, num_experts, rank, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
+                     block_m=fused.BLOCK_M, sched=sched_all if idx.is_cuda else None)
+    real = t["pull_rank"] >= 0  # [rows]
+    E_r = w_gate.shape[0]
+    expert_of_row = torch.repeat_interleave(torch.arange(E_r, device=x.device),
+                                            t["tokens_per_expert"].long())[:, None]  # [n, 1]
+    sched = ops.make_schedule_cuda(expert_of_row, E_r, block_m=fused.BLOCK_M)  # this rank's rows: t's layout
+    if sched.num_rows != real.shape[0]:
+        fail("tables", f"{sched.num_rows} rows (the schedule of the rank's real rows)", real.shape[0])
+    firsts = [g.start for g in expert_ranges(num_experts, R)]  # each rank's first expert
+    row_starts = sched_all.expert_offsets.to(x.device)[firsts].contiguous()  # [R]: each rank's first global row
+    offsets = [sum(split[:s]) for s in range(R)]
+    shared = w_shared_gate is not None
+    ranks = ops.ChainRanks(rank, ops.row_ids(t["pull_rank"], t["pull_token"]), route_rows(sched_all, row_starts),
+                           offsets, x=list(P["xq" if precision == "mxfp8" else "x"].keep), y=list(P["y"].keep),
+                           topk_weights=list(P["w"].keep), out=list(P["out"].keep), token_done=list(P["done"].keep),
+                           shared=list(P["sy"].keep) if shared else ())
+    weights = (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    num_sms = fused.resolve_options(x, w_gate, precision, num_sms, megakernel.DEFAULT_MX_WEIGHTS)[0]
+    _, rows = megakernel.run_chain(own["x"][:T], own["x"][:T], own["w"][:T], weights, sched, precision=precision,
+                                   swiglu_limit=swiglu_limit, num_sms=num_sms, ranks=ranks)
+    x_rows = ops.pull_rows(P["x"], t["pull_rank"][real], t["pull_token"][real])  # [n, H]: the backward's
+    ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: each row its own token, weight 1
+    experts = megakernel.saved_state(x_rows, expert_of_row, ones, (w_gate, w_up, w_down, None, None, None), sched,
+                                     (*rows[:3], None), precision=precision, swiglu_limit=swiglu_limit,
+                                     num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
+    shared_saved = (_all_tokens(P["x"], split), None, weights[3:]) if shared else None
+    yield  # every rank's launch has ended: its tokens' out is whole
+
+    out = own["out"][:T].clone()
+    return out, PeerSaved(rank, t, real, experts, split, shared_saved, swiglu_limit)
+
+
+def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
+                  w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None) -> tuple[list, list]:
+    """R ranks in one process, as mok.ep_peer.forward_ranks (its backward_ranks takes the saved states)."""
+    R = len(xs)
+    if not all(len(v) == R for v in (topk_idxs, topk_weights, w_gates, w_ups, w_downs)):
+        fail("xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs", f"{R} entries each (one per rank)",
+             [len(v) for v in (xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs)])
+    E = sum(w.shape[0] for w in w_gates)
+    P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
+    shared = (w_shared_gate, w_shared_up, w_shared_down)
+    results = lockstep([forward_rank(P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r],
+                                     *shared, num_experts=E, precision=precision, swiglu_limit=swiglu_limit,
+                                     num_sms=num_sms) for r in range(R)])
+    return [o for o, _ in results], [(P, s) for _, s in results]
