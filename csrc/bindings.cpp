@@ -221,9 +221,10 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
 }
 
 // The chain over ranks from its lists (x, y, topk_weights, shared, out, token_done; entry s: rank s's tensor, as
-// mok.ops.chain.ChainRanks holds them): entry `rank` of y, out and token_done must be args' own.
+// mok.ops.chain.ChainRanks holds them; a list may be empty). Entry `rank` of y, out, token_done (and shared) must be
+// the launch's own tensors: the launcher checks it.
 mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, int64_t rank,
-                            const std::vector<int64_t>& token_offsets, const mok::ChainGemm& args) {
+                            const std::vector<int64_t>& token_offsets) {
   TORCH_CHECK(lists.size() == 6, "ranks: expected 6 lists (x, y, topk_weights, shared, out, token_done)");
   const int64_t R = static_cast<int64_t>(lists[0].size());
   TORCH_CHECK(R >= 1 && R <= mok::kMaxRanks, "ranks: expected 1 to ", mok::kMaxRanks, " ranks, got ", R);
@@ -241,10 +242,8 @@ mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, i
     r.shared[s] = ptr(3, s), r.out[s] = ptr(4, s), r.token_done[s] = static_cast<int32_t*>(ptr(5, s));
     r.token_offset[s] = static_cast<int32_t>(token_offsets[s]);
   }
+  TORCH_CHECK(!lists[1].empty() && !lists[4].empty() && !lists[5].empty(), "ranks: expected y, out and token_done");
   r.y_capacity = lists[1][rank].size(0);
-  TORCH_CHECK(r.y[rank] == args.down.out && r.out[rank] == args.out && r.token_done[rank] == args.token_done &&
-                  r.shared[rank] == args.shared,
-              "ranks: expected this rank's y, out, token_done and shared as entry `rank`");
   return r;
 }
 
@@ -298,7 +297,7 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
     args.token_done = token_done->data_ptr<int32_t>();
     args.num_topk = route_to_row->size(1);
   }
-  if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets, args);
+  if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets);
   launch_rows(mok::grouped_gemm_bf16_chain, "grouped_gemm_bf16_chain", args, sched, num_sms, x);
 }
 
@@ -453,7 +452,8 @@ void gemm_chain_backward(const std::vector<at::Tensor>& routed, const std::optio
                          const at::Tensor& topk_weights, const at::Tensor& row_to_route, at::Tensor& d_topk_weights,
                          const std::optional<std::vector<at::Tensor>>& shared, const at::Tensor& route_to_row,
                          at::Tensor& d_x, at::Tensor& token_done, double swiglu_limit, bool has_limit,
-                         int64_t num_sms) {
+                         int64_t num_sms, const std::optional<std::vector<std::vector<at::Tensor>>>& ranks,
+                         int64_t rank, const std::vector<int64_t>& token_offsets) {
   check_arg(topk_weights, "topk_weights"), check_arg(row_to_route, "row_to_route");
   check_arg(d_topk_weights, "d_topk_weights"), check_arg(route_to_row, "route_to_row"), check_arg(d_x, "d_x");
   check_arg(token_done, "token_done");
@@ -470,6 +470,7 @@ void gemm_chain_backward(const std::vector<at::Tensor>& routed, const std::optio
   args.d_x = d_x.data_ptr();
   args.token_done = token_done.data_ptr<int32_t>();
   args.num_topk = route_to_row.size(1);
+  if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets);
   const LaunchGuard guard(d_x.device());
   check_cuda(mok::grouped_gemm_bf16_chain_backward(args, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_chain_backward");
@@ -790,10 +791,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("dx_rows"), py::arg("num_sms"));
   m.def("grouped_gemm_bf16_chain_backward", &gemm_chain_backward,
         "the backward at EP = 1 in one persistent launch, BF16: routed (19 tensors, chain_backward_group's order) with "
-        "counts and the route gradients' tensors, shared: None or its 19, and the combine of d_x",
+        "counts and the route gradients' tensors, shared: None or its 19, and the combine of d_x; ranks: as the "
+        "forward chain's (y: the dx rows, out: d_x, shared: the shared expert's dx rows)",
         py::kw_only(), py::arg("routed"), py::arg("counts"), py::arg("topk_weights"), py::arg("row_to_route"),
         py::arg("d_topk_weights"), py::arg("shared"), py::arg("route_to_row"), py::arg("d_x"), py::arg("token_done"),
-        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"));
+        py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"), py::arg("ranks") = py::none(),
+        py::arg("rank") = 0, py::arg("token_offsets") = std::vector<int64_t>{});
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
         "d_w[e] = Σ a_rowsᵀ · b_rows over expert e's segment",
         py::kw_only(), py::arg("a_rows"), py::arg("b_rows"), py::arg("expert_offsets"), py::arg("expert_rows"),

@@ -52,16 +52,10 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
                                                    args.token_done, static_cast<int>(args.num_topk),
                                                    with_shared ? 1 : 0, routed.p2);
   if (const ChainRanks& r = args.ranks; r.num_ranks > 0) {  // over ranks: every table from the lists
-    if (r.num_ranks > kMaxRanks || r.rank < 0 || r.rank >= r.num_ranks || r.y[r.rank] != args.down.out ||
-        r.out[r.rank] != args.out || (args.out != nullptr && r.y_capacity < sched.num_rows))
+    if (args.out == nullptr || r.shared[r.rank] != args.shared ||
+        !gemm::combine_over_ranks(r, sched.num_rows, &combine))
       return cudaErrorInvalidValue;
-    for (int s = 0; s < r.num_ranks; ++s) {
-      routed.a[s] = r.x[s];
-      combine.topk_weights[s] = r.topk_weights[s], combine.shared[s] = static_cast<const uint16_t*>(r.shared[s]);
-      combine.out[s] = static_cast<uint16_t*>(r.out[s]), combine.token_done[s] = r.token_done[s];
-      combine.rows[s] = static_cast<const uint16_t*>(r.y[s]), combine.token_offset[s] = r.token_offset[s];
-    }
-    combine.rows_capacity = r.y_capacity, combine.rank = r.rank;
+    for (int s = 0; s < r.num_ranks; ++s) routed.a[s] = r.x[s];
   }
   return args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>(routed, shared, combine, num_sms,
                                                                                       stream)
@@ -111,10 +105,13 @@ cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_
   if (args.routed.dgrad.route_weights == nullptr || (with_shared && args.shared.dgrad.route_weights != nullptr) ||
       args.route_to_row == nullptr || args.d_x == nullptr || args.token_done == nullptr || args.num_topk < 1)
     return cudaErrorInvalidValue;
-  const gemm::ChainCombine combine =
+  gemm::ChainCombine combine =
       gemm::local_combine(args.route_to_row, nullptr, with_shared ? args.shared.gate_up_dgrad.dx_rows : nullptr,
                           args.d_x, args.token_done, static_cast<int>(args.num_topk), with_shared ? 1 : 0,
                           routed.gate_up_dgrad);
+  if (args.ranks.num_ranks > 0 &&  // over ranks: the shared expert's dx rows come from before the launch
+      (with_shared || !gemm::combine_over_ranks(args.ranks, routed.gate_up_dgrad.num_rows, &combine)))
+    return cudaErrorInvalidValue;
   return gemm::launch_grouped_gemm_bf16_chain_backward(routed, shared, combine, num_sms, stream);
 }
 

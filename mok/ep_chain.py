@@ -11,9 +11,11 @@ every token recomputed there). The bits: mok.ep_peer's, the fused level's at EP 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from mok import fused, megakernel, ops
+from mok import ep_peer, fused, megakernel, ops
 from mok.checks import fail
 from mok.ep_build import build_tables
 from mok.ep_peer import PeerSaved, _all_tokens, allocate, check_rank_inputs, lockstep, peers
@@ -76,11 +78,62 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     experts = megakernel.saved_state(x_rows, expert_of_row, ones, (w_gate, w_up, w_down, None, None, None), sched,
                                      (*rows[:3], None), precision=precision, swiglu_limit=swiglu_limit,
                                      num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
+    if precision == "mxfp8":  # the saved y rows, out of the buffer the next forward writes
+        experts.y_rows = experts.y_rows.clone()
     shared_saved = (_all_tokens(P["x"], split), None, weights[3:]) if shared else None
+    saved = ChainSaved(rank, t, real, experts, split, shared_saved, swiglu_limit, sched, ranks)
     yield  # every rank's launch has ended: its tokens' out is whole
 
-    out = own["out"][:T].clone()
-    return out, PeerSaved(rank, t, real, experts, split, shared_saved, swiglu_limit)
+    return own["out"][:T].clone(), saved
+
+
+def backward_rank(P: dict, saved, d_out):
+    """The rank's gradients, as mok.ep_peer.backward_rank's (a generator yielding at each barrier): in BF16 the
+    routed experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the
+    tile completing a token, on any rank), after the shared expert's backward over every token (its weight
+    gradients' K) has written its dx rows of this rank's tokens; in MXFP8 ep_peer's phases."""
+    if not isinstance(saved, ChainSaved) or saved.experts.precision != "bf16":
+        return (yield from ep_peer.backward_rank(P, saved, d_out))
+    s, t, real, T = saved, saved.tables, saved.real, d_out.shape[0]
+    own = {name: p.keep[s.rank] for name, p in P.items()}
+    own["d_out"][:T] = d_out
+    own["done"].zero_()
+    own["out"].fill_(float("nan"))
+    yield  # every rank's d_out is in place and its counters zero
+
+    d_shared = [None, None, None]
+    if s.shared is not None:  # the fused level's shared-expert backward over every token
+        x_all, _, ws = s.shared
+        rows = fused.shared_forward(x_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)[1]
+        dx_all, d_shared = fused.shared_backward(x_all, rows, _all_tokens(P["d_out"], s.split), ws, s.swiglu_limit,
+                                                 fused.DEFAULT_NUM_SMS)
+        first = sum(s.split[: s.rank])
+        own["sy"][:T] = dx_all[first: first + T]
+    rank, token, k = (t[name][real].long() for name in ("pull_rank", "pull_token", "pull_k"))
+    w_rows = torch.stack(P["w"].keep)[rank, token, k][:, None]  # [n, 1]: each row's route weight
+    dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
+    e = s.experts
+    w_gate, w_up, w_down = e.weights[:3]
+    ranks = replace(s.ranks, x=[], y=list(P["dx"].keep), topk_weights=[], out=list(P["out"].keep),
+                    token_done=list(P["done"].keep), shared=list(P["sy"].keep) if s.shared is not None else [])
+    yield  # every rank's shared dx rows are in place
+
+    _, d_tw, d_w, _ = ops.grouped_gemm_bf16_chain_backward(dy_rows, fused.gather_x_rows(e.x, s.sched), w_gate, w_up,
+                                                           w_down, e.gate, e.up, w_rows, s.sched,
+                                                           swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks)
+    own["dtw"][: real.shape[0]][real] = d_tw
+    yield  # every rank's launch has ended: its tokens' d_x is whole, every route's d_topk_weights row written
+
+    d_x = own["out"][:T].clone()
+    d_topk_weights = torch.stack(P["dtw"].keep)[t["combine_rank"].long(), t["combine_row"].long(), 0]  # [T_r, K]
+    return (d_x, d_topk_weights, *d_w, *d_shared)
+
+
+@dataclass
+class ChainSaved(PeerSaved):
+    """PeerSaved and what the backward chain adds: the rank's row schedule and its forward's ChainRanks."""
+    sched: object = None
+    ranks: object = None
 
 
 def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
@@ -97,3 +150,10 @@ def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared
                                      *shared, num_experts=E, precision=precision, swiglu_limit=swiglu_limit,
                                      num_sms=num_sms) for r in range(R)])
     return [o for o, _ in results], [(P, s) for _, s in results]
+
+
+def backward_ranks(saved: list, d_outs: list) -> list[tuple]:
+    """backward_rank of every rank in one process, from forward_ranks' saved states."""
+    if len(d_outs) != len(saved):
+        fail("d_outs", f"{len(saved)} tensors (one per rank)", len(d_outs))
+    return lockstep([backward_rank(P, s, d) for (P, s), d in zip(saved, d_outs)])

@@ -112,7 +112,7 @@ def _chain_over_ranks(x, w_gate, w_up, w_down, sched, swiglu_limit, topk_weights
     its y rows and shared rows written into its entries, each real row counted in its token's token_done on the
     home rank, and every token whose count this launch completes combined there: out = combine of its routes'
     rows at their owners, in increasing k, then its shared row (the kernel's completion counters, in order)."""
-    R, r, cap = len(ranks.x), ranks.rank, ranks.x[0].shape[0]
+    r, cap = ranks.rank, ranks.x[0].shape[0]
     ids = ranks.row_ids.long()  # [num_rows]
     flat = torch.where(ids >= 0, (ids >> RANK_SHIFT) * cap + (ids & LOCAL_MASK), -1)  # rows of every rank's x
     y_rows, h, gate, up, _, _ = grouped_gemm_bf16_chain(torch.cat(list(ranks.x)), w_gate, w_up, w_down,
@@ -127,38 +127,50 @@ def _chain_over_ranks(x, w_gate, w_up, w_down, sched, swiglu_limit, topk_weights
                                               *(w[None] for w in shared_weights), sh, swiglu_limit)[:4]
         ranks.shared[r][: shared_rows[0].shape[0]] = shared_rows[0]
         ranks.token_done[r][:T] += 1
-    real = ids >= 0
+    _count_and_combine(ranks, ids, before, int(shared_weights is not None))
+    return y_rows, h, gate, up, ranks.out[r][:T], shared_rows
+
+
+def _count_and_combine(ranks, ids, before: list, shared_counts: int) -> None:
+    """The completion counters of a chain launch over ranks: each real row (ids: its token's row id) counts on its
+    token's home rank, and each token whose count reaches its target (its routes with a row, plus shared_counts)
+    in this launch (before: every rank's counts at its start) is combined there, from the owners' rows (ranks.y),
+    its weights (ranks.topk_weights, or 1 where empty) and its shared row (ranks.shared, where given)."""
+    R, real = len(ranks.y), ids >= 0
     home, token = ids[real] >> RANK_SHIFT, ids[real] & LOCAL_MASK  # [real rows]
     for s in range(R):
         ranks.token_done[s].index_add_(0, token[home == s], torch.ones_like(ranks.token_done[s][token[home == s]]))
-    shared_counts = int(shared_weights is not None)
+    y_all = torch.stack(list(ranks.y))  # [R, rows, H]
     for s in range(R):  # home rank s: its tokens whose count reached the target in this launch
         n = min(ranks.token_done[s].shape[0], ranks.route_to_row.shape[0] - ranks.token_offsets[s])
         routes = ranks.route_to_row[ranks.token_offsets[s]: ranks.token_offsets[s] + n].long()  # [n, K]
         target = (routes >= 0).sum(1) + shared_counts  # [n]
-        done = (ranks.token_done[s][:n, 0] == target) & (before[s][:n] < target) & (target > 0)
-        t = done.nonzero()[:, 0]  # [d]
+        t = ((ranks.token_done[s][:n, 0] == target) & (before[s][:n] < target) & (target > 0)).nonzero()[:, 0]
         if t.numel() == 0:
             continue
         rid = routes[t]  # [d, K]
-        y_all = torch.stack([ranks.y[o] for o in range(R)])  # [R, rows, H]
         rows = y_all[(rid >> RANK_SHIFT).clamp(min=0), rid.clamp(min=0) & LOCAL_MASK]  # [d, K, H]
         rows[rid < 0] = float("nan")
-        sh = ranks.shared[s][t] if shared_counts else None
-        ranks.out[s][t] = combine(rows, ranks.topk_weights[s][t], sh)
-    return y_rows, h, gate, up, ranks.out[r][:T], shared_rows
+        w = ranks.topk_weights[s][t] if len(ranks.topk_weights) else torch.ones(rid.shape, device=rid.device)
+        ranks.out[s][t] = combine(rows, w, ranks.shared[s][t] if len(ranks.shared) else None)
 
 
 def grouped_gemm_bf16_chain_backward(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, sched,
-                                     swiglu_limit=None, num_sms=None, shared=None):
+                                     swiglu_limit=None, num_sms=None, shared=None, ranks=None):
     """The expert backward (one launch on the GPU): the route-gradient dgrad and SwiGLU backward, the gate/up dgrad,
     the weight gradients and the combine of d_x, the shared expert's steps too: (d_x, d_topk_weights, [d_w_gate,
-    d_w_up, d_w_down], the shared expert's [...] or None)."""
+    d_w_up, d_w_down], the shared expert's [...] or None). ranks: one rank's launch among several (as
+    _chain_over_ranks: its dx rows into its y entry, d_x's combine of the tokens it completes into their out)."""
     d_gate, d_up, h, d_topk_weights = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
                                                                                   topk_weights, sched, swiglu_limit)
     d_w = [grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched), grouped_gemm_bf16_weight_grad(d_up, x_rows, sched),
            grouped_gemm_bf16_weight_grad(dy_rows, h, sched)]
     dx_rows = grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched)
+    if ranks is not None:
+        ranks.y[ranks.rank][: sched.num_rows] = dx_rows
+        before = [d[:, 0].clone() for d in ranks.token_done]
+        _count_and_combine(ranks, ranks.row_ids.long(), before, 0)
+        return ranks.out[ranks.rank], d_topk_weights, d_w, None
     dx_shared, d_w_shared = None, None
     if shared is not None:
         dy_sh, x_sh, wg_sh, wu_sh, wd_sh, gate_sh, up_sh, sh = shared

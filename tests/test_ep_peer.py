@@ -44,7 +44,7 @@ def _mismatches(outs: list, grads: list, want: tuple) -> list[str]:
     return bad + [f"shared grad {j}" for j in range(5, 8) if not all(bitwise_equal(g[j], want[j + 1]) for g in grads)]
 
 
-def _check_every_degree(name: str, device: str, precision: str = "bf16", forward=ep_peer.forward_ranks) -> None:
+def _check_every_degree(name: str, device: str, precision: str = "bf16", module=ep_peer) -> None:
     cfg, splits, seed, inp, want = _problem(name, device, precision)
     args = moe_args(inp)
     for split in splits:
@@ -53,8 +53,8 @@ def _check_every_degree(name: str, device: str, precision: str = "bf16", forward
         local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
         if device == "cuda":
             poison_allocator(64 << 20)
-        outs, saved = forward(*part[:3], *local, *args[6:], precision=precision)
-        grads = ep_peer.backward_ranks(saved, part[3])
+        outs, saved = module.forward_ranks(*part[:3], *local, *args[6:], precision=precision)
+        grads = module.backward_ranks(saved, part[3])
         assert _mismatches(outs, grads, want) == [], f"{precision}, split {split}, seed {seed}"
 
 
@@ -79,7 +79,7 @@ def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
 def test_the_chain_over_ranks_gives_the_fused_levels_bits(name, precision):
     """mok.ep_chain: each rank's forward one chain launch (x gathered from the tokens' ranks, the combine by the
     tile completing a token, on any rank), the backward phase by phase."""
-    _check_every_degree(name, "cuda", precision, ep_chain.forward_ranks)
+    _check_every_degree(name, "cuda", precision, ep_chain)
 
 
 def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
@@ -89,20 +89,25 @@ def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypa
     monkeypatch.setattr(twins, "mm", row_mm)
     for name in CASES:
         for precision in ("bf16", "mxfp8"):
-            _check_every_degree(name, "cpu", precision, ep_chain.forward_ranks)
+            _check_every_degree(name, "cpu", precision, ep_chain)
 
 
-def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, want: tuple) -> list[str]:
-    """One rank's pass over the peers' buffers P, barrier() between phases: what differs from the EP = 1 results
-    of its tokens and experts."""
+PASSES = {"ep_peer": ep_peer, "ep_chain": ep_chain}  # a rank's passes, by module name
+
+
+def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, want: tuple,
+                     passes: str = "ep_peer") -> list[str]:
+    """One rank's pass over the peers' buffers P, barrier() between phases (its passes: PASSES[passes]'s): what
+    differs from the EP = 1 results of its tokens and experts."""
     g = expert_ranges(inputs["w_gate"].shape[0], len(split))[rank]
     mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
     experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
     shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
-    out, saved = ep_peer.run_rank(ep_peer.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
-                                                       *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
+    module = PASSES[passes]
+    out, saved = ep_peer.run_rank(module.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
+                                                      *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
                                   barrier)
-    grads = ep_peer.run_rank(ep_peer.backward_rank(P, saved, mine["d_out"]), barrier)
+    grads = ep_peer.run_rank(module.backward_rank(P, saved, mine["d_out"]), barrier)
     rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
     on = lambda t: t.to(out.device)  # noqa: E731
     mine_want = (on(want[0][rows]), on(want[1][rows]), on(want[2][rows]),
@@ -111,7 +116,7 @@ def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, wan
 
 
 def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want: tuple, on_twins: bool, results,
-              slow_rank: int):
+              slow_rank: int, passes: str):
     """One rank in its own process over every rank's buffers (CPU shared memory or CUDA IPC: torch.multiprocessing
     passed them by handle); rank slow_rank sleeps before each of its phases (its peers wait at the barrier); puts
     (rank, its mismatches or the error)."""
@@ -122,15 +127,17 @@ def _one_rank(rank: int, buffers: list, barrier, inputs: dict, split: list, want
             twins.install(setattr)
 
         def wait():
+            if buffers[rank]["x"].is_cuda:  # this rank's writes have landed before its peers pass the barrier
+                torch.cuda.synchronize()
             barrier.wait(60)  # a lost peer breaks the barrier: no hang
             if rank == slow_rank:
                 time.sleep(0.2)
-        results.put((rank, _rank_mismatches(ep_peer.peers(buffers), rank, wait, inputs, split, want)))
+        results.put((rank, _rank_mismatches(ep_peer.peers(buffers), rank, wait, inputs, split, want, passes)))
     except BaseException as e:  # noqa: BLE001 (the parent reports it)
         results.put((rank, [repr(e)]))
 
 
-def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want: tuple) -> list[str]:
+def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want: tuple, passes: str) -> list[str]:
     """One rank per GPU (run_local_ep over NCCL), its buffers in symmetric memory."""
     import os
 
@@ -140,10 +147,10 @@ def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want:
     buffers, handles = ep_peer.allocate_symmetric(max(split), inputs["topk_idx"].shape[1],
                                                   inputs["w_gate"].shape[0], inputs["x"].shape[1])
     return _rank_mismatches(ep_peer.peers(buffers), rank, lambda: handles[0].barrier(channel=0), inputs, split,
-                            want)
+                            want, passes)
 
 
-def _run_processes(name: str, device: str, on_twins: bool, slow_rank: int = -1) -> None:
+def _run_processes(name: str, device: str, on_twins: bool, slow_rank: int = -1, passes: str = "ep_peer") -> None:
     """R = 3 processes (one rank each, uneven, a rank of no tokens) sharing the buffers of ep_peer.allocate."""
     cfg, splits, seed, inp, want = _problem(name, device)
     split = splits[2]
@@ -153,8 +160,8 @@ def _run_processes(name: str, device: str, on_twins: bool, slow_rank: int = -1) 
         for t in b.values():
             t.share_memory_()  # CPU: shared memory (CUDA tensors travel by IPC handle)
     barrier, results = ctx.Barrier(len(split)), ctx.Queue()
-    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, on_twins, results, slow_rank),
-                         daemon=True) for r in range(len(split))]
+    procs = [ctx.Process(target=_one_rank, args=(r, buffers, barrier, inp, split, want, on_twins, results, slow_rank,
+                                                 passes), daemon=True) for r in range(len(split))]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=300) for _ in procs)
@@ -172,13 +179,16 @@ def test_one_rank_per_process_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_one_rank_per_process_on_one_gpu_gives_the_same_bits():
-    """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves; rank 0 slow."""
-    _run_processes("shared", "cuda", on_twins=False, slow_rank=0)
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_one_rank_per_process_on_one_gpu_gives_the_same_bits(passes):
+    """The same on one GPU, the buffers shared by CUDA IPC, the kernels themselves; rank 0 slow. ep_chain: the
+    ranks' chain launches run at once, their counters and combines crossing processes."""
+    _run_processes("shared", "cuda", on_twins=False, slow_rank=0, passes=passes)
 
 
 @pytest.mark.multigpu
-def test_one_rank_per_gpu_over_symmetric_memory_gives_the_same_bits():
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_one_rank_per_gpu_over_symmetric_memory_gives_the_same_bits(passes):
     """One rank per GPU (2, uneven), the buffers in torch's symmetric memory, read over NVLink: each rank's results
     are the EP = 1 bits on GPU 0 (the same GPU model: the same kernel bits)."""
     from mok.comm import run_local_ep
@@ -186,7 +196,7 @@ def test_one_rank_per_gpu_over_symmetric_memory_gives_the_same_bits():
     cfg, splits, seed, inp, want = _problem("shared", "cuda")
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     got = run_local_ep(_symmetric_rank, 2, {n: cpu(t) for n, t in inp.items()}, splits[1],
-                       tuple(cpu(w) for w in want), backend="nccl", timeout_s=300)
+                       tuple(cpu(w) for w in want), passes, backend="nccl", timeout_s=300)
     assert got == [[], []], f"seed {seed}"
 
 

@@ -35,6 +35,8 @@ from mok.schedule import make_schedule
 
 RANK_SHIFT = 24  # a row id over ranks: rank << RANK_SHIFT | local id (csrc/include/mok/gemm/chain.cuh)
 MAX_RANKS = 8  # mok::kMaxRanks
+FORWARD_LISTS = ("x", "y", "topk_weights", "out", "token_done", "shared")  # the ChainRanks lists each pass reads
+BACKWARD_LISTS = ("y", "out", "token_done", "shared")
 
 
 def row_ids(rank: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,8 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     if ranks is not None:
         if topk_weights is None:
             fail("topk_weights", "a tensor with ranks (the combine over ranks)", None)
-        _check_ranks(ranks, x, sched, shared_weights is not None)
+        _check_ranks(ranks, x.device, hidden, sched.num_rows, T, FORWARD_LISTS,
+                     None if shared_weights is None else -(-T // GEMM_BLOCK_M) * GEMM_BLOCK_M)
         kwargs["row_to_token"] = ranks.row_ids
     shared_expert, shared_rows = None, None
     if shared_weights is not None:
@@ -137,55 +140,62 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device) if ranks is None \
         else ranks.y[ranks.rank][: sched.num_rows]  # [num_rows, hidden]
     h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
-    lists = None if ranks is None else [ranks.x, ranks.y, ranks.topk_weights, list(ranks.shared), ranks.out,
-                                        ranks.token_done]
     load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
                                              up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
                                              route_to_row=route_to_row, topk_weights=topk_weights, shared=shared,
-                                             out=out, token_done=token_done, mx_out=mx_out, ranks=lists,
+                                             out=out, token_done=token_done, mx_out=mx_out,
+                                             ranks=None if ranks is None else _rank_lists(ranks),
                                              rank=0 if ranks is None else ranks.rank,
                                              token_offsets=[] if ranks is None else list(ranks.token_offsets),
                                              **kwargs)
     return y_rows, h, gate, up, out, shared_rows
 
 
-def _check_ranks(ranks: ChainRanks, x: torch.Tensor, sched, with_shared: bool) -> None:
-    """ChainRanks' lists against this launch: one entry per rank, each rank's buffers alike and large enough, ids
-    that fit their bits."""
+def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_tokens: int, lists: tuple,
+                 shared_rows: int | None) -> None:
+    """ChainRanks against one launch: one entry per rank in each of `lists` (the others empty), each rank's buffers
+    alike and large enough (num_rows routed rows, num_tokens tokens, shared_rows shared rows or None: no shared
+    list), ids that fit their bits."""
     if not isinstance(ranks, ChainRanks):
         fail("ranks", "a mok.ops.ChainRanks", type(ranks).__name__)
-    R, (T, hidden), K = len(ranks.x), x.shape, sched.num_topk
+    R, K = len(ranks.y), ranks.route_to_row.shape[-1]
     if not 1 <= R <= MAX_RANKS:
-        fail("ranks.x", f"1 to {MAX_RANKS} tensors (one per rank)", R)
+        fail("ranks.y", f"1 to {MAX_RANKS} tensors (one per rank)", R)
     if not isinstance(ranks.rank, int) or not 0 <= ranks.rank < R:
         fail("ranks.rank", f"an int in [0, {R})", ranks.rank)
-    n_tiles = -(-hidden // GEMM_DOWN_TILE_N)
-    want = {"x": (torch.bfloat16, hidden, T), "y": (torch.bfloat16, hidden, sched.num_rows),
-            "topk_weights": (torch.float32, K, T), "out": (torch.bfloat16, hidden, T),
-            "token_done": (torch.int32, n_tiles, T)}
-    if with_shared:  # the shared expert's rows: the tokens, padded to whole tiles
-        want["shared"] = (torch.bfloat16, hidden, -(-T // GEMM_BLOCK_M) * GEMM_BLOCK_M)
-    elif ranks.shared:
-        fail("ranks.shared", "empty without shared_weights", f"{len(ranks.shared)} tensors")
+    want = {"x": (torch.bfloat16, hidden, num_tokens), "y": (torch.bfloat16, hidden, num_rows),
+            "topk_weights": (torch.float32, K, num_tokens), "out": (torch.bfloat16, hidden, num_tokens),
+            "token_done": (torch.int32, -(-hidden // GEMM_DOWN_TILE_N), num_tokens),
+            "shared": (torch.bfloat16, hidden, shared_rows)}
     for name, (dtype, width, rows) in want.items():
         entries = getattr(ranks, name)
+        if name not in lists or (name == "shared" and shared_rows is None):
+            if len(entries):
+                fail(f"ranks.{name}", "empty (this launch does not read it)", f"{len(entries)} tensors")
+            continue
         if len(entries) != R:
-            fail(f"ranks.{name}", f"{R} tensors (one per rank, as ranks.x)", len(entries))
+            fail(f"ranks.{name}", f"{R} tensors (one per rank, as ranks.y)", len(entries))
         first = entries[0]
         for s, t in enumerate(entries):
             check_layout(f"ranks.{name}[{s}]", t, dtype, (first.shape[0], width), f"[capacity, {width}], alike")
-            check_cuda(f"ranks.{name}[{s}]", t, x.device, "x's", aligned=True)
+            check_cuda(f"ranks.{name}[{s}]", t, device, "the launch's", aligned=True)
         if not rows <= first.shape[0] < 1 << RANK_SHIFT:
             fail(f"ranks.{name}", f"a capacity in [{rows}, 2^{RANK_SHIFT})", first.shape[0])
     if ranks.token_offsets is None or len(ranks.token_offsets) != R:
         fail("ranks.token_offsets", f"{R} ints (one per rank)", ranks.token_offsets)
-    check_layout("ranks.row_ids", ranks.row_ids, torch.int32, (sched.num_rows,), "[num_rows]")
+    check_layout("ranks.row_ids", ranks.row_ids, torch.int32, (num_rows,), "[num_rows]")
     check_layout("ranks.route_to_row", ranks.route_to_row, torch.int32, (None, K), "[every rank's tokens, K]")
-    if ranks.route_to_row.shape[0] < ranks.token_offsets[ranks.rank] + T:
-        fail("ranks.route_to_row", f"at least {ranks.token_offsets[ranks.rank] + T} tokens (this rank's offset + T)",
-             ranks.route_to_row.shape[0])
+    if ranks.route_to_row.shape[0] < ranks.token_offsets[ranks.rank] + num_tokens:
+        fail("ranks.route_to_row", f"at least {ranks.token_offsets[ranks.rank] + num_tokens} tokens (this rank's "
+             "offset and its tokens)", ranks.route_to_row.shape[0])
     for name in ("row_ids", "route_to_row"):
-        check_cuda(f"ranks.{name}", getattr(ranks, name), x.device, "x's")
+        check_cuda(f"ranks.{name}", getattr(ranks, name), device, "the launch's")
+
+
+def _rank_lists(ranks: ChainRanks) -> list:
+    """The binding's lists (x, y, topk_weights, shared, out, token_done)."""
+    return [list(ranks.x), list(ranks.y), list(ranks.topk_weights), list(ranks.shared), list(ranks.out),
+            list(ranks.token_done)]
 
 
 def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched, y_buffer=None) -> tuple[list, tuple]:
@@ -216,10 +226,12 @@ def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched, y_buffer=None) 
     return tensors, tuple(rows)
 
 
-def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name: str) -> tuple[list, dict]:
+def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name: str,
+                    ranks: ChainRanks | None = None) -> tuple[list, dict]:
     """One expert group's tensors as the backward chain's binding takes them (checked; outputs allocated) and its
     outputs by name: d_gate, d_up, h [num_rows, I]; dx_rows [num_rows, H]; d_w_gate, d_w_up [E, I, H], d_w_down
-    [E, H, I]. name: how errors call the group ("" for the routed experts, "shared " for the shared expert)."""
+    [E, H, I]. name: how errors call the group ("" for the routed experts, "shared " for the shared expert). ranks:
+    the routed group's over ranks (its row ids, its dx rows a view of its y entry)."""
     check_layout(f"{name}dy_rows", dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim(f"{name}dy_rows", hidden, "hidden (dim 1)")
@@ -239,10 +251,11 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
         fail(f"{name}sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     device, E, R = dy_rows.device, sched.num_experts, sched.num_rows
     out = {"d_gate": torch.empty_like(gate), "d_up": torch.empty_like(gate), "h": torch.empty_like(gate),
-           "dx_rows": torch.empty_like(dy_rows),
+           "dx_rows": torch.empty_like(dy_rows) if ranks is None else ranks.y[ranks.rank][:R],
            "d_w_gate": torch.empty_like(w_gate), "d_w_up": torch.empty_like(w_gate),
            "d_w_down": torch.empty_like(w_down)}
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, device)
+    row_to_token = row_to_token if ranks is None else ranks.row_ids
     offsets, expert_rows = weight_grad_schedule_tensors(sched, device)  # [E + 1], [E]
     counters = torch.zeros(2 * (R // GEMM_BLOCK_M) + E, dtype=torch.int32, device=device)
     tensors = [dy_rows, x_rows, w_gate, w_up, w_down, gate, up, *out.values(), row_to_token, tile_to_expert, offsets,
@@ -253,7 +266,7 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
 def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor, w_gate: torch.Tensor,
                                      w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                                      topk_weights: torch.Tensor, sched, swiglu_limit: float | None = None,
-                                     num_sms: int | None = None, shared=None) -> tuple:
+                                     num_sms: int | None = None, shared=None, ranks: ChainRanks | None = None) -> tuple:
     """The layer's expert backward in BF16 in one persistent launch: the fused level's backward kernels over the
     routed schedule and, with `shared`, the shared expert's, and the combine of d_x, with their bits:
         (d_gate, d_up, h, d_topk_weights) = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
@@ -266,13 +279,22 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     sched)), [num_rows, hidden]; gate, up: the forward's [num_rows, intermediate]; topk_weights fp32 [num_tokens,
     num_topk]. shared: None, or (dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched) of the shared expert, its
     weights as one expert ([1, ...]) and its schedule of the tokens in order (fused.shared_schedule).
+    ranks (ChainRanks, without `shared`): one rank's launch among several, as the forward chain's: its rows' tokens
+    by row id, d_x's combine of every rank's tokens that it completes, from the owners' dx rows (ranks.y: dx_rows is
+    a view of its entry) and, in ranks.shared, each home rank's shared-expert dx rows written before any launch;
+    d_x is then its out entry, whole, and d_topk_weights is per row of sched (its routes).
     Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row),
     [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or None)."""
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     T, K = sched.num_tokens, sched.num_topk
     check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
-    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "")
+    if ranks is not None:
+        if shared is not None:
+            fail("shared", "None with ranks (the shared expert's dx rows come in ranks.shared)", "a tuple")
+        _check_ranks(ranks, dy_rows.device, dy_rows.shape[-1], sched.num_rows, 0, BACKWARD_LISTS,
+                     0 if len(ranks.shared) else None)
+    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "", ranks)
     check_cuda("topk_weights", topk_weights, dy_rows.device, "dy_rows'")
     shared_tensors, shared_out = None, None
     if shared is not None:
@@ -288,16 +310,21 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
             fail("shared dy_rows", f"hidden {dy_rows.shape[1]} (dy_rows')", shared_out["dx_rows"].shape[1])
     hidden = dy_rows.shape[1]
     d_topk_weights = torch.full_like(topk_weights, float("nan"))  # [T, K]: every route with a row is written
-    d_x = torch.empty(T, hidden, dtype=torch.bfloat16, device=dy_rows.device)  # [T, H]
-    if shared is None:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows
-        d_x.fill_(float("nan"))
-    token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=dy_rows.device)
+    if ranks is not None:
+        d_x, token_done, route_to_row = ranks.out[ranks.rank], ranks.token_done[ranks.rank], ranks.route_to_row
+    else:
+        d_x = torch.empty(T, hidden, dtype=torch.bfloat16, device=dy_rows.device)  # [T, H]
+        if shared is None:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN (combine_rows)
+            d_x.fill_(float("nan"))
+        token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=dy_rows.device)
+        route_to_row = sched.route_to_row.to(dy_rows.device, torch.int32)
     counts = gemm_schedule_kwargs(sched, dy_rows.device)["counts"]
     load_extension().grouped_gemm_bf16_chain_backward(
         routed=tensors, counts=counts, topk_weights=topk_weights,
         row_to_route=sched.row_to_route.to(dy_rows.device).contiguous(), d_topk_weights=d_topk_weights,
-        shared=shared_tensors, route_to_row=sched.route_to_row.to(dy_rows.device, torch.int32), d_x=d_x,
-        token_done=token_done, **_limit_kwargs(swiglu_limit), num_sms=sms)
+        shared=shared_tensors, route_to_row=route_to_row, d_x=d_x, token_done=token_done,
+        **_limit_kwargs(swiglu_limit), num_sms=sms, ranks=None if ranks is None else _rank_lists(ranks),
+        rank=0 if ranks is None else ranks.rank, token_offsets=[] if ranks is None else list(ranks.token_offsets))
     d_w = [out["d_w_gate"], out["d_w_up"], out["d_w_down"]]
     d_w_shared = None if shared_out is None else [shared_out["d_w_gate"], shared_out["d_w_up"], shared_out["d_w_down"]]
     return d_x, d_topk_weights, d_w, d_w_shared

@@ -232,12 +232,16 @@ struct ChainBackwardGroup {
   RowSchedule sched;
   int32_t* counters;
 };
+// Over ranks (ranks.num_ranks > 0, no shared group in the launch): the combine of d_x as the forward chain's, with
+// y the ranks' routed dx rows, out their d_x, and shared the shared expert's dx rows of each home rank's tokens,
+// written before any rank's launch (they are not counted); x and topk_weights unused.
 struct ChainBackward {
   ChainBackwardGroup routed, shared;  // shared.dgrad.w_down null: no shared expert
   const int32_t* route_to_row;
   void* d_x;
   int32_t* token_done;
   int64_t num_topk;
+  ChainRanks ranks;
 };
 cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_sms, cudaStream_t stream);
 

@@ -359,6 +359,23 @@ cudaError_t launch_chain_kernel(void (*kernel)(Launch), const Launch& launch, in
   return cudaGetLastError();
 }
 
+// The combine over ranks from the host API's lists (ranks.num_ranks > 0): false where they do not fit this
+// launch's own tensors (combine's entry 0, from local_combine).
+inline bool combine_over_ranks(const ChainRanks& r, int64_t num_rows, ChainCombine* combine) {
+  const ChainCombine own = *combine;
+  if (r.num_ranks > kMaxRanks || r.rank < 0 || r.rank >= r.num_ranks || r.y[r.rank] != own.rows[0] ||
+      r.out[r.rank] != own.out[0] || r.token_done[r.rank] != own.token_done[0] || r.y_capacity < num_rows)
+    return false;
+  for (int s = 0; s < r.num_ranks; ++s) {
+    combine->topk_weights[s] = r.topk_weights[s], combine->shared[s] = static_cast<const uint16_t*>(r.shared[s]);
+    combine->out[s] = static_cast<uint16_t*>(r.out[s]), combine->token_done[s] = r.token_done[s];
+    combine->rows[s] = static_cast<const uint16_t*>(r.y[s]), combine->token_offset[s] = r.token_offset[s];
+  }
+  for (int s = r.num_ranks; s < kMaxRanks; ++s) combine->out[s] = nullptr;
+  combine->rows_capacity = r.y_capacity, combine->rank = r.rank;
+  return true;
+}
+
 // One group's operands: p1 = gate_up_params, p2 = down_params (a = p1's h); h_ready: int32 zeros, one per m-tile of
 // its row buffers (num_rows / BLOCK_M).
 struct ChainGroupArgs {
