@@ -4,7 +4,8 @@ routed experts' GEMM1 and GEMM2, and the combine behind GEMM2's tiles on complet
 are the fused level's bit for bit (tests/test_megakernel.py: on the CPU with every kernel an L0 twin; on a Hopper
 GPU). The backward in BF16 is one persistent launch of the backward chain (chain_backward.cuh) after the gathers of
 its rows, again the fused level's bits; in MXFP8 it is the fused level's launches (the operands' round trips between
-the GEMMs are not tasks yet). EP > 1 runs phase by phase over peer memory in mok.ep_peer, outside the level.
+the GEMMs are not tasks yet). At EP > 1 mok.ep_chain runs the same chain kernels over ranks (run_chain with
+ops.ChainRanks, saved_state), outside the level's custom op.
 "auto" picks the fused level (mok.levels); `backend="megakernel"` this one.
 
 Same interface as mok.fused (forward, backward, saved_like), BF16 and MXFP8 (the "dequantize" weight path: the
