@@ -1,6 +1,7 @@
 """Expert parallelism per GPU (`python -m bench ep`): mok.comm's all-to-all dispatch and combine with a level for
-the local experts (`--levels`, "fused": NCCL + mok's kernels, the path issue 46 times against the megakernel), at
-EP degrees R on R GPUs of one host (NCCL; `--device cpu`: gloo, for a smoke run).
+the local experts (`--levels`, "fused": NCCL + mok's kernels, the path issue 46 times against the megakernel), or
+level "megakernel": mok.ep_chain over symmetric memory (each rank's pass one chain launch; its shared expert exact),
+at EP degrees R on R GPUs of one host (NCCL; `--device cpu`: gloo, for a smoke run of the all-to-all levels).
 
 Each shape's num_tokens are one rank's tokens: the global batch is R of them, routed by one seeded draw that every
 rank makes alike (random routing, mok.testing.make_inputs on the global shape), every rank holding E / R experts
@@ -52,7 +53,8 @@ def _rank_times(rank: int, world_size: int, shape: str, experts_per_rank: bool, 
     times = {}
     for level in levels:
         for precision in precisions:
-            calls = _pass_calls((x, idx, w, *routed, *shared), d_out, level, precision)
+            calls = _chain_calls((x, idx, w, *routed, *shared), d_out, E, precision) if level == "megakernel" \
+                else _pass_calls((x, idx, w, *routed, *shared), d_out, level, precision)
             for pass_ in passes:
                 dist.barrier()
                 times[(level, precision, pass_)] = time_ms(calls[pass_], iters=iters, warmup_ms=0.0)
@@ -67,6 +69,28 @@ def _pass_calls(args: tuple, d_out: torch.Tensor, level: str, precision: str) ->
     saved = forward()[1]
     return {"fwd": forward, "bwd": lambda: comm.ep_moe_backward(saved, d_out),
             "fwd+bwd": lambda: comm.ep_moe_backward(forward()[1], d_out)}
+
+
+def _chain_calls(args: tuple, d_out: torch.Tensor, num_experts: int, precision: str) -> dict:
+    """pass -> a call of mok.ep_chain's (each rank's pass one chain launch) over symmetric memory, its barriers on
+    the GPU (the shared expert exact: its backward over every rank's tokens)."""
+    from mok import ep_chain, ep_peer
+
+    x, idx = args[:2]
+    P, handles = ep_peer.allocate_symmetric(x.shape[0], idx.shape[1], num_experts, x.shape[1])
+    P = ep_peer.peers(P)
+    barrier = lambda: handles[0].barrier(channel=0)  # noqa: E731
+    rank = dist.get_rank()
+
+    def forward():
+        return ep_peer.run_rank(ep_chain.forward_rank(P, rank, *args, num_experts=num_experts, precision=precision),
+                                barrier)
+
+    def backward(saved):
+        return ep_peer.run_rank(ep_chain.backward_rank(P, saved, d_out), barrier)
+
+    saved = forward()[1]
+    return {"fwd": forward, "bwd": lambda: backward(saved), "fwd+bwd": lambda: backward(forward()[1])}
 
 
 def ep_rows(shape: str, ep_size: int, levels: list, precisions: list, passes: list, iters: int,
