@@ -1,13 +1,14 @@
-"""Expert parallelism with each rank's forward one launch of the chain kernel (docs/megakernel.md, "The chain over
+"""Expert parallelism with each rank's pass one launch of the chain kernels (docs/megakernel.md, "The chain over
 ranks"): the routed GEMM1 gathers its rows' x from the tokens' ranks, GEMM2's tiles count each row on its token's
 home rank, and the tile that completes a token's slice sums it there (out = the routes' rows in increasing k, then
-the shared expert's row) from the owners' rows. No task waits on another rank, so the launches need no co-residency:
-R ranks in one process run them one after another on one GPU, as mok.ep_peer's lockstep runs its phases.
+the shared expert's row) from the owners' rows; the backward's gate/up dgrad does the same for d_x. No task waits on
+another rank, so the launches need no co-residency: R ranks in one process run them one after another on one GPU.
 
-Around the launch: the inputs written and the counters zeroed on every rank (a barrier), every rank's routing read
+Around each launch: the inputs written and the counters zeroed on every rank (a barrier), every rank's routing read
 and this rank's rows planned (mok.ep_build's tables), then the launch, then a barrier before out is read. The
-backward is mok.ep_peer's, phase by phase, from the saved state this forward leaves (the shared expert's rows over
-every token recomputed there). The bits: mok.ep_peer's, the fused level's at EP = 1 (tests/test_ep_chain.py)."""
+backward in BF16: the shared expert's backward over every token (its weight gradients' K spans the ranks) before the
+launch; in MXFP8 mok.ep_peer's phases. R ranks in one process (forward_ranks) or one per process (the generators
+with mok.ep_peer.run_rank). The bits: the fused level's at EP = 1 (tests/test_ep_peer.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from mok import ep_peer, fused, megakernel, ops
 from mok.checks import fail
 from mok.ep_build import build_tables
-from mok.ep_peer import PeerSaved, _all_tokens, allocate, check_rank_inputs, lockstep, peers
+from mok.ep_peer import PeerSaved, _all_tokens, check_rank_inputs
 from mok.ep_plan import expert_ranges
 from mok.schedule import make_schedule
 
@@ -58,7 +59,9 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     E_r = w_gate.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(E_r, device=x.device),
                                             t["tokens_per_expert"].long())[:, None]  # [n, 1]
-    sched = ops.make_schedule_cuda(expert_of_row, E_r, block_m=fused.BLOCK_M)  # this rank's rows: t's layout
+    routed = (w_gate, w_up, w_down)  # E_r = 0 (E < R): a stand-in expert without rows, for the shared expert's launch
+    launched = routed if E_r else tuple(w.new_zeros(1, *w.shape[1:]) for w in routed)
+    sched = ops.make_schedule_cuda(expert_of_row, max(E_r, 1), block_m=fused.BLOCK_M)  # the rank's rows: t's layout
     if sched.num_rows != real.shape[0]:
         fail("tables", f"{sched.num_rows} rows (the schedule of the rank's real rows)", real.shape[0])
     firsts = [g.start for g in expert_ranges(num_experts, R)]  # each rank's first expert
@@ -69,17 +72,21 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
                            offsets, x=list(P["xq" if precision == "mxfp8" else "x"].keep), y=list(P["y"].keep),
                            topk_weights=list(P["w"].keep), out=list(P["out"].keep), token_done=list(P["done"].keep),
                            shared=list(P["sy"].keep) if shared else ())
-    weights = (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    weights = (*launched, w_shared_gate, w_shared_up, w_shared_down)
     num_sms = fused.resolve_options(x, w_gate, precision, num_sms, megakernel.DEFAULT_MX_WEIGHTS)[0]
     _, rows = megakernel.run_chain(own["x"][:T], own["x"][:T], own["w"][:T], weights, sched, precision=precision,
                                    swiglu_limit=swiglu_limit, num_sms=num_sms, ranks=ranks)
     x_rows = ops.pull_rows(P["x"], t["pull_rank"][real], t["pull_token"][real])  # [n, H]: the backward's
     ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: each row its own token, weight 1
-    experts = megakernel.saved_state(x_rows, expert_of_row, ones, (w_gate, w_up, w_down, None, None, None), sched,
-                                     (*rows[:3], None), precision=precision, swiglu_limit=swiglu_limit,
-                                     num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
-    if precision == "mxfp8":  # the saved y rows, out of the buffer the next forward writes
-        experts.y_rows = experts.y_rows.clone()
+    if x_rows.shape[0] == 0 and precision != "bf16":  # no rows: the fused level's saved state of none (ep_peer's)
+        experts = fused.forward(x_rows, expert_of_row, ones, *routed, precision=precision,
+                                swiglu_limit=swiglu_limit)[1]
+    else:
+        experts = megakernel.saved_state(x_rows, expert_of_row, ones, (*launched, None, None, None), sched,
+                                         (*rows[:3], None), precision=precision, swiglu_limit=swiglu_limit,
+                                         num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
+        if precision == "mxfp8":  # the saved y rows, out of the buffer the next forward writes
+            experts.y_rows = experts.y_rows.clone()
     shared_saved = (_all_tokens(P["x"], split), None, weights[3:]) if shared else None
     saved = ChainSaved(rank, t, real, experts, split, shared_saved, swiglu_limit, sched, ranks)
     yield  # every rank's launch has ended: its tokens' out is whole
@@ -92,7 +99,7 @@ def backward_rank(P: dict, saved, d_out):
     routed experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the
     tile completing a token, on any rank), after the shared expert's backward over every token (its weight
     gradients' K) has written its dx rows of this rank's tokens; in MXFP8 ep_peer's phases."""
-    if not isinstance(saved, ChainSaved) or saved.experts.precision != "bf16":
+    if saved.experts.precision != "bf16":
         return (yield from ep_peer.backward_rank(P, saved, d_out))
     s, t, real, T = saved, saved.tables, saved.real, d_out.shape[0]
     own = {name: p.keep[s.rank] for name, p in P.items()}
@@ -121,6 +128,7 @@ def backward_rank(P: dict, saved, d_out):
     _, d_tw, d_w, _ = ops.grouped_gemm_bf16_chain_backward(dy_rows, fused.gather_x_rows(e.x, s.sched), w_gate, w_up,
                                                            w_down, e.gate, e.up, w_rows, s.sched,
                                                            swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks)
+    d_w = [d[: t["tokens_per_expert"].shape[0]] for d in d_w]  # a rank without experts: no stand-in's gradient
     own["dtw"][: real.shape[0]][real] = d_tw
     yield  # every rank's launch has ended: its tokens' d_x is whole, every route's d_topk_weights row written
 
@@ -136,24 +144,11 @@ class ChainSaved(PeerSaved):
     ranks: object = None
 
 
-def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
-                  w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None) -> tuple[list, list]:
-    """R ranks in one process, as mok.ep_peer.forward_ranks (its backward_ranks takes the saved states)."""
-    R = len(xs)
-    if not all(len(v) == R for v in (topk_idxs, topk_weights, w_gates, w_ups, w_downs)):
-        fail("xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs", f"{R} entries each (one per rank)",
-             [len(v) for v in (xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs)])
-    E = sum(w.shape[0] for w in w_gates)
-    P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
-    shared = (w_shared_gate, w_shared_up, w_shared_down)
-    results = lockstep([forward_rank(P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r],
-                                     *shared, num_experts=E, precision=precision, swiglu_limit=swiglu_limit,
-                                     num_sms=num_sms) for r in range(R)])
-    return [o for o, _ in results], [(P, s) for _, s in results]
+def forward_ranks(*args, **kwargs) -> tuple[list, list]:
+    """R ranks in one process: mok.ep_peer.forward_ranks with this module's forward (option num_sms too)."""
+    return ep_peer.forward_ranks(*args, rank_forward=forward_rank, **kwargs)
 
 
 def backward_ranks(saved: list, d_outs: list) -> list[tuple]:
     """backward_rank of every rank in one process, from forward_ranks' saved states."""
-    if len(d_outs) != len(saved):
-        fail("d_outs", f"{len(saved)} tensors (one per rank)", len(d_outs))
-    return lockstep([backward_rank(P, s, d) for (P, s), d in zip(saved, d_outs)])
+    return ep_peer.backward_ranks(saved, d_outs, rank_backward=backward_rank)

@@ -205,9 +205,11 @@ def run_rank(generator, barrier):
 
 
 def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared_gate=None, w_shared_up=None,
-                  w_shared_down=None, *, precision="bf16", swiglu_limit=None) -> tuple[list, list]:
+                  w_shared_down=None, *, precision="bf16", swiglu_limit=None, rank_forward=None,
+                  **options) -> tuple[list, list]:
     """R ranks in one process (inputs as lists by rank, each rank's experts a block of expert_ranges): every
-    rank's out, and per rank (the peers' buffers, its PeerSaved) for backward_ranks."""
+    rank's out, and per rank (the peers' buffers, its PeerSaved) for backward_ranks. rank_forward: a rank's pass,
+    forward_rank (None) or mok.ep_chain's, which takes the options."""
     R = len(xs)
     if not all(len(v) == R for v in (topk_idxs, topk_weights, w_gates, w_ups, w_downs)):
         fail("xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs", f"{R} entries each (one per rank)",
@@ -215,14 +217,14 @@ def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared
     E = sum(w.shape[0] for w in w_gates)
     P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
     shared = (w_shared_gate, w_shared_up, w_shared_down)
-    results = lockstep([forward_rank(P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r],
-                                     *shared, num_experts=E, precision=precision, swiglu_limit=swiglu_limit)
-                        for r in range(R)])
+    results = lockstep([(rank_forward or forward_rank)(
+        P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r], *shared, num_experts=E,
+        precision=precision, swiglu_limit=swiglu_limit, **options) for r in range(R)])
     return [o for o, _ in results], [(P, s) for _, s in results]
 
 
-def backward_ranks(saved: list, d_outs: list) -> list[tuple]:
-    """backward_rank of every rank in one process, from forward_ranks' saved states."""
+def backward_ranks(saved: list, d_outs: list, rank_backward=None) -> list[tuple]:
+    """backward_rank (or rank_backward) of every rank in one process, from forward_ranks' saved states."""
     if len(d_outs) != len(saved):
         fail("d_outs", f"{len(saved)} tensors (one per rank)", len(d_outs))
-    return lockstep([backward_rank(P, s, d) for (P, s), d in zip(saved, d_outs)])
+    return lockstep([(rank_backward or backward_rank)(P, s, d) for (P, s), d in zip(saved, d_outs)])

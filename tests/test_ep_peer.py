@@ -18,6 +18,8 @@ CASES = {  # name: (config, splits of its tokens over the ranks)
     "shared": (MoEConfig("ep-shared", 300, 256, 192, 8, 3, shared_intermediate=128),
                [[300], [200, 100], [120, 0, 180], [75] * 4]),
     "E5-hot": (MoEConfig("ep-hot", 257, 128, 64, 5, 2), [[257], [100, 157], [3, 250, 4]]),
+    # E = 3 over 4 ranks: one rank without experts (and one without tokens)
+    "E3-over-4": (MoEConfig("ep-few", 90, 128, 64, 3, 2, shared_intermediate=64), [[30, 0, 40, 20]]),
 }
 GRADS = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
 
