@@ -104,6 +104,14 @@ def test_gemm_bad_inputs_name_the_argument():
     a_rows = torch.zeros(sched.num_rows, wg.shape[1], dtype=BF16)  # [num_rows, I]
     dy_rows = torch.zeros(sched.num_rows, x.shape[1], dtype=BF16)  # [num_rows, H]
     mx_rows = twins.mxfp8_quantize_rowwise(a_rows)  # (data, scales) of [num_rows, I]
+    T, K, H = x.shape[0], w.shape[1], x.shape[1]
+
+    def ranks(**changed):  # the backward chain's ranks: two, this one rank 0, valid but on the CPU
+        lists = dict(rank=0, row_ids=torch.zeros(sched.num_rows, dtype=torch.int32),
+                     route_to_row=torch.zeros(2 * T, K, dtype=torch.int32), token_offsets=[0, T], x=[], y=[dy_rows] * 2,
+                     topk_weights=[], out=[dy_rows[:T]] * 2,
+                     token_done=[torch.zeros(T, -(-H // 256), dtype=torch.int32)] * 2)
+        return ops.ChainRanks(**{**lists, **changed})
     bad = [
         (lambda: gemm1(x.float(), wg, wu, sched), "x: expected dtype torch.bfloat16"),
         (lambda: gemm1(x[:-1], wg, wu, sched), r"x: expected shape \[num_tokens, hidden\]"),
@@ -138,6 +146,14 @@ def test_gemm_bad_inputs_name_the_argument():
         (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched, shared=(dy_rows,)),
          "dy_rows: expected a CUDA tensor"),  # the routed group's checks come first
         (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched), "dy_rows: expected a CUDA tensor"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched,
+                           ranks=ranks(y=[dy_rows, dy_rows[1:]])), r"ranks.y\[1\]: expected shape"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched, ranks=ranks(x=[x, x])),
+         "ranks.x: expected empty"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched, ranks=ranks(rank=2)),
+         "ranks.rank: expected an int in"),
+        (lambda: chain_bwd(dy_rows, dy_rows, wg, wu, wd, a_rows, a_rows, w, sched, ranks=ranks()),
+         r"ranks.y\[0\]: expected a CUDA tensor"),
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):

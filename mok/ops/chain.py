@@ -178,7 +178,6 @@ def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_toke
         first = entries[0]
         for s, t in enumerate(entries):
             check_layout(f"ranks.{name}[{s}]", t, dtype, (first.shape[0], width), f"[capacity, {width}], alike")
-            check_cuda(f"ranks.{name}[{s}]", t, device, "the launch's", aligned=True)
         if not rows <= first.shape[0] < 1 << RANK_SHIFT:
             fail(f"ranks.{name}", f"a capacity in [{rows}, 2^{RANK_SHIFT})", first.shape[0])
     if ranks.token_offsets is None or len(ranks.token_offsets) != R:
@@ -188,6 +187,9 @@ def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_toke
     if ranks.route_to_row.shape[0] < ranks.token_offsets[ranks.rank] + num_tokens:
         fail("ranks.route_to_row", f"at least {ranks.token_offsets[ranks.rank] + num_tokens} tokens (this rank's "
              "offset and its tokens)", ranks.route_to_row.shape[0])
+    for name in lists:  # the device checks last: the layouts' are CPU-testable
+        for s, t in enumerate(getattr(ranks, name)):
+            check_cuda(f"ranks.{name}[{s}]", t, device, "the launch's", aligned=True)
     for name in ("row_ids", "route_to_row"):
         check_cuda(f"ranks.{name}", getattr(ranks, name), device, "the launch's")
 
