@@ -247,6 +247,15 @@ mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, i
   return r;
 }
 
+// A chain launch's trace (gemm/trace.cuh): None (off), or int64 zeros [capacity, 5].
+mok::ChainTrace chain_trace(const std::optional<at::Tensor>& trace) {
+  if (!trace) return {};
+  check_arg(*trace, "trace");
+  TORCH_CHECK(trace->scalar_type() == at::kLong && trace->dim() == 2 && trace->size(1) == 5,
+              "trace: expected int64 zeros [capacity, 5]");
+  return {reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()), trace->size(0)};
+}
+
 void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                 const at::Tensor& row_to_token, const at::Tensor& tile_to_expert,
                 const std::optional<at::Tensor>& counts, at::Tensor& h, at::Tensor& gate, at::Tensor& up,
@@ -255,7 +264,7 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
                 const std::optional<at::Tensor>& shared, const std::optional<at::Tensor>& out,
                 const std::optional<at::Tensor>& token_done, bool mx_out, double swiglu_limit, bool has_limit,
                 int64_t num_sms, const std::optional<std::vector<std::vector<at::Tensor>>>& ranks, int64_t rank,
-                const std::vector<int64_t>& token_offsets) {
+                const std::vector<int64_t>& token_offsets, const std::optional<at::Tensor>& trace) {
   const mok::RowSchedule sched = row_schedule(row_to_token, tile_to_expert, counts);
   check_arg(h_ready, "h_ready");
   if (mx_out) {
@@ -298,6 +307,7 @@ void gemm_chain(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor&
     args.num_topk = route_to_row->size(1);
   }
   if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets);
+  args.trace = chain_trace(trace);
   launch_rows(mok::grouped_gemm_bf16_chain, "grouped_gemm_bf16_chain", args, sched, num_sms, x);
 }
 
@@ -453,7 +463,8 @@ void gemm_chain_backward(const std::vector<at::Tensor>& routed, const std::optio
                          const std::optional<std::vector<at::Tensor>>& shared, const at::Tensor& route_to_row,
                          at::Tensor& d_x, at::Tensor& token_done, double swiglu_limit, bool has_limit,
                          int64_t num_sms, const std::optional<std::vector<std::vector<at::Tensor>>>& ranks,
-                         int64_t rank, const std::vector<int64_t>& token_offsets) {
+                         int64_t rank, const std::vector<int64_t>& token_offsets,
+                         const std::optional<at::Tensor>& trace) {
   check_arg(topk_weights, "topk_weights"), check_arg(row_to_route, "row_to_route");
   check_arg(d_topk_weights, "d_topk_weights"), check_arg(route_to_row, "route_to_row"), check_arg(d_x, "d_x");
   check_arg(token_done, "token_done");
@@ -471,6 +482,7 @@ void gemm_chain_backward(const std::vector<at::Tensor>& routed, const std::optio
   args.token_done = token_done.data_ptr<int32_t>();
   args.num_topk = route_to_row.size(1);
   if (ranks) args.ranks = chain_ranks(*ranks, rank, token_offsets);
+  args.trace = chain_trace(trace);
   const LaunchGuard guard(d_x.device());
   check_cuda(mok::grouped_gemm_bf16_chain_backward(args, static_cast<int>(num_sms), c10::cuda::getCurrentCUDAStream()),
              "grouped_gemm_bf16_chain_backward");
@@ -752,13 +764,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GEMM1 then GEMM2 in one persistent launch: h, gate, up, y; h_ready int32 zeros [num_rows / 128]; "
         "shared_expert: None or its 11 tensors; with out, the combine behind GEMM2 (route_to_row int32, topk_weights, "
         "shared or None, token_done int32 zeros); mx_out: gate, up as row-wise MXFP8 buffers, h its round trip; "
-        "ranks: None, or over ranks the lists (x, y, topk_weights, shared, out, token_done) with rank, token_offsets",
+        "ranks: None, or over ranks the lists (x, y, topk_weights, shared, out, token_done) with rank, token_offsets; "
+        "trace: None, or int64 zeros [capacity, 5] (per-task times)",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("row_to_token"),
         py::arg("tile_to_expert"), py::arg("counts"), py::arg("h"), py::arg("gate"), py::arg("up"), py::arg("y"),
         py::arg("h_ready"), py::arg("shared_expert"), py::arg("route_to_row"), py::arg("topk_weights"),
         py::arg("shared"), py::arg("out"), py::arg("token_done"), py::arg("mx_out"), py::arg("swiglu_limit"),
         py::arg("has_limit"), py::arg("num_sms"), py::arg("ranks") = py::none(), py::arg("rank") = 0,
-        py::arg("token_offsets") = std::vector<int64_t>{});
+        py::arg("token_offsets") = std::vector<int64_t>{}, py::arg("trace") = py::none());
   m.def("grouped_gemm_mxfp8_swiglu_gather", &gemm_mx_swiglu_gather,
         "GEMM1 with MXFP8 weights",
         py::kw_only(), py::arg("x"), py::arg("w_gate"), py::arg("w_gate_scales"), py::arg("w_up"),
@@ -796,7 +809,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::kw_only(), py::arg("routed"), py::arg("counts"), py::arg("topk_weights"), py::arg("row_to_route"),
         py::arg("d_topk_weights"), py::arg("shared"), py::arg("route_to_row"), py::arg("d_x"), py::arg("token_done"),
         py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"), py::arg("ranks") = py::none(),
-        py::arg("rank") = 0, py::arg("token_offsets") = std::vector<int64_t>{});
+        py::arg("rank") = 0, py::arg("token_offsets") = std::vector<int64_t>{}, py::arg("trace") = py::none());
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
         "d_w[e] = Σ a_rowsᵀ · b_rows over expert e's segment",
         py::kw_only(), py::arg("a_rows"), py::arg("b_rows"), py::arg("expert_offsets"), py::arg("expert_rows"),

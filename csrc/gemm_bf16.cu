@@ -57,10 +57,10 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
       return cudaErrorInvalidValue;
     for (int s = 0; s < r.num_ranks; ++s) routed.a[s] = r.x[s];
   }
-  return args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>(routed, shared, combine, num_sms,
-                                                                                      stream)
-                     : gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUp>(routed, shared, combine, num_sms,
-                                                                                 stream);
+  const gemm::TaskTrace trace{args.trace.at, static_cast<int>(std::min<int64_t>(args.trace.capacity, INT32_MAX))};
+  const auto launch = args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>
+                                  : gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUp>;
+  return launch(routed, shared, combine, trace, num_sms, stream);
 }
 
 namespace {
@@ -112,7 +112,8 @@ cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_
   if (args.ranks.num_ranks > 0 &&  // over ranks: the shared expert's dx rows come from before the launch
       (with_shared || !gemm::combine_over_ranks(args.ranks, routed.gate_up_dgrad.num_rows, &combine)))
     return cudaErrorInvalidValue;
-  return gemm::launch_grouped_gemm_bf16_chain_backward(routed, shared, combine, num_sms, stream);
+  const gemm::TaskTrace trace{args.trace.at, static_cast<int>(std::min<int64_t>(args.trace.capacity, INT32_MAX))};
+  return gemm::launch_grouped_gemm_bf16_chain_backward(routed, shared, combine, trace, num_sms, stream);
 }
 
 namespace {

@@ -25,10 +25,11 @@ DEFAULT_MX_WEIGHTS = "dequantize"  # the mxfp8 forward's weight path (fused.MX_W
 
 
 def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None, w_shared_up=None,
-            w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None):
+            w_shared_down=None, *, precision="bf16", swiglu_limit=None, num_sms=None, trace=None):
     """(out [T, H] bf16, a FusedSaved): mok.fused.forward's results from one launch of the experts' kernels. In
     mxfp8 the fused level's recipe with its weights dequantized ("dequantize", fused.MX_WEIGHTS): x's and the
-    weights' round trips before the launch, GEMM1's epilogue writing h's and the saved MXFP8 gate/up."""
+    weights' round trips before the launch, GEMM1's epilogue writing h's and the saved MXFP8 gate/up. trace: the
+    launch's per-task times (ops.grouped_gemm_bf16_chain's; tools/chain_timeline.py)."""
     if precision not in fused.PRECISIONS:
         fail("precision", f"one of {fused.PRECISIONS}", repr(precision))
     num_sms, mx_weights = fused.resolve_options(x, w_gate, precision, num_sms, DEFAULT_MX_WEIGHTS)
@@ -39,17 +40,18 @@ def forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
     sched = ops.make_schedule_cuda(topk_idx, w_gate.shape[0], block_m=BLOCK_M, sync=False)
     weights = (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     out, rows = run_chain(fused._mx(x, -1, precision), x, topk_weights, weights, sched, precision=precision,
-                          swiglu_limit=swiglu_limit, num_sms=num_sms)
+                          swiglu_limit=swiglu_limit, num_sms=num_sms, trace=trace)
     bad_ids.raise_landed()  # as fused.forward: earlier calls' bad-id counts, then this call's deferred
     bad_ids.defer(sched)
     return out, saved_state(x, topk_idx, topk_weights, weights, sched, rows, precision=precision,
                             swiglu_limit=swiglu_limit, num_sms=num_sms, mx_weights=mx_weights)
 
 
-def run_chain(x_routed, x, topk_weights, weights, sched, *, precision, swiglu_limit, num_sms, ranks=None):
+def run_chain(x_routed, x, topk_weights, weights, sched, *, precision, swiglu_limit, num_sms, ranks=None,
+              trace=None):
     """The forward's chain launch: (out, its row outputs (y_rows, gate, up, shared_rows)) for saved_state. x_routed:
     the routed GEMM1's input (x's round trip in mxfp8); x: the shared expert's; weights: the six (routed
-    dequantized here in mxfp8); ranks: None, or the launch's ops.ChainRanks (EP > 1)."""
+    dequantized here in mxfp8); ranks: None, or the launch's ops.ChainRanks (EP > 1); trace: the op's."""
     w_gate, w_up, w_down, *shared = weights
     shared = None if shared[0] is None else tuple(shared)
     sh = None if shared is None else fused.shared_schedule(x.shape[0], x.device)  # cached: no host sync
@@ -57,7 +59,7 @@ def run_chain(x_routed, x, topk_weights, weights, sched, *, precision, swiglu_li
     y_rows, _, gate, up, out, shared_rows = ops.grouped_gemm_bf16_chain(
         x_routed, mx(w_gate, -1, p), mx(w_up, -1, p), mx(w_down, -1, p), sched, swiglu_limit=swiglu_limit,
         num_sms=num_sms, topk_weights=topk_weights, shared_weights=shared, shared_sched=sh, shared_x=x,
-        mx_out=p == "mxfp8", ranks=ranks)
+        mx_out=p == "mxfp8", ranks=ranks, trace=trace)
     return out, (y_rows, gate, up, shared_rows)
 
 
@@ -77,6 +79,11 @@ def backward(saved: FusedSaved, d_out):
     the shared expert's padded copies); in mxfp8 (and for an empty batch) the fused level's launches."""
     if not isinstance(saved, FusedSaved) or saved.precision != "bf16":
         return fused.backward(saved, d_out)
+    return run_backward(saved, d_out)
+
+
+def run_backward(saved: FusedSaved, d_out, trace=None):
+    """backward's chain launch in bf16 (trace: the op's)."""
     s, sched = saved, saved.sched
     w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
     shared = None
@@ -86,7 +93,7 @@ def backward(saved: FusedSaved, d_out):
                   ws_down[None], *s.shared_rows, sh)
     d_x, d_topk_weights, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(
         ops.gather_rows_cuda(d_out, sched), fused.gather_x_rows(s.x, sched), w_gate, w_up, w_down, s.gate, s.up,
-        s.topk_weights, sched, swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared)
+        s.topk_weights, sched, swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared, trace=trace)
     bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     d_w_shared = [None] * 3 if d_w_shared is None else [w[0] for w in d_w_shared]
     return (d_x, d_topk_weights, *d_w, *d_w_shared)

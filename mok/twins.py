@@ -83,10 +83,11 @@ def grouped_gemm_bf16_nt_contiguous(a_rows, w, sched, num_sms=None):
 
 def grouped_gemm_bf16_chain(x, w_gate, w_up, w_down, sched, swiglu_limit=None, num_sms=None, topk_weights=None,
                             shared=None, shared_weights=None, shared_sched=None, shared_x=None, mx_out=False,
-                            ranks=None):
+                            ranks=None, trace=None):
     """GEMM1 then GEMM2 (one launch on the GPU), with shared_weights the shared expert's too (over the tokens in
     order), and with topk_weights the combine: (y_rows [num_rows, hidden], h, gate, up, out [num_tokens, hidden] or
-    None, the shared expert's (y, h, gate, up) or None). ranks: _chain_over_ranks."""
+    None, the shared expert's (y, h, gate, up) or None). ranks: _chain_over_ranks. trace: left as it is (no times
+    on the CPU)."""
     if ranks is not None:
         return _chain_over_ranks(x, w_gate, w_up, w_down, sched, swiglu_limit, topk_weights, shared_weights,
                                  shared_sched, shared_x, mx_out, ranks)
@@ -156,7 +157,7 @@ def _count_and_combine(ranks, ids, before: list, shared_counts: int) -> None:
 
 
 def grouped_gemm_bf16_chain_backward(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, sched,
-                                     swiglu_limit=None, num_sms=None, shared=None, ranks=None):
+                                     swiglu_limit=None, num_sms=None, shared=None, ranks=None, trace=None):
     """The expert backward (one launch on the GPU): the route-gradient dgrad and SwiGLU backward, the gate/up dgrad,
     the weight gradients and the combine of d_x, the shared expert's steps too: (d_x, d_topk_weights, [d_w_gate,
     d_w_up, d_w_down], the shared expert's [...] or None). ranks: one rank's launch among several (as

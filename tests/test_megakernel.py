@@ -117,3 +117,25 @@ def test_backward_chain_counter_targets_match_the_schedule(kind, block_m):
     targets = (offsets[1:] - offsets[:-1]) // ops.GEMM_BLOCK_M  # the kernel's expert_target / kNumConsumerWarps
     assert signals.tolist() == targets.tolist()
     assert int(offsets[-1]) == int(sched.counts[0]) and bool((tile_to_expert[real_tiles:] < 0).all())
+
+
+def test_the_timeline_tool_reads_a_trace():
+    """tools/chain_timeline.py's decoding of a chain trace (gemm/trace.cuh's rows) and its summary, on a made-up
+    trace: SM and kind from the where field, times from the first begin, waits only where a wait was marked, rows
+    never begun left out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("chain_timeline",
+                                                  Path(__file__).parents[1] / "tools" / "chain_timeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ns = 1_000_000
+    trace = torch.tensor([[5 << 32 | 1, 0, 0, ns, ns + 4000],  # routed gate_up on SM 5
+                          [7 << 32 | 3, ns + 1000, ns + 3000, ns + 500, ns + 9000],  # routed down, waited 2 µs
+                          [0, 0, 0, 0, 0]])  # never begun
+    df = tool.rows_of(trace, ops.chain.FORWARD_KINDS, "fwd")
+    assert df[["sm", "kind", "group"]].values.tolist() == [[5, "gate_up", "routed"], [7, "down", "routed"]]
+    assert df.begin_us.tolist() == [0.0, 0.5] and df.end_us.tolist() == [4.0, 9.0] and df.wait_us.tolist() == [0, 2]
+    s = tool.summary(df).set_index("kind")
+    assert s.loc["down", "wait_us"] == 2 and s.loc["gate_up", "busy_us"] == 4

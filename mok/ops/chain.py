@@ -35,6 +35,9 @@ from mok.schedule import make_schedule
 
 RANK_SHIFT = 24  # a row id over ranks: rank << RANK_SHIFT | local id (csrc/include/mok/gemm/chain.cuh)
 MAX_RANKS = 8  # mok::kMaxRanks
+TRACE_FIELDS = ("where", "wait_begin", "wait_end", "begin", "end")  # a traced task's row (csrc/.../gemm/trace.cuh)
+FORWARD_KINDS = ("gate_up", "down")  # a forward task's kind: index · 2 + group (0: the shared expert, 1: routed)
+BACKWARD_KINDS = ("down_dgrad", "swiglu_rows", "gate_up_dgrad", "wgrad_down", "wgrad_gate", "wgrad_up")
 FORWARD_LISTS = ("x", "y", "topk_weights", "out", "token_done", "shared")  # the ChainRanks lists each pass reads
 BACKWARD_LISTS = ("y", "out", "token_done", "shared")
 
@@ -67,7 +70,7 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
                             topk_weights: torch.Tensor | None = None, shared: torch.Tensor | None = None,
                             shared_weights: tuple | None = None, shared_sched=None,
                             shared_x: torch.Tensor | None = None, mx_out: bool = False,
-                            ranks: ChainRanks | None = None):
+                            ranks: ChainRanks | None = None, trace: torch.Tensor | None = None):
     """GEMM1 and GEMM2 in one persistent launch (csrc/include/mok/gemm/chain.cuh): the bits of
     grouped_gemm_bf16_swiglu_gather then grouped_gemm_bf16_nt_contiguous(h, w_down), with GEMM2's tiles started as
     soon as GEMM1 has written their rows (a device counter per 128 rows). w_down [num_experts, hidden,
@@ -86,6 +89,9 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
       rank's experts) gather their tokens' x rows from any rank (ranks.row_ids), and the combine sums every rank's
       tokens whose last row is stored here, from the owners' rows, into their home rank's out. y_rows, out and the
       shared expert's y are views of this rank's entries.
+    - trace: None, or int64 zeros [capacity, 5]: each task's row (tasks numbered shared GEMM1, routed GEMM1, shared
+      GEMM2, routed GEMM2): SM << 32 | kind (GEMM − 1) · 2 + group (0 shared, 1 routed), its producer's wait on its
+      counter (begin, end), its first consumer's begin and end, globaltimer ns (TRACE_FIELDS; tools/chain_timeline.py).
     Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None,
     the shared expert's (y, h, gate, up) [R_sh, ·] or None), bf16 but for mx_out's gate and up."""
     intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
@@ -147,7 +153,7 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
                                              ranks=None if ranks is None else _rank_lists(ranks),
                                              rank=0 if ranks is None else ranks.rank,
                                              token_offsets=[] if ranks is None else list(ranks.token_offsets),
-                                             **kwargs)
+                                             trace=_checked_trace(trace, x.device), **kwargs)
     return y_rows, h, gate, up, out, shared_rows
 
 
@@ -192,6 +198,14 @@ def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_toke
             check_cuda(f"ranks.{name}[{s}]", t, device, "the launch's", aligned=True)
     for name in ("row_ids", "route_to_row"):
         check_cuda(f"ranks.{name}", getattr(ranks, name), device, "the launch's")
+
+
+def _checked_trace(trace, device):
+    """trace as the bindings take it: None, or int64 [capacity, len(TRACE_FIELDS)] on the launch's device."""
+    if trace is not None:
+        check_layout("trace", trace, torch.int64, (None, len(TRACE_FIELDS)), "[capacity, fields]")
+        check_cuda("trace", trace, device, "the launch's")
+    return trace
 
 
 def _rank_lists(ranks: ChainRanks) -> list:
@@ -268,7 +282,8 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
 def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor, w_gate: torch.Tensor,
                                      w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                                      topk_weights: torch.Tensor, sched, swiglu_limit: float | None = None,
-                                     num_sms: int | None = None, shared=None, ranks: ChainRanks | None = None) -> tuple:
+                                     num_sms: int | None = None, shared=None, ranks: ChainRanks | None = None,
+                                     trace: torch.Tensor | None = None) -> tuple:
     """The layer's expert backward in BF16 in one persistent launch: the fused level's backward kernels over the
     routed schedule and, with `shared`, the shared expert's, and the combine of d_x, with their bits:
         (d_gate, d_up, h, d_topk_weights) = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
@@ -284,7 +299,8 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     ranks (ChainRanks, without `shared`): one rank's launch among several, as the forward chain's: its rows' tokens
     by row id, d_x's combine of every rank's tokens that it completes, from the owners' dx rows (ranks.y: dx_rows is
     a view of its entry) and, in ranks.shared, each home rank's shared-expert dx rows written before any launch;
-    d_x is then its out entry, whole, and d_topk_weights is per row of sched (its routes).
+    d_x is then its out entry, whole, and d_topk_weights is per row of sched (its routes). trace: as the forward
+    chain's, the kinds BACKWARD_KINDS · 2 + group.
     Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row),
     [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or None)."""
     _check_limit(swiglu_limit)
@@ -326,7 +342,8 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
         row_to_route=sched.row_to_route.to(dy_rows.device).contiguous(), d_topk_weights=d_topk_weights,
         shared=shared_tensors, route_to_row=route_to_row, d_x=d_x, token_done=token_done,
         **_limit_kwargs(swiglu_limit), num_sms=sms, ranks=None if ranks is None else _rank_lists(ranks),
-        rank=0 if ranks is None else ranks.rank, token_offsets=[] if ranks is None else list(ranks.token_offsets))
+        rank=0 if ranks is None else ranks.rank, token_offsets=[] if ranks is None else list(ranks.token_offsets),
+        trace=_checked_trace(trace, dy_rows.device))
     d_w = [out["d_w_gate"], out["d_w_up"], out["d_w_down"]]
     d_w_shared = None if shared_out is None else [shared_out["d_w_gate"], shared_out["d_w_up"], shared_out["d_w_down"]]
     return d_x, d_topk_weights, d_w, d_w_shared

@@ -123,6 +123,12 @@ struct ChainRanks {
   int64_t y_capacity;
 };
 
+// Per-task times of a chain launch (gemm/trace.cuh): at null (off), or uint64 [capacity, 5] zeros.
+struct ChainTrace {
+  uint64_t* at;
+  int64_t capacity;
+};
+
 struct ChainGemm {
   GateUpGemm gate_up;  // mx_out: gate and up are row-wise MXFP8 buffers, h the round trip (as ..._mxfp8_out)
   DownGemm down;
@@ -139,6 +145,7 @@ struct ChainGemm {
   int32_t* token_done;
   int64_t num_topk;
   ChainRanks ranks;  // num_ranks 0: EP = 1
+  ChainTrace trace;
 };
 cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sched, int num_sms, cudaStream_t stream);
 
@@ -242,6 +249,7 @@ struct ChainBackward {
   int32_t* token_done;
   int64_t num_topk;
   ChainRanks ranks;
+  ChainTrace trace;
 };
 cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_sms, cudaStream_t stream);
 

@@ -45,6 +45,7 @@
 
 #include "mok/api.h"
 #include "mok/gemm/grouped_gemm_bf16.cuh"
+#include "mok/gemm/trace.cuh"
 #include "mok/moe/combine.cuh"
 
 namespace mok::gemm {
@@ -104,6 +105,7 @@ constexpr int kSharedGroup = 0, kRoutedGroup = 1;
 struct ChainLaunch {
   ChainGroup group[2];
   ChainCombine combine;
+  TaskTrace trace;  // kinds: (GEMM1 or 2 − 1) · 2 + group
 };
 
 // The tasks of each group and kind: the real m-tiles' (read on the device at kernel start).
@@ -151,7 +153,9 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
     } else {
       const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
       if (thread == 0) {
+        L.trace.mark(task, kTraceWaitBegin);
         ptx::wait_counter(&g.h_ready[t.m_tile], g.h_target);
+        L.trace.mark(task, kTraceWaitEnd);
         ptx::fence_proxy_async_global();  // h's rows, announced by the counter, before the TMA loads read them
       }
       for (int kb = 0; kb < t.num_k_blocks; ++kb, ++it) {
@@ -255,9 +259,11 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
     pending = -1;
   };
   uint32_t it = 0;
+  const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
   for_each_task(n.total(), [&](int task) {
     const ChainTask ct = chain_task(n, task);
     const ChainGroup& g = L.group[ct.group];
+    if (traces) L.trace.begin(task, (ct.kind - 1) * 2 + ct.group);
     float acc0[kAccPerThread], acc1[kAccPerThread];
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
@@ -286,6 +292,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2.n, row0, t.n_tile, ct.group == kSharedGroup,
                           lane);
     }
+    if (traces) L.trace.mark(task, kTraceEnd);
   });
   signal();
   drain_stores(lane);
@@ -391,7 +398,8 @@ struct ChainGroupArgs {
 // kGateUp, or kGateUpMxOut (routed.p1's gate and up then the row-wise MXFP8 buffers, mx_of).
 template <Gemm kRoutedGemm1>
 inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, const ChainGroupArgs& shared,
-                                                  ChainCombine combine, int num_sms, cudaStream_t stream) {
+                                                  ChainCombine combine, TaskTrace trace, int num_sms,
+                                                  cudaStream_t stream) {
   static_assert(kRoutedGemm1 == Gemm::kGateUp || kRoutedGemm1 == Gemm::kGateUpMxOut, "GEMM1 kinds of the chain");
   ChainLaunch launch{};
   int64_t total = 0;
@@ -421,7 +429,7 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
   if (combine.out[combine.rank] != nullptr &&
       !combine_fits(combine, launch.group[kRoutedGroup].p2, launch.group[kSharedGroup].p2, shared.w_gate != nullptr))
     return cudaErrorInvalidValue;
-  launch.combine = combine;
+  launch.combine = combine, launch.trace = trace;
   return launch_chain_kernel(grouped_gemm_bf16_chain_kernel<kRoutedGemm1>, launch, total, num_sms, stream);
 }
 

@@ -67,6 +67,7 @@ struct BackwardGroup {
 struct BackwardLaunch {
   BackwardGroup group[2];  // kSharedGroup, kRoutedGroup
   ChainCombine combine;    // d_x: out = d_x, weights null, shared = the shared group's dx rows or null
+  TaskTrace trace;         // kinds: kind · 2 + group
 };
 
 struct BackwardCounts {
@@ -125,7 +126,9 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
       it = load_task<Gemm::kDownDgrad>(t, g.dgrad.k, &m.dy, nullptr, &m.w_down, &m.w_down, smem, full, empty, it);
     } else if (bt.kind == kBwdGateUpDgrad) {
       const Task t = decode_task<Gemm::kGateUpDgrad>(g.gate_up_dgrad, bt.index, g.k_blocks_gate_up_dgrad, num);
+      L.trace.mark(task, kTraceWaitBegin);
       ptx::wait_counter(&g.rows_ready[t.m_tile], kNumConsumerWarps);
+      L.trace.mark(task, kTraceWaitEnd);
       ptx::fence_proxy_async_global();  // d_gate's and d_up's rows, announced by the counter, before TMA reads them
       it = load_task<Gemm::kGateUpDgrad>(t, g.gate_up_dgrad.k, &m.d_gate, &m.d_up, &m.w_gate, &m.w_up, smem, full,
                                          empty, it);
@@ -133,7 +136,9 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
       const int which = bt.kind - kBwdWgradDown;
       const Params& p = g.wgrad[which];
       const Task t = decode_task<Gemm::kWeightGrad>(p, bt.index, 0, num);
+      L.trace.mark(task, kTraceWaitBegin);
       ptx::wait_counter(&g.expert_ready[t.expert], expert_target(p, t.expert));
+      L.trace.mark(task, kTraceWaitEnd);
       ptx::fence_proxy_async_global();
       const CUtensorMap* a = which == 0 ? &m.wd_a : which == 1 ? &m.wg_a : &m.wu_a;
       const CUtensorMap* b = which == 0 ? &m.wd_b : &m.wg_b;
@@ -143,9 +148,12 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
 }
 
 // One consumer warp's 16 rows of a row task (m-tile m): wait for the tile's g, the SwiGLU backward row by row,
-// then this warp's count.
-MOK_DEVICE void backward_rows(const BackwardGroup& g, int m, int warp_rows, uint32_t lane) {
+// then this warp's count. trace: the task's marks of its wait (the tracing thread's), or null.
+MOK_DEVICE void backward_rows(const BackwardGroup& g, int m, int warp_rows, uint32_t lane, const TaskTrace* trace,
+                              int task) {
+  if (trace != nullptr) trace->mark(task, kTraceWaitBegin);
   if (lane == 0) ptx::wait_counter(&g.g_ready[m], g.g_target);
+  if (trace != nullptr) trace->mark(task, kTraceWaitEnd);
   __syncwarp();  // every lane's loads after the acquire
   const int64_t row0 = static_cast<int64_t>(m) * BLOCK_M + kStoreBoxRows * warp_rows;
   const uint16_t* d_h = g.rows.d_h;
@@ -184,14 +192,17 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
     pending = nullptr;
   };
   uint32_t it = 0;
+  const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
   for_each_task(n.total(), [&](int task) {
     const BackwardTask bt = backward_task(n, task);
     const BackwardGroup& g = L.group[bt.group];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
+    if (traces) L.trace.begin(task, bt.kind * 2 + bt.group);
     if (bt.kind == kBwdRows) {
       signal();  // before waiting: the count it waits for may be this warp's
-      backward_rows(g, bt.index, warp_rows, lane);
+      backward_rows(g, bt.index, warp_rows, lane, traces ? &L.trace : nullptr, task);
+      if (traces) L.trace.mark(task, kTraceEnd);
       return;
     }
     float acc0[kAccPerThread], acc1[kAccPerThread];
@@ -234,6 +245,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
                             lane);
       epilogue_wgrad.store_rest(p, out, staging, lane);
     }
+    if (traces) L.trace.mark(task, kTraceEnd);
   });
   signal();
   drain_stores(lane);
@@ -291,7 +303,7 @@ struct BackwardGroupArgs {
 // token_done zeros; with a shared expert, its shared is the shared group's dx rows and shared_counts 1).
 inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupArgs& routed,
                                                            const BackwardGroupArgs& shared, ChainCombine combine,
-                                                           int num_sms, cudaStream_t stream) {
+                                                           TaskTrace trace, int num_sms, cudaStream_t stream) {
   BackwardLaunch launch{};
   int64_t total = 0;
   const BackwardGroupArgs* args[2] = {&shared, &routed};
@@ -333,7 +345,7 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
       !combine_fits(combine, launch.group[kRoutedGroup].gate_up_dgrad, launch.group[kSharedGroup].gate_up_dgrad,
                     shared.w_down != nullptr))
     return cudaErrorInvalidValue;
-  launch.combine = combine;
+  launch.combine = combine, launch.trace = trace;
   return launch_chain_kernel(grouped_gemm_bf16_chain_backward_kernel, launch, total, num_sms, stream);
 }
 
