@@ -226,7 +226,7 @@ void gemm_nt_contiguous(const at::Tensor& a_rows, const at::Tensor& w, const at:
 mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, int64_t rank,
                             const std::vector<int64_t>& token_offsets) {
   TORCH_CHECK(lists.size() == 6, "ranks: expected 6 lists (x, y, topk_weights, shared, out, token_done)");
-  const int64_t R = static_cast<int64_t>(lists[0].size());
+  const int64_t R = static_cast<int64_t>(lists[1].size());  // y: every pass has it
   TORCH_CHECK(R >= 1 && R <= mok::kMaxRanks, "ranks: expected 1 to ", mok::kMaxRanks, " ranks, got ", R);
   TORCH_CHECK(rank >= 0 && rank < R, "rank: expected in [0, ", R, "), got ", rank);
   TORCH_CHECK(static_cast<int64_t>(token_offsets.size()) == R, "token_offsets: expected one per rank");
@@ -238,6 +238,7 @@ mok::ChainRanks chain_ranks(const std::vector<std::vector<at::Tensor>>& lists, i
     return lists[list].empty() ? nullptr : lists[list][s].data_ptr();
   };
   for (int64_t s = 0; s < R; ++s) {
+    TORCH_CHECK(token_offsets[s] >= 0 && token_offsets[s] <= INT32_MAX, "token_offsets: expected int32 offsets");
     r.x[s] = ptr(0, s), r.y[s] = ptr(1, s), r.topk_weights[s] = static_cast<const float*>(ptr(2, s));
     r.shared[s] = ptr(3, s), r.out[s] = ptr(4, s), r.token_done[s] = static_cast<int32_t*>(ptr(5, s));
     r.token_offset[s] = static_cast<int32_t>(token_offsets[s]);
@@ -252,7 +253,7 @@ mok::ChainTrace chain_trace(const std::optional<at::Tensor>& trace) {
   if (!trace) return {};
   check_arg(*trace, "trace");
   TORCH_CHECK(trace->scalar_type() == at::kLong && trace->dim() == 2 && trace->size(1) == 5,
-              "trace: expected int64 zeros [capacity, 5]");
+              "trace: expected int64 zeros [capacity, 5]");  // its device: the launch's (mok.ops checks it)
   return {reinterpret_cast<uint64_t*>(trace->data_ptr<int64_t>()), trace->size(0)};
 }
 

@@ -33,7 +33,8 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
       args.down.num_experts != args.gate_up.num_experts || (args.h_ready == nullptr && sched.num_rows > 0))
     return cudaErrorInvalidValue;
   if (with_shared && (args.shared_down.a_rows != args.shared_gate_up.h ||
-                      args.shared_down.k != args.shared_gate_up.intermediate || args.shared_h_ready == nullptr ||
+                      args.shared_down.k != args.shared_gate_up.intermediate ||
+                      (args.shared_h_ready == nullptr && args.shared_sched.num_rows > 0) ||
                       args.shared_gate_up.num_experts != 1 || args.shared_down.num_experts != 1))
     return cudaErrorInvalidValue;
   if (args.out != nullptr && (args.route_to_row == nullptr || args.topk_weights == nullptr ||
@@ -52,10 +53,13 @@ cudaError_t grouped_gemm_bf16_chain(const ChainGemm& args, const RowSchedule& sc
                                                    args.token_done, static_cast<int>(args.num_topk),
                                                    with_shared ? 1 : 0, routed.p2);
   if (const ChainRanks& r = args.ranks; r.num_ranks > 0) {  // over ranks: every table from the lists
-    if (args.out == nullptr || r.shared[r.rank] != args.shared ||
+    if (args.out == nullptr || r.shared[r.rank] != args.shared || r.topk_weights[r.rank] != args.topk_weights ||
         !gemm::combine_over_ranks(r, sched.num_rows, &combine))
       return cudaErrorInvalidValue;
-    for (int s = 0; s < r.num_ranks; ++s) routed.a[s] = r.x[s];
+    for (int s = 0; s < r.num_ranks; ++s) {
+      if (r.x[s] == nullptr || r.topk_weights[s] == nullptr) return cudaErrorInvalidValue;
+      routed.a[s] = r.x[s];
+    }
   }
   const gemm::TaskTrace trace{args.trace.at, static_cast<int>(std::min<int64_t>(args.trace.capacity, INT32_MAX))};
   const auto launch = args.mx_out ? gemm::launch_grouped_gemm_bf16_chain<gemm::Gemm::kGateUpMxOut>

@@ -61,7 +61,8 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
                                             t["tokens_per_expert"].long())[:, None]  # [n, 1]
     routed = (w_gate, w_up, w_down)  # E_r = 0 (E < R): a stand-in expert without rows, for the shared expert's launch
     launched = routed if E_r else tuple(w.new_zeros(1, *w.shape[1:]) for w in routed)
-    sched = ops.make_schedule_cuda(expert_of_row, max(E_r, 1), block_m=fused.BLOCK_M)  # the rank's rows: t's layout
+    schedule = ops.make_schedule_cuda if len(expert_of_row) else make_schedule  # (no rows: not the kernel's case)
+    sched = schedule(expert_of_row, max(E_r, 1), block_m=fused.BLOCK_M)  # the rank's rows: t's layout
     if sched.num_rows != real.shape[0]:
         fail("tables", f"{sched.num_rows} rows (the schedule of the rank's real rows)", real.shape[0])
     firsts = [g.start for g in expert_ranges(num_experts, R)]  # each rank's first expert

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ep_chain, ep_peer, fused, twins
+from mok import ep_chain, ep_peer, fused, ops, twins
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator, row_mm
@@ -84,14 +84,47 @@ def test_the_chain_over_ranks_gives_the_fused_levels_bits(name, precision):
     _check_every_degree(name, "cuda", precision, ep_chain)
 
 
+def _checked_chain_ops(monkeypatch) -> list:
+    """The chain ops as the twins compute them, each call first through the real op's checks and argument building
+    (mok.ops.chain, its device checks off) into a binding that records its keyword arguments: returns the records."""
+    from mok.ops import chain, gemm
+
+    calls = []
+
+    class Binding:
+        def __getattr__(self, name):
+            return lambda **kwargs: calls.append((name, kwargs))
+
+    for module, name in ((chain, "check_cuda"), (chain, "_check_devices"), (gemm, "_check_devices")):
+        monkeypatch.setattr(module, name, lambda *a, **k: None)
+    monkeypatch.setattr(chain, "load_extension", Binding)
+    def checked(real, twin):
+        def call(*args, **kwargs):
+            real(*args, **kwargs)
+            return twin(*args, **kwargs)
+        return call
+
+    for name in ("grouped_gemm_bf16_chain", "grouped_gemm_bf16_chain_backward"):
+        monkeypatch.setattr(ops, name, checked(getattr(chain, name), getattr(twins, name)))
+    return calls
+
+
 def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
-    """The same with L0 twins: the row ids, route table, counters and saved state, in CI. The shared expert runs on
-    each rank's tokens here, so the GEMM is row_mm (a row's bits alone, as on the GPU)."""
+    """The same with L0 twins: the row ids, route table, counters and saved state, in CI, every chain launch through
+    the ops' own checks to their bindings' arguments. The shared expert runs on each rank's tokens here, so the GEMM
+    is row_mm (a row's bits alone, as on the GPU)."""
     twins.install(monkeypatch.setattr)
     monkeypatch.setattr(twins, "mm", row_mm)
+    calls = _checked_chain_ops(monkeypatch)
     for name in CASES:
         for precision in ("bf16", "mxfp8"):
             _check_every_degree(name, "cpu", precision, ep_chain)
+    over_ranks = [kw for _, kw in calls if kw["ranks"] is not None]
+    assert {n for n, _ in calls} == {"grouped_gemm_bf16_chain", "grouped_gemm_bf16_chain_backward"} and over_ranks
+    for kw in over_ranks:  # one entry per rank in each list the pass reads; this rank's own buffers at its entry
+        lists, rank = kw["ranks"], kw["rank"]
+        assert all(len(entries) in (0, len(lists[1])) for entries in lists) and 0 <= rank < len(lists[1])
+        assert lists[4][rank].data_ptr() == kw["out" if "out" in kw else "d_x"].data_ptr()
 
 
 PASSES = {"ep_peer": ep_peer, "ep_chain": ep_chain}  # a rank's passes, by module name

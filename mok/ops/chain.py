@@ -95,8 +95,11 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
     Returns (y_rows [num_rows, hidden], h, gate, up [num_rows, intermediate], out [num_tokens, hidden] or None,
     the shared expert's (y, h, gate, up) [R_sh, ·] or None), bf16 but for mx_out's gate and up."""
     intermediate, kwargs = _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms,
-                                       intermediate_multiple=BLOCK_SIZE if mx_out else GEMM_K_ALIGN)
+                                       intermediate_multiple=BLOCK_SIZE if mx_out else GEMM_K_ALIGN,
+                                       num_tokens=None if ranks is None else x.shape[0])  # ranks: this rank's tokens
     T, hidden = x.shape
+    if max(T, sched.num_rows) > 1 << RANK_SHIFT:
+        fail("x, sched", f"at most 2^{RANK_SHIFT} tokens and rows (a row id's local part)", (T, sched.num_rows))
     check_layout("w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
                  "[num_experts, hidden, intermediate]")
     _check_devices(x.device, w_down=w_down)
@@ -115,10 +118,10 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
                                                           shared_sched, ranks and ranks.shared[ranks.rank])
         if shared is not None:
             fail("shared", "None with shared_weights (the shared expert's rows are computed here)", "a tensor")
-        shared = shared_rows[0] if topk_weights is not None else None
+        shared = shared_expert[9] if topk_weights is not None else None  # its y as the binding takes it
     route_to_row, out, token_done = None, None, None  # the combine's, with topk_weights
     if topk_weights is not None:
-        K = sched.num_topk
+        K = sched.num_topk if ranks is None else ranks.route_to_row.shape[1]  # ranks: sched's rows are routes'
         check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
         check_cuda("topk_weights", topk_weights, x.device, "x's")
         if shared is not None and shared_weights is None:
@@ -126,7 +129,8 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
             check_cuda("shared", shared, x.device, "x's", aligned=True)
         if ranks is not None:
             route_to_row = ranks.route_to_row
-            out, token_done = ranks.out[ranks.rank][:T], ranks.token_done[ranks.rank][:T]
+            out, token_done = ranks.out[ranks.rank], ranks.token_done[ranks.rank]  # whole (an empty view's
+            # address is 0): the kernel writes its tokens' rows
         elif shared_weights is not None:  # every token's slices complete (its shared row counts): all written
             out = torch.empty(T, hidden, dtype=torch.bfloat16, device=x.device)  # [T, H]
         else:  # a token whose routes all lack a row (bad ids) is written by no tile: NaN, as combine_rows gives it
@@ -144,7 +148,7 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
         gate_buffer, up_buffer = (torch.empty_like(h) for _ in range(2))  # [num_rows, I] each
         gate, up = gate_buffer, up_buffer
     y_rows = torch.empty(sched.num_rows, hidden, dtype=torch.bfloat16, device=x.device) if ranks is None \
-        else ranks.y[ranks.rank][: sched.num_rows]  # [num_rows, hidden]
+        else ranks.y[ranks.rank]  # [num_rows (ranks: its capacity), hidden]
     h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
     load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
                                              up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
@@ -154,6 +158,8 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
                                              rank=0 if ranks is None else ranks.rank,
                                              token_offsets=[] if ranks is None else list(ranks.token_offsets),
                                              trace=_checked_trace(trace, x.device), **kwargs)
+    if ranks is not None:  # this rank's views of its entries
+        y_rows, out = y_rows[: sched.num_rows], out[:T]
     return y_rows, h, gate, up, out, shared_rows
 
 
@@ -164,11 +170,20 @@ def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_toke
     list), ids that fit their bits."""
     if not isinstance(ranks, ChainRanks):
         fail("ranks", "a mok.ops.ChainRanks", type(ranks).__name__)
-    R, K = len(ranks.y), ranks.route_to_row.shape[-1]
+    check_layout("ranks.route_to_row", ranks.route_to_row, torch.int32, (None, None), "[every rank's tokens, K]")
+    R, K = len(ranks.y), ranks.route_to_row.shape[1]
     if not 1 <= R <= MAX_RANKS:
         fail("ranks.y", f"1 to {MAX_RANKS} tensors (one per rank)", R)
     if not isinstance(ranks.rank, int) or not 0 <= ranks.rank < R:
         fail("ranks.rank", f"an int in [0, {R})", ranks.rank)
+    offsets = ranks.token_offsets
+    if offsets is None or len(offsets) != R or list(offsets) != sorted(offsets) or offsets[0] != 0:
+        fail("ranks.token_offsets", f"{R} non-decreasing ints from 0 (each rank's first token)", offsets)
+    ends = [*offsets[1:], ranks.route_to_row.shape[0]]
+    if ends[-1] < offsets[-1] or offsets[ranks.rank] + num_tokens > ends[ranks.rank]:
+        fail("ranks.route_to_row", f"every rank's tokens (this one's {num_tokens} from {offsets[ranks.rank]})",
+             f"{ranks.route_to_row.shape[0]} tokens")
+    num_tokens = max(e - o for o, e in zip(offsets, ends))  # a home rank's tokens: what its buffers must hold
     want = {"x": (torch.bfloat16, hidden, num_tokens), "y": (torch.bfloat16, hidden, num_rows),
             "topk_weights": (torch.float32, K, num_tokens), "out": (torch.bfloat16, hidden, num_tokens),
             "token_done": (torch.int32, -(-hidden // GEMM_DOWN_TILE_N), num_tokens),
@@ -186,13 +201,7 @@ def _check_ranks(ranks: ChainRanks, device, hidden: int, num_rows: int, num_toke
             check_layout(f"ranks.{name}[{s}]", t, dtype, (first.shape[0], width), f"[capacity, {width}], alike")
         if not rows <= first.shape[0] < 1 << RANK_SHIFT:
             fail(f"ranks.{name}", f"a capacity in [{rows}, 2^{RANK_SHIFT})", first.shape[0])
-    if ranks.token_offsets is None or len(ranks.token_offsets) != R:
-        fail("ranks.token_offsets", f"{R} ints (one per rank)", ranks.token_offsets)
     check_layout("ranks.row_ids", ranks.row_ids, torch.int32, (num_rows,), "[num_rows]")
-    check_layout("ranks.route_to_row", ranks.route_to_row, torch.int32, (None, K), "[every rank's tokens, K]")
-    if ranks.route_to_row.shape[0] < ranks.token_offsets[ranks.rank] + num_tokens:
-        fail("ranks.route_to_row", f"at least {ranks.token_offsets[ranks.rank] + num_tokens} tokens (this rank's "
-             "offset and its tokens)", ranks.route_to_row.shape[0])
     for name in lists:  # the device checks last: the layouts' are CPU-testable
         for s, t in enumerate(getattr(ranks, name)):
             check_cuda(f"ranks.{name}[{s}]", t, device, "the launch's", aligned=True)
@@ -238,7 +247,8 @@ def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched, y_buffer=None) 
     if y_buffer is not None:
         rows[0] = y_buffer[: sh.num_rows]  # its capacity checked by _check_ranks
     h_ready = torch.zeros(sh.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)
-    tensors = [x, ws_gate[None], ws_up[None], ws_down[None], row_to_token, tile_to_expert, *rows[1:], rows[0], h_ready]
+    y = rows[0] if y_buffer is None else y_buffer  # the binding's: whole (an empty view's address is 0)
+    tensors = [x, ws_gate[None], ws_up[None], ws_down[None], row_to_token, tile_to_expert, *rows[1:], y, h_ready]
     return tensors, tuple(rows)
 
 
@@ -267,7 +277,7 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
         fail(f"{name}sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     device, E, R = dy_rows.device, sched.num_experts, sched.num_rows
     out = {"d_gate": torch.empty_like(gate), "d_up": torch.empty_like(gate), "h": torch.empty_like(gate),
-           "dx_rows": torch.empty_like(dy_rows) if ranks is None else ranks.y[ranks.rank][:R],
+           "dx_rows": torch.empty_like(dy_rows) if ranks is None else ranks.y[ranks.rank],  # ranks: whole
            "d_w_gate": torch.empty_like(w_gate), "d_w_up": torch.empty_like(w_gate),
            "d_w_down": torch.empty_like(w_down)}
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, device)
@@ -306,6 +316,8 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     T, K = sched.num_tokens, sched.num_topk
+    if max(T, sched.num_rows) > 1 << RANK_SHIFT:
+        fail("sched", f"at most 2^{RANK_SHIFT} tokens and rows (a row id's local part)", (T, sched.num_rows))
     check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
     if ranks is not None:
         if shared is not None:
@@ -336,6 +348,8 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
             d_x.fill_(float("nan"))
         token_done = torch.zeros(T, -(-hidden // GEMM_DOWN_TILE_N), dtype=torch.int32, device=dy_rows.device)
         route_to_row = sched.route_to_row.to(dy_rows.device, torch.int32)
+    if ranks is not None and sched.num_rows == 0:  # no rows here: nothing to count or combine, zero gradients
+        return d_x, d_topk_weights, [torch.zeros_like(out[n]) for n in ("d_w_gate", "d_w_up", "d_w_down")], None
     counts = gemm_schedule_kwargs(sched, dy_rows.device)["counts"]
     load_extension().grouped_gemm_bf16_chain_backward(
         routed=tensors, counts=counts, topk_weights=topk_weights,

@@ -98,10 +98,13 @@ def _check_devices(device: torch.device, **tensors) -> None:
         check_cuda(name, t, device, "the first operand's", aligned=True)
 
 
-def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=GEMM_K_ALIGN) -> tuple:
+def _gemm1_args(x, w_gate, w_up, sched, swiglu_limit, num_sms, intermediate_multiple=GEMM_K_ALIGN,
+                num_tokens=None) -> tuple:
     """GEMM1's argument checks; returns (intermediate, the binding's keyword arguments besides the operands and
-    outputs: the schedule's (gemm_schedule_kwargs), swiglu_limit, has_limit, num_sms)."""
-    check_layout("x", x, torch.bfloat16, (sched.num_tokens, None), "[num_tokens, hidden]")
+    outputs: the schedule's (gemm_schedule_kwargs), swiglu_limit, has_limit, num_sms). num_tokens: x's rows (None:
+    the schedule's tokens)."""
+    check_layout("x", x, torch.bfloat16, (sched.num_tokens if num_tokens is None else num_tokens, None),
+                 "[num_tokens, hidden]")
     hidden = x.shape[1]
     _check_gemm_dim("x", hidden, "hidden (dim 1)")
     check_layout("w_gate", w_gate, torch.bfloat16, (sched.num_experts, None, hidden),

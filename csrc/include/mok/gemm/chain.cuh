@@ -97,6 +97,7 @@ struct ChainCombine {
   int num_topk;
   int shared_counts;  // 1: the shared rows are the shared group's, stored in this launch (they count)
   int rank;           // this launch's: the home of the shared group's rows, whose ids are local
+  int num_ranks;      // the tables' entries: a row id of another rank is bad (NaN slices)
 };
 
 constexpr int kSharedGroup = 0, kRoutedGroup = 1;
@@ -188,7 +189,7 @@ MOK_DEVICE void combine_slice(const ChainCombine& cb, int width, int home, int t
   for (int k = 0; k < cb.num_topk; ++k) {  // increasing k: combine_rows' order
     const int32_t id = cb.route_to_row[route0 + k];
     const int64_t row = id & kLocalIdMask;
-    if (id < 0 || row >= cb.rows_capacity) {
+    if (id < 0 || (id >> kRankShift) >= cb.num_ranks || row >= cb.rows_capacity) {
       bad = true;
       continue;
     }
@@ -206,9 +207,11 @@ MOK_DEVICE void combine_slice(const ChainCombine& cb, int width, int home, int t
 // (width: the routed GEMM's n). local_ids: p's row ids are this rank's tokens (the shared group's).
 MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p, int width, int row0, int n_tile,
                                   bool local_ids, uint32_t lane) {
+  const bool peers = cb.num_ranks > 1;  // counters and rows of other GPUs: system scope
   if (lane == 0) {
     ptx::bulk_wait_group<0>();  // this warp's stores of the tile have finished
     ptx::fence_proxy_async_global();
+    if (peers) ptx::fence_acq_rel_sys();  // ... and are ordered at system scope before the lanes' releases below
   }
   __syncwarp();
   int32_t slice = -1;  // the row's token as a row id (home rank, token)
@@ -223,7 +226,7 @@ MOK_DEVICE void combine_rows_done(const ChainCombine& cb, const Params& p, int w
           cb.route_to_row + static_cast<int64_t>(cb.token_offset[home] + token) * cb.num_topk;
       for (int k = 0; k < cb.num_topk; ++k) count += route_rows[k] >= 0;
       int32_t* done = cb.token_done[home] + static_cast<int64_t>(token) * p.num_n_tiles + n_tile;
-      last = ptx::atom_add_acq_rel_sys(done, 1) == count - 1;
+      last = (peers ? ptx::atom_add_acq_rel_sys(done, 1) : ptx::atom_add_acq_rel_gpu(done, 1)) == count - 1;
     }
   }
   for (uint32_t left = __ballot_sync(kFullMask, last); left != 0; left &= left - 1) {
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 inline bool combine_fits(const ChainCombine& combine, const Params& routed, const Params& shared, bool with_shared) {
   return routed.n % moe::kVecElems == 0 && combine.num_topk >= 1 && (!with_shared || shared.n == routed.n) &&
          combine.rank >= 0 && combine.rank < kMaxRanks && combine.rows[combine.rank] == routed.out &&
-         combine.rows_capacity >= routed.num_rows;
+         combine.rows_capacity >= routed.num_rows && combine.rows_capacity <= kLocalIdMask + 1;
 }
 
 // The combine at EP = 1: every table's entry 0, the routed GEMM's rows (routed_rows) this launch's.
@@ -349,7 +352,7 @@ inline ChainCombine local_combine(const int32_t* route_to_row, const float* topk
   c.route_to_row = route_to_row, c.topk_weights[0] = topk_weights;
   c.shared[0] = static_cast<const uint16_t*>(shared), c.out[0] = static_cast<uint16_t*>(out);
   c.token_done[0] = token_done, c.rows[0] = routed_rows.out, c.rows_capacity = routed_rows.num_rows;
-  c.num_topk = num_topk, c.shared_counts = shared_counts;
+  c.num_topk = num_topk, c.shared_counts = shared_counts, c.num_ranks = 1;
   return c;
 }
 
@@ -371,15 +374,18 @@ cudaError_t launch_chain_kernel(void (*kernel)(Launch), const Launch& launch, in
 inline bool combine_over_ranks(const ChainRanks& r, int64_t num_rows, ChainCombine* combine) {
   const ChainCombine own = *combine;
   if (r.num_ranks > kMaxRanks || r.rank < 0 || r.rank >= r.num_ranks || r.y[r.rank] != own.rows[0] ||
-      r.out[r.rank] != own.out[0] || r.token_done[r.rank] != own.token_done[0] || r.y_capacity < num_rows)
+      r.out[r.rank] != own.out[0] || r.token_done[r.rank] != own.token_done[0] || r.y_capacity < num_rows ||
+      r.y_capacity > kLocalIdMask + 1)
     return false;
+  for (int s = 0; s < r.num_ranks; ++s)
+    if (r.y[s] == nullptr || r.out[s] == nullptr || r.token_done[s] == nullptr) return false;
   for (int s = 0; s < r.num_ranks; ++s) {
     combine->topk_weights[s] = r.topk_weights[s], combine->shared[s] = static_cast<const uint16_t*>(r.shared[s]);
     combine->out[s] = static_cast<uint16_t*>(r.out[s]), combine->token_done[s] = r.token_done[s];
     combine->rows[s] = static_cast<const uint16_t*>(r.y[s]), combine->token_offset[s] = r.token_offset[s];
   }
   for (int s = r.num_ranks; s < kMaxRanks; ++s) combine->out[s] = nullptr;
-  combine->rows_capacity = r.y_capacity, combine->rank = r.rank;
+  combine->rows_capacity = r.y_capacity, combine->rank = r.rank, combine->num_ranks = r.num_ranks;
   return true;
 }
 

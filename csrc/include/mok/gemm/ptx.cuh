@@ -109,6 +109,15 @@ MOK_DEVICE int32_t atom_add_acq_rel_sys(int32_t* counter, int32_t value) {
   return old;
 }
 
+// The same within one GPU.
+MOK_DEVICE int32_t atom_add_acq_rel_gpu(int32_t* counter, int32_t value) {
+  int32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  return old;
+}
+
+MOK_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 // 16 bytes another CTA wrote (announced by a counter), of this launch or a peer's: from L2, past the SM's L1.
 MOK_DEVICE uint4 ld_cg_v4(const void* ptr) {
   uint4 v;
