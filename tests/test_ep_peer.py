@@ -125,6 +125,8 @@ def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypa
         lists, rank = kw["ranks"], kw["rank"]
         assert all(len(entries) in (0, len(lists[1])) for entries in lists) and 0 <= rank < len(lists[1])
         assert lists[4][rank].data_ptr() == kw["out" if "out" in kw else "d_x"].data_ptr()
+        whole = ("x", "y", "topk_weights", "out", "token_done") if "out" in kw else ("d_x", "token_done")
+        assert all(kw[n].data_ptr() != 0 for n in whole), "an empty view's address is 0: the launcher reads none"
 
 
 PASSES = {"ep_peer": ep_peer, "ep_chain": ep_chain}  # a rank's passes, by module name
