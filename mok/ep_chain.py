@@ -50,11 +50,11 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     split = [int(c[0, 0]) for c in P["count"].keep]
     idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
     H, I = x.shape[1], w_gate.shape[1]
-    sched_all = ops.make_schedule_cuda(idx, num_experts, block_m=fused.BLOCK_M) if idx.is_cuda \
-        else make_schedule(idx, num_experts, block_m=fused.BLOCK_M)
+    sched_all = (ops.make_schedule_cuda if idx.is_cuda and len(idx) else make_schedule)(idx, num_experts,
+                                                                                         block_m=fused.BLOCK_M)
     I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
     t = build_tables(idx, split, num_experts, rank, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
-                     block_m=fused.BLOCK_M, sched=sched_all if idx.is_cuda else None)
+                     block_m=fused.BLOCK_M, sched=sched_all if idx.is_cuda and len(idx) else None)
     real = t["pull_rank"] >= 0  # [rows]
     E_r = w_gate.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(E_r, device=x.device),

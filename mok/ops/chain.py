@@ -151,6 +151,8 @@ def grouped_gemm_bf16_chain(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.T
         else ranks.y[ranks.rank]  # [num_rows (ranks: its capacity), hidden]
     h_ready = torch.zeros(sched.num_rows // GEMM_BLOCK_M, dtype=torch.int32, device=x.device)  # per 128 rows
     if ranks is not None:  # this rank's whole entries (an empty view's address is 0: a rank without tokens)
+        if ranks.route_to_row.shape[0] == 0:  # no token on any rank: no task anywhere
+            return y_rows[:0], h, gate, up, out[:0], shared_rows
         x, topk_weights = ranks.x[ranks.rank], ranks.topk_weights[ranks.rank]
     load_extension().grouped_gemm_bf16_chain(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, h=h, gate=gate_buffer,
                                              up=up_buffer, y=y_rows, h_ready=h_ready, shared_expert=shared_expert,
