@@ -9,16 +9,12 @@ import argparse
 import os
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from mok import megakernel, ops  # noqa: E402
-from mok.config import get_shape  # noqa: E402
-from mok.testing import make_inputs, moe_args  # noqa: E402
+from mok import megakernel, ops
+from mok.config import get_shape
+from mok.testing import make_inputs, moe_args
 
 CAPACITY = 1 << 20  # task rows of a trace buffer: more than any standard shape's pass has tasks
 
@@ -46,6 +42,15 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(df: pd.DataFrame, path: Path, title: str) -> None:
+    """A bar per task on its SM's row, coloured by kind (skipped where matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no matplotlib here: {path.name} not drawn")
+        return
     kinds = sorted(set(zip(df.kind, df.group)))
     colors = dict(zip(kinds, plt.cm.tab10.colors))
     fig, ax = plt.subplots(figsize=(11, 6), layout="constrained")
