@@ -52,7 +52,7 @@ def figure(df: pd.DataFrame, path: Path, title: str) -> None:
         print(f"no matplotlib here: {path.name} not drawn")
         return
     kinds = sorted(set(zip(df.kind, df.group)))
-    colors = dict(zip(kinds, plt.cm.tab10.colors))
+    colors = dict(zip(kinds, plt.cm.tab20.colors))  # up to 12 kinds (6 per group in the backward)
     fig, ax = plt.subplots(figsize=(11, 6), layout="constrained")
     for (kind, group), d in df.groupby(["kind", "group"]):
         for sm, s in d.groupby("sm"):
