@@ -76,7 +76,8 @@ static_assert(kMaxRanks <= (1 << (31 - kRankShift)), "a rank fits a row id's hig
 struct ChainGroup {
   ChainMaps maps;
   Params p1, p2;     // gate_up_params, down_params (p2.a = p1's h)
-  const uint16_t* a[kMaxRanks];  // GEMM1's gathered A: row id (s, t) of p1.row_to_token reads a[s]'s row t
+  const uint16_t* a[kMaxRanks];  // over ranks: GEMM1's gathered A, row id (s, t) of p1.row_to_token reads a[s]'s row t
+  int over_ranks;                // 0: p1.row_to_token holds local tokens of p1.a (EP = 1)
   int32_t* h_ready;  // [its m-tiles], zero at launch
   int h_target;      // kNumConsumerWarps · GEMM1's n-tiles
   int k_blocks1, k_blocks2;
@@ -134,9 +135,9 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   const uint32_t thread = threadIdx.x;  // 0..127
   const uint32_t chunk = thread % kChunksPerRow, row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  for_each_task(n.total(), [&](int task) {
+  const auto task_of = [&](int task, auto group) {  // the group a constant: its fields at fixed parameter offsets
     const ChainTask ct = chain_task(n, task);
-    const ChainGroup& g = L.group[ct.group];
+    const ChainGroup& g = L.group[decltype(group)::value];
     if (ct.kind == 1) {
       const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, ct.num);
       int32_t token[kRowsPerThread];
@@ -147,9 +148,12 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         if (thread == 0)
           issue_tma<Gemm::kGateUp>(nullptr, nullptr, &g.maps.w_gate, &g.maps.w_up, smem, &full[stage], stage, t, kb,
                                    g.p1.k);
-        gather_rows_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb, [&](int32_t id) {
-          return g.a[id >> kRankShift] + static_cast<int64_t>(id & kLocalIdMask) * g.p1.k;
-        });
+        if (decltype(group)::value == kRoutedGroup && g.over_ranks)  // row ids over ranks: x from the token's rank
+          gather_rows_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb, [&](int32_t id) {
+            return g.a[id >> kRankShift] + static_cast<int64_t>(id & kLocalIdMask) * g.p1.k;
+          });
+        else
+          gather_a_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb);
       }
     } else {
       const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
@@ -168,6 +172,12 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         ptx::mbarrier_arrive(&full[stage]);
       }
     }
+  };
+  for_each_task(n.total(), [&](int task) {
+    if (chain_task(n, task).group == kSharedGroup)
+      task_of(task, std::integral_constant<int, kSharedGroup>{});
+    else
+      task_of(task, std::integral_constant<int, kRoutedGroup>{});
   });
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
@@ -263,10 +273,11 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   };
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
-  for_each_task(n.total(), [&](int task) {
+  const auto task_of = [&](int task, auto group) {  // the group a constant, as in produce_chain
+    constexpr int kGroup = decltype(group)::value;
     const ChainTask ct = chain_task(n, task);
-    const ChainGroup& g = L.group[ct.group];
-    if (traces) L.trace.begin(task, (ct.kind - 1) * 2 + ct.group);
+    const ChainGroup& g = L.group[kGroup];
+    if (traces) L.trace.begin(task, (ct.kind - 1) * 2 + kGroup);
     float acc0[kAccPerThread], acc1[kAccPerThread];
 #pragma unroll
     for (int i = 0; i < kAccPerThread; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
@@ -277,11 +288,11 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       signal();
       const int row0 = t.m_tile * BLOCK_M + half * WG_M + 16 * warp;
       const Outputs out1{&g.maps.h, &g.maps.gate, &g.maps.up};
-      if (kRoutedGemm1 != Gemm::kGateUp && ct.group == kRoutedGroup)
+      if (kRoutedGemm1 != Gemm::kGateUp && kGroup == kRoutedGroup)
         epilogue1_routed.finish(acc0, acc1, g.p1, out1, staging, row0, t.n_tile * Gemm1::kTaskN, t.expert, lane);
       else
         epilogue1.finish(acc0, acc1, g.p1, out1, staging, row0, t.n_tile * Gemm1::kTaskN, t.expert, lane);
-      pending = t.m_tile, pending_group = ct.group;
+      pending = t.m_tile, pending_group = kGroup;
     } else {
       const Task t = decode_task<Gemm::kDown>(g.p2, ct.index, g.k_blocks2, ct.num);
       signal();  // before any kDown mainloop: a producer may wait for it
@@ -292,10 +303,15 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       epilogue2.finish(acc0, acc1, g.p2, out2, staging, row0, t.n_tile * Gemm2::kTaskN, t.expert, lane);
       epilogue2.store_rest(g.p2, out2, staging, lane);
       if (L.combine.out[L.combine.rank] != nullptr)
-        combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2.n, row0, t.n_tile, ct.group == kSharedGroup,
-                          lane);
+        combine_rows_done(L.combine, g.p2, L.group[kRoutedGroup].p2.n, row0, t.n_tile, kGroup == kSharedGroup, lane);
     }
     if (traces) L.trace.mark(task, kTraceEnd);
+  };
+  for_each_task(n.total(), [&](int task) {
+    if (chain_task(n, task).group == kSharedGroup)
+      task_of(task, std::integral_constant<int, kSharedGroup>{});
+    else
+      task_of(task, std::integral_constant<int, kRoutedGroup>{});
   });
   signal();
   drain_stores(lane);
@@ -396,7 +412,7 @@ struct ChainGroupArgs {
   int64_t num_experts;
   Params p1, p2;
   int32_t* h_ready;
-  const void* a[kMaxRanks];  // GEMM1's gathered A by rank (row ids over ranks); entry 0 null: p1.a (EP = 1)
+  const void* a[kMaxRanks];  // GEMM1's gathered A by rank (row ids over ranks); entry 0 null: p1.a alone (EP = 1)
 };
 
 // routed: the routed experts; shared: the shared expert (w_gate null: none); combine: out[rank] null, or its tables
@@ -416,7 +432,7 @@ inline cudaError_t launch_grouped_gemm_bf16_chain(const ChainGroupArgs& routed, 
     ChainGroup& g = launch.group[i];
     g.p1 = a.p1, g.p2 = a.p2, g.h_ready = a.h_ready;
     for (int s = 0; s < kMaxRanks; ++s) g.a[s] = static_cast<const uint16_t*>(a.a[s]);
-    if (g.a[0] == nullptr) g.a[0] = g.p1.a;
+    g.over_ranks = g.a[0] != nullptr;
     TaskMaps m1, m2;
     int64_t num1 = 0, num2 = 0;
     cudaError_t err = i == kRoutedGroup

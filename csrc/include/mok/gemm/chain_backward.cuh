@@ -116,9 +116,9 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
                                  uint64_t* empty) {
   if (threadIdx.x != 0) return;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  for_each_task(n.total(), [&](int task) {
+  const auto task_of = [&](int task, auto group) {  // the group a constant (chain.cuh's produce_chain)
     const BackwardTask bt = backward_task(n, task);
-    const BackwardGroup& g = L.group[bt.group];
+    const BackwardGroup& g = L.group[decltype(group)::value];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
     if (bt.kind == kBwdDgrad) {
@@ -144,6 +144,12 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
       const CUtensorMap* b = which == 0 ? &m.wd_b : &m.wg_b;
       it = load_task<Gemm::kWeightGrad>(t, p.k, a, nullptr, b, b, smem, full, empty, it);
     }  // kBwdRows: the consumers alone
+  };
+  for_each_task(n.total(), [&](int task) {
+    if (backward_task(n, task).group == kSharedGroup)
+      task_of(task, std::integral_constant<int, kSharedGroup>{});
+    else
+      task_of(task, std::integral_constant<int, kRoutedGroup>{});
   });
 }
 
@@ -193,12 +199,12 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
   };
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
-  for_each_task(n.total(), [&](int task) {
+  const auto task_of = [&](int task, auto group) {  // the group a constant (chain.cuh's produce_chain)
     const BackwardTask bt = backward_task(n, task);
-    const BackwardGroup& g = L.group[bt.group];
+    const BackwardGroup& g = L.group[decltype(group)::value];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
-    if (traces) L.trace.begin(task, bt.kind * 2 + bt.group);
+    if (traces) L.trace.begin(task, bt.kind * 2 + decltype(group)::value);
     if (bt.kind == kBwdRows) {
       signal();  // before waiting: the count it waits for may be this warp's
       backward_rows(g, bt.index, warp_rows, lane, traces ? &L.trace : nullptr, task);
@@ -230,7 +236,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
                                     t.n_tile * Tile<Gemm::kGateUpDgrad>::kTaskN, t.expert, lane);
       epilogue_gate_up_dgrad.store_rest(g.gate_up_dgrad, out, staging, lane);
       combine_rows_done(L.combine, g.gate_up_dgrad, L.group[kRoutedGroup].gate_up_dgrad.n, row0, t.n_tile,
-                        bt.group == kSharedGroup, lane);
+                        decltype(group)::value == kSharedGroup, lane);
     } else {
       signal();
       const int which = bt.kind - kBwdWgradDown;
@@ -246,6 +252,12 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
       epilogue_wgrad.store_rest(p, out, staging, lane);
     }
     if (traces) L.trace.mark(task, kTraceEnd);
+  };
+  for_each_task(n.total(), [&](int task) {
+    if (backward_task(n, task).group == kSharedGroup)
+      task_of(task, std::integral_constant<int, kSharedGroup>{});
+    else
+      task_of(task, std::integral_constant<int, kRoutedGroup>{});
   });
   signal();
   drain_stores(lane);
