@@ -130,12 +130,24 @@ MOK_DEVICE ChainTask chain_task(const ChainCounts& n, int task) {
   return {kRoutedGroup, 2, task - n.num2[kSharedGroup], n.num2[kRoutedGroup]};
 }
 
+// for_each_task with each task's expert group (group_of(task)) a compile-time constant to fn(task, group): the
+// group's fields at fixed kernel-parameter offsets in the hot loops, not at a runtime index.
+template <typename GroupOf, typename Fn>
+MOK_DEVICE void for_each_group_task(int total, GroupOf group_of, Fn fn) {
+  for_each_task(total, [&](int task) {
+    if (group_of(task) == kSharedGroup)
+      fn(task, std::integral_constant<int, kSharedGroup>{});
+    else
+      fn(task, std::integral_constant<int, kRoutedGroup>{});
+  });
+}
+
 MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_t* smem, uint64_t* full,
                               uint64_t* empty) {
   const uint32_t thread = threadIdx.x;  // 0..127
   const uint32_t chunk = thread % kChunksPerRow, row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  const auto task_of = [&](int task, auto group) {  // the group a constant: its fields at fixed parameter offsets
+  const auto task_of = [&](int task, auto group) {
     const ChainTask ct = chain_task(n, task);
     const ChainGroup& g = L.group[decltype(group)::value];
     if (ct.kind == 1) {
@@ -173,12 +185,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       }
     }
   };
-  for_each_task(n.total(), [&](int task) {
-    if (chain_task(n, task).group == kSharedGroup)
-      task_of(task, std::integral_constant<int, kSharedGroup>{});
-    else
-      task_of(task, std::integral_constant<int, kRoutedGroup>{});
-  });
+  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task).group; }, task_of);
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
@@ -273,7 +280,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   };
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
-  const auto task_of = [&](int task, auto group) {  // the group a constant, as in produce_chain
+  const auto task_of = [&](int task, auto group) {
     constexpr int kGroup = decltype(group)::value;
     const ChainTask ct = chain_task(n, task);
     const ChainGroup& g = L.group[kGroup];
@@ -307,12 +314,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
     }
     if (traces) L.trace.mark(task, kTraceEnd);
   };
-  for_each_task(n.total(), [&](int task) {
-    if (chain_task(n, task).group == kSharedGroup)
-      task_of(task, std::integral_constant<int, kSharedGroup>{});
-    else
-      task_of(task, std::integral_constant<int, kRoutedGroup>{});
-  });
+  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task).group; }, task_of);
   signal();
   drain_stores(lane);
 }
