@@ -18,7 +18,6 @@ import torch
 
 from mok import ep_peer, fused, megakernel, ops
 from mok.checks import fail
-from mok.ep_build import build_tables
 from mok.ep_peer import PeerSaved, _all_tokens, check_rank_inputs
 from mok.ep_plan import expert_ranges
 from mok.schedule import make_schedule
@@ -47,18 +46,8 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     own["out"].fill_(float("nan"))  # a token whose routes all lack a row is written by no tile (bad ids)
     yield  # every rank's inputs are in place and its counters zero
 
-    split = [int(c[0, 0]) for c in P["count"].keep]
-    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
-    H, I = x.shape[1], w_gate.shape[1]
-    sched_all = (ops.make_schedule_cuda if idx.is_cuda and len(idx) else make_schedule)(idx, num_experts,
-                                                                                         block_m=fused.BLOCK_M)
-    I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
-    t = build_tables(idx, split, num_experts, rank, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
-                     block_m=fused.BLOCK_M, sched=sched_all if idx.is_cuda and len(idx) else None)
-    real = t["pull_rank"] >= 0  # [rows]
+    split, sched_all, t, real, expert_of_row = ep_peer.plan_rank(P, rank, num_experts, x, w_gate, w_shared_gate)
     E_r = w_gate.shape[0]
-    expert_of_row = torch.repeat_interleave(torch.arange(E_r, device=x.device),
-                                            t["tokens_per_expert"].long())[:, None]  # [n, 1]
     routed = (w_gate, w_up, w_down)  # E_r = 0 (E < R): a stand-in expert without rows, for the shared expert's launch
     launched = routed if E_r else tuple(w.new_zeros(1, *w.shape[1:]) for w in routed)
     schedule = ops.make_schedule_cuda if len(expert_of_row) else make_schedule  # (no rows: not the kernel's case)

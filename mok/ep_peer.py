@@ -29,7 +29,7 @@ from mok.checks import check_int, fail
 from mok.ep_build import build_tables
 from mok.ep_plan import expert_ranges
 from mok.ops.gemm import GEMM_DOWN_TILE_N
-from mok.schedule import max_num_rows
+from mok.schedule import make_schedule, max_num_rows
 
 BF16 = torch.bfloat16
 
@@ -111,6 +111,21 @@ def check_rank_inputs(P: dict, rank: int, x, w_gate, num_experts: int) -> None:
              w_gate.shape[0])
 
 
+def plan_rank(P: dict, rank: int, num_experts: int, x, w_gate, w_shared_gate) -> tuple:
+    """After every rank's inputs are in place: (every rank's token count, the schedule of every rank's tokens, this
+    rank's forward tables (mok.ep_build), its real rows (bool [rows]), the local expert of each real row [n, 1])."""
+    split = [int(c[0, 0]) for c in P["count"].keep]
+    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
+    schedule = ops.make_schedule_cuda if idx.is_cuda and len(idx) else make_schedule
+    sched = schedule(idx, num_experts, block_m=fused.BLOCK_M)
+    t = build_tables(idx, split, num_experts, rank, "forward", hidden=x.shape[1], intermediate=w_gate.shape[1],
+                     shared_intermediate=0 if w_shared_gate is None else w_shared_gate.shape[0],
+                     block_m=fused.BLOCK_M, sched=sched)
+    expert_of_row = torch.repeat_interleave(torch.arange(w_gate.shape[0], device=x.device),
+                                            t["tokens_per_expert"].long())[:, None]  # [n, 1]
+    return split, sched, t, t["pull_rank"] >= 0, expert_of_row
+
+
 def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
                  w_shared_up=None, w_shared_down=None, *, num_experts: int, precision="bf16", swiglu_limit=None):
     """Rank `rank`'s forward over the peers' buffers P (peers()): a generator yielding at each barrier, returning
@@ -122,17 +137,8 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T
     yield  # every rank's inputs are in place
 
-    split = [int(c[0, 0]) for c in P["count"].keep]
-    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
-    H, I = x.shape[1], w_gate.shape[1]
-    sched = ops.make_schedule_cuda(idx, num_experts, block_m=fused.BLOCK_M) if idx.is_cuda else None
-    I_sh = 0 if w_shared_gate is None else w_shared_gate.shape[0]
-    t = build_tables(idx, split, num_experts, rank, "forward", hidden=H, intermediate=I, shared_intermediate=I_sh,
-                     block_m=fused.BLOCK_M, sched=sched)
-    real = t["pull_rank"] >= 0  # [rows]
+    split, sched, t, real, expert_of_row = plan_rank(P, rank, num_experts, x, w_gate, w_shared_gate)
     x_rows = ops.pull_rows(P["x"], t["pull_rank"][real], t["pull_token"][real])  # [n, H]: the real rows
-    expert_of_row = torch.repeat_interleave(torch.arange(w_gate.shape[0], device=x.device),
-                                            t["tokens_per_expert"].long())[:, None]  # [n, 1]
     ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: the level's out is y itself
     y, experts = fused.forward(x_rows, expert_of_row, ones, w_gate, w_up, w_down, precision=precision,
                                swiglu_limit=swiglu_limit)

@@ -1,7 +1,8 @@
 """Per-task timeline of the megakernel level's passes (the chain kernels' trace, docs/megakernel.md): which task ran
 on which SM and when, and how long each waited on its counter. One traced forward and backward (BF16) after a warm-up
-pass; rows to $OUT (or --out)/chain_timeline_<shape>.csv, a summary per kind printed, a figure per pass beside it.
-    python3 tools/chain_timeline.py [--shapes dsv4pro qwen3-30b-a3b] [--out build/gpu]
+pass; rows to $OUT (or --out)/chain_timeline_<shape>.csv.gz (µs to the ns), a summary per kind printed, a figure
+per pass beside it.
+    python3 tools/chain_timeline.py [--shapes dsv4pro-rank qwen3-30b-a3b] [--out build/gpu]
 Reading: a kind's wait_us is the time its tasks' producers spun on their counters (GEMM2 on h's rows, the gate/up
 dgrad on the SwiGLU rows, the weight gradients on their expert's rows); busy is the SMs' share of the span in tasks."""
 
@@ -66,7 +67,7 @@ def figure(df: pd.DataFrame, path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["dsv4pro", "qwen3-30b-a3b"])
+    p.add_argument("--shapes", nargs="+", default=["dsv4pro-rank", "qwen3-30b-a3b"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "build/gpu")))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ def main() -> None:
         df = pd.concat([rows_of(traces[0], ops.chain.FORWARD_KINDS, "fwd"),
                         rows_of(traces[1], ops.chain.BACKWARD_KINDS, "bwd")])
         df.insert(0, "shape", name)
-        df.to_csv(args.out / f"chain_timeline_{name}.csv", index=False)
+        df.to_csv(args.out / f"chain_timeline_{name}.csv.gz", index=False, float_format="%.3f")
         for pass_, d in df.groupby("pass"):
             print(f"{name} {pass_}: span {d.end_us.max():.0f} µs on {d.sm.nunique()} SMs")
             print(summary(d).to_string(index=False, float_format=lambda v: f"{v:.2f}"))

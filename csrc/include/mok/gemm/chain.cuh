@@ -130,15 +130,17 @@ MOK_DEVICE ChainTask chain_task(const ChainCounts& n, int task) {
   return {kRoutedGroup, 2, task - n.num2[kSharedGroup], n.num2[kRoutedGroup]};
 }
 
-// for_each_task with each task's expert group (group_of(task)) a compile-time constant to fn(task, group): the
-// group's fields at fixed kernel-parameter offsets in the hot loops, not at a runtime index.
-template <typename GroupOf, typename Fn>
-MOK_DEVICE void for_each_group_task(int total, GroupOf group_of, Fn fn) {
+// for_each_task with each task decoded once (decode(task): a struct with its .group) and its expert group a
+// compile-time constant to fn(task, decoded, group): the group's fields at fixed kernel-parameter offsets in the hot
+// loops, not at a runtime index.
+template <typename Decode, typename Fn>
+MOK_DEVICE void for_each_group_task(int total, Decode decode, Fn fn) {
   for_each_task(total, [&](int task) {
-    if (group_of(task) == kSharedGroup)
-      fn(task, std::integral_constant<int, kSharedGroup>{});
+    const auto t = decode(task);
+    if (t.group == kSharedGroup)
+      fn(task, t, std::integral_constant<int, kSharedGroup>{});
     else
-      fn(task, std::integral_constant<int, kRoutedGroup>{});
+      fn(task, t, std::integral_constant<int, kRoutedGroup>{});
   });
 }
 
@@ -147,8 +149,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   const uint32_t thread = threadIdx.x;  // 0..127
   const uint32_t chunk = thread % kChunksPerRow, row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  const auto task_of = [&](int task, auto group) {
-    const ChainTask ct = chain_task(n, task);
+  const auto task_of = [&](int task, const ChainTask& ct, auto group) {
     const ChainGroup& g = L.group[decltype(group)::value];
     if (ct.kind == 1) {
       const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, ct.num);
@@ -185,7 +186,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
       }
     }
   };
-  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task).group; }, task_of);
+  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task); }, task_of);
   ptx::cp_async_wait_all();  // NOTE: no copies in flight behind an exited thread
 }
 
@@ -280,9 +281,8 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   };
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
-  const auto task_of = [&](int task, auto group) {
+  const auto task_of = [&](int task, const ChainTask& ct, auto group) {
     constexpr int kGroup = decltype(group)::value;
-    const ChainTask ct = chain_task(n, task);
     const ChainGroup& g = L.group[kGroup];
     if (traces) L.trace.begin(task, (ct.kind - 1) * 2 + kGroup);
     float acc0[kAccPerThread], acc1[kAccPerThread];
@@ -314,7 +314,7 @@ MOK_DEVICE void consume_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
     }
     if (traces) L.trace.mark(task, kTraceEnd);
   };
-  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task).group; }, task_of);
+  for_each_group_task(n.total(), [&](int task) { return chain_task(n, task); }, task_of);
   signal();
   drain_stores(lane);
 }

@@ -116,8 +116,7 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
                                  uint64_t* empty) {
   if (threadIdx.x != 0) return;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
-  const auto task_of = [&](int task, auto group) {
-    const BackwardTask bt = backward_task(n, task);
+  const auto task_of = [&](int task, const BackwardTask& bt, auto group) {
     const BackwardGroup& g = L.group[decltype(group)::value];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
@@ -145,7 +144,7 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
       it = load_task<Gemm::kWeightGrad>(t, p.k, a, nullptr, b, b, smem, full, empty, it);
     }  // kBwdRows: the consumers alone
   };
-  for_each_group_task(n.total(), [&](int task) { return backward_task(n, task).group; }, task_of);
+  for_each_group_task(n.total(), [&](int task) { return backward_task(n, task); }, task_of);
 }
 
 // One consumer warp's 16 rows of a row task (m-tile m): wait for the tile's g, the SwiGLU backward row by row,
@@ -194,8 +193,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
   };
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
-  const auto task_of = [&](int task, auto group) {
-    const BackwardTask bt = backward_task(n, task);
+  const auto task_of = [&](int task, const BackwardTask& bt, auto group) {
     const BackwardGroup& g = L.group[decltype(group)::value];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
@@ -248,7 +246,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
     }
     if (traces) L.trace.mark(task, kTraceEnd);
   };
-  for_each_group_task(n.total(), [&](int task) { return backward_task(n, task).group; }, task_of);
+  for_each_group_task(n.total(), [&](int task) { return backward_task(n, task); }, task_of);
   signal();
   drain_stores(lane);
 }
