@@ -33,9 +33,10 @@ def route_rows(sched, row_starts: torch.Tensor) -> torch.Tensor:
 
 def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_down, w_shared_gate=None,
                  w_shared_up=None, w_shared_down=None, *, num_experts: int, precision="bf16", swiglu_limit=None,
-                 num_sms=None):
+                 num_sms=None, trace=None):
     """Rank `rank`'s forward over the peers' buffers P (mok.ep_peer.peers): a generator yielding at each barrier,
-    returning (out [T_r, H], PeerSaved) as mok.ep_peer.forward_rank does, with the experts in one chain launch."""
+    returning (out [T_r, H], PeerSaved) as mok.ep_peer.forward_rank does, with the experts in one chain launch
+    (trace: its per-task times, ops.grouped_gemm_bf16_chain's)."""
     check_rank_inputs(P, rank, x, w_gate, num_experts)
     R, T = P["x"].num_ranks, x.shape[0]
     own = {name: p.keep[rank] for name, p in P.items()}
@@ -65,7 +66,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     weights = (*launched, w_shared_gate, w_shared_up, w_shared_down)
     num_sms = fused.resolve_options(x, w_gate, precision, num_sms, megakernel.DEFAULT_MX_WEIGHTS)[0]
     _, rows = megakernel.run_chain(own["x"][:T], own["x"][:T], own["w"][:T], weights, sched, precision=precision,
-                                   swiglu_limit=swiglu_limit, num_sms=num_sms, ranks=ranks)
+                                   swiglu_limit=swiglu_limit, num_sms=num_sms, ranks=ranks, trace=trace)
     x_rows = ops.pull_rows(P["x"], t["pull_rank"][real], t["pull_token"][real])  # [n, H]: the backward's
     ones = torch.ones(x_rows.shape[0], 1, device=x.device)  # [n, 1]: each row its own token, weight 1
     if x_rows.shape[0] == 0 and precision != "bf16":  # no rows: the fused level's saved state of none (ep_peer's)
@@ -84,11 +85,11 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     return own["out"][:T].clone(), saved
 
 
-def backward_rank(P: dict, saved, d_out):
+def backward_rank(P: dict, saved, d_out, trace=None):
     """The rank's gradients, as mok.ep_peer.backward_rank's (a generator yielding at each barrier): in BF16 the
     routed experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the
-    tile completing a token, on any rank), after the shared expert's backward over every token (its weight
-    gradients' K) has written its dx rows of this rank's tokens; in MXFP8 ep_peer's phases."""
+    tile completing a token, on any rank; trace: its per-task times), after the shared expert's backward over every
+    token (its weight gradients' K) has written its dx rows of this rank's tokens; in MXFP8 ep_peer's phases."""
     if saved.experts.precision != "bf16":
         return (yield from ep_peer.backward_rank(P, saved, d_out))
     s, t, real, T = saved, saved.tables, saved.real, d_out.shape[0]
@@ -117,7 +118,8 @@ def backward_rank(P: dict, saved, d_out):
 
     _, d_tw, d_w, _ = ops.grouped_gemm_bf16_chain_backward(dy_rows, fused.gather_x_rows(e.x, s.sched), w_gate, w_up,
                                                            w_down, e.gate, e.up, w_rows, s.sched,
-                                                           swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks)
+                                                           swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks,
+                                                           trace=trace)
     d_w = [d[: t["tokens_per_expert"].shape[0]] for d in d_w]  # a rank without experts: no stand-in's gradient
     own["dtw"][: real.shape[0]][real] = d_tw
     yield  # every rank's launch has ended: its tokens' d_x is whole, every route's d_topk_weights row written
