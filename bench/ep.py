@@ -73,11 +73,12 @@ def _pass_calls(args: tuple, d_out: torch.Tensor, level: str, precision: str) ->
 
 def _chain_calls(args: tuple, d_out: torch.Tensor, num_experts: int, precision: str) -> dict:
     """pass -> a call of mok.ep_chain's (each rank's pass one chain launch) over symmetric memory, its barriers on
-    the GPU (the shared expert exact: its backward over every rank's tokens)."""
+    the GPU (the shared expert exact: its weight gradients' columns dealt over the ranks, mok.ep_shared)."""
     from mok import ep_chain, ep_peer
 
-    x, idx = args[:2]
-    P, handles = ep_peer.allocate_symmetric(x.shape[0], idx.shape[1], num_experts, x.shape[1])
+    x, idx, shared = args[0], args[1], args[6]  # args: the rank's mok.moe arguments
+    P, handles = ep_peer.allocate_symmetric(x.shape[0], idx.shape[1], num_experts, x.shape[1],
+                                            shared_intermediate=0 if shared is None else shared.shape[0])
     P = ep_peer.peers(P)
     barrier = lambda: handles[0].barrier(channel=0)  # noqa: E731
     rank = dist.get_rank()

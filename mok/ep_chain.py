@@ -6,9 +6,10 @@ another rank, so the launches need no co-residency: R ranks in one process run t
 
 Around each launch: the inputs written and the counters zeroed on every rank (a barrier), every rank's routing read
 and this rank's rows planned (mok.ep_build's tables), then the launch, then a barrier before out is read. The
-backward in BF16: the shared expert's backward over every token (its weight gradients' K spans the ranks) before the
-launch; in MXFP8 mok.ep_peer's phases. R ranks in one process (forward_ranks) or one per process (the generators
-with mok.ep_peer.run_rank). The bits: the fused level's at EP = 1 (tests/test_ep_peer.py)."""
+backward in BF16: the shared expert's backward of this rank's tokens before the launch (its dx rows, for d_x's
+combine), its share of the weight gradients after it (mok.ep_shared); in MXFP8 mok.ep_peer's phases. R ranks in
+one process (forward_ranks) or one per process (the generators with mok.ep_peer.run_rank). The bits: the fused
+level's at EP = 1 (tests/test_ep_peer.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mok import ep_peer, fused, megakernel, ops
+from mok import ep_peer, ep_shared, fused, megakernel, ops
 from mok.checks import fail
-from mok.ep_peer import PeerSaved, _all_tokens, check_rank_inputs
+from mok.ep_peer import PeerSaved, check_rank_inputs
 from mok.ep_plan import expert_ranges
 from mok.schedule import make_schedule
 
@@ -78,7 +79,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
                                          num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
         if precision == "mxfp8":  # the saved y rows, out of the buffer the next forward writes
             experts.y_rows = experts.y_rows.clone()
-    shared_saved = (_all_tokens(P["x"], split), None, weights[3:]) if shared else None
+    shared_saved = (ep_shared.x_columns(P, rank, split), rows[3][2:], weights[3:]) if shared else None
     saved = ChainSaved(rank, t, real, experts, split, shared_saved, swiglu_limit, sched, ranks)
     yield  # every rank's launch has ended: its tokens' out is whole
 
@@ -88,8 +89,8 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
 def backward_rank(P: dict, saved, d_out, trace=None):
     """The rank's gradients, as mok.ep_peer.backward_rank's (a generator yielding at each barrier): in BF16 the
     routed experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the
-    tile completing a token, on any rank; trace: its per-task times), after the shared expert's backward over every
-    token (its weight gradients' K) has written its dx rows of this rank's tokens; in MXFP8 ep_peer's phases."""
+    tile completing a token, on any rank; trace: its per-task times), after the shared expert's backward of this
+    rank's tokens has written their dx rows (mok.ep_shared); in MXFP8 ep_peer's phases."""
     if saved.experts.precision != "bf16":
         return (yield from ep_peer.backward_rank(P, saved, d_out))
     s, t, real, T = saved, saved.tables, saved.real, d_out.shape[0]
@@ -100,13 +101,8 @@ def backward_rank(P: dict, saved, d_out, trace=None):
     yield  # every rank's d_out is in place and its counters zero
 
     d_shared = [None, None, None]
-    if s.shared is not None:  # the fused level's shared-expert backward over every token
-        x_all, _, ws = s.shared
-        rows = fused.shared_forward(x_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)[1]
-        dx_all, d_shared = fused.shared_backward(x_all, rows, _all_tokens(P["d_out"], s.split), ws, s.swiglu_limit,
-                                                 fused.DEFAULT_NUM_SMS)
-        first = sum(s.split[: s.rank])
-        own["sy"][:T] = dx_all[first: first + T]
+    if s.shared is not None:  # its tokens' shared dx rows (mok.ep_shared), for the combine of d_x
+        own["sy"][:T] = ep_shared.backward_local(own, s.shared[1], d_out, s.shared[2], s.swiglu_limit)
     rank, token, k = (t[name][real].long() for name in ("pull_rank", "pull_token", "pull_k"))
     w_rows = torch.stack(P["w"].keep)[rank, token, k][:, None]  # [n, 1]: each row's route weight
     dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
@@ -122,10 +118,14 @@ def backward_rank(P: dict, saved, d_out, trace=None):
                                                            trace=trace)
     d_w = [d[: t["tokens_per_expert"].shape[0]] for d in d_w]  # a rank without experts: no stand-in's gradient
     own["dtw"][: real.shape[0]][real] = d_tw
+    if s.shared is not None:  # its share of the shared expert's weight gradients (every rank's rows are in place)
+        ep_shared.backward_share(P, s.rank, s.split, s.shared[0])
     yield  # every rank's launch has ended: its tokens' d_x is whole, every route's d_topk_weights row written
 
     d_x = own["out"][:T].clone()
     d_topk_weights = torch.stack(P["dtw"].keep)[t["combine_rank"].long(), t["combine_row"].long(), 0]  # [T_r, K]
+    if s.shared is not None:
+        d_shared = ep_shared.backward_gather(P, d_out.shape[1])
     return (d_x, d_topk_weights, *d_w, *d_shared)
 
 

@@ -15,8 +15,8 @@ all eight gradients, for any split of the tokens over any number of ranks (tests
 - each token's sum runs over its routes in increasing k on its home rank (combine_peers), then the shared expert;
 - the backward gives each row its route's real weight (the level's d_h = w·g and w·h; in MXFP8 its dy = bf16(w·d_out)
   and ⟨d_out, y⟩), as the fused level does; MXFP8 blocks lie within a row or within an expert's segment of rows.
-The shared expert runs over every token on every rank, as mok.comm's exact_shared (the megakernel deals its weight
-gradients' tiles over the ranks instead)."""
+The shared expert runs over each rank's own tokens, its weight gradients dealt over the ranks by columns of hidden
+(mok.ep_shared)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mok import fused, ops
+from mok import ep_shared, fused, ops
 from mok.checks import check_int, fail
 from mok.ep_build import build_tables
 from mok.ep_plan import expert_ranges
@@ -34,11 +34,13 @@ from mok.schedule import make_schedule, max_num_rows
 BF16 = torch.bfloat16
 
 
-def buffer_shapes(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int) -> dict:
+def buffer_shapes(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int,
+                  shared_intermediate: int = 0) -> dict:
     """name -> (rows, width, dtype) of each rank's buffers, the same on every rank (symmetric): routing ids, token
     count, x, topk_weights and d_out over max_tokens tokens; y, dx and the rows' d_topk_weights over the most rows
     a rank's experts can receive (every route of every rank to its largest block of experts). mok.ep_chain's too:
-    x's MXFP8 round trip (xq), out, the shared expert's rows (sy, whole tiles) and the combine's counters (done)."""
+    x's MXFP8 round trip (xq), out, the shared expert's rows (sy, whole tiles) and the combine's counters (done).
+    With a shared expert (shared_intermediate), mok.ep_shared's buffers of its backward."""
     experts = max(len(g) for g in expert_ranges(num_experts, num_ranks))
     rows = max(max_num_rows(num_ranks * max_tokens, num_topk, experts, fused.BLOCK_M), 1)
     tokens = max(max_tokens, 1)
@@ -46,19 +48,22 @@ def buffer_shapes(num_ranks: int, max_tokens: int, num_topk: int, num_experts: i
             "w": (tokens, num_topk, torch.float32), "d_out": (tokens, hidden, BF16), "y": (rows, hidden, BF16),
             "dx": (rows, hidden, BF16), "dtw": (rows, 1, torch.float32), "xq": (tokens, hidden, BF16),
             "out": (tokens, hidden, BF16), "sy": (-(-tokens // fused.BLOCK_M) * fused.BLOCK_M, hidden, BF16),
-            "done": (tokens, -(-hidden // GEMM_DOWN_TILE_N), torch.int32)}
+            "done": (tokens, -(-hidden // GEMM_DOWN_TILE_N), torch.int32),
+            **ep_shared.buffer_shapes(num_ranks, tokens, hidden, shared_intermediate)}
 
 
-def allocate(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int, device) -> list[dict]:
+def allocate(num_ranks: int, max_tokens: int, num_topk: int, num_experts: int, hidden: int, device,
+             shared_intermediate: int = 0) -> list[dict]:
     """Every rank's buffers (buffer_shapes), zeroed: rank s's are entry s. Share them with each rank's process
     (torch.multiprocessing passes CPU shared-memory and CUDA tensors by handle), which reads them through
     `peers(...)`."""
-    shapes = buffer_shapes(num_ranks, max_tokens, num_topk, num_experts, hidden)
+    shapes = buffer_shapes(num_ranks, max_tokens, num_topk, num_experts, hidden, shared_intermediate)
     return [{name: torch.zeros(rows, width, dtype=dtype, device=device)
              for name, (rows, width, dtype) in shapes.items()} for _ in range(num_ranks)]
 
 
-def allocate_symmetric(max_tokens: int, num_topk: int, num_experts: int, hidden: int, group=None) -> tuple:
+def allocate_symmetric(max_tokens: int, num_topk: int, num_experts: int, hidden: int, group=None,
+                       shared_intermediate: int = 0) -> tuple:
     """allocate() over torch's symmetric memory, one rank per GPU (an NCCL group; NVLink multicast off, as
     docs/ep.md says): (buffers, handles). Entry s of buffers holds rank s's buffers as this GPU reaches them (its
     own, or symmetric memory's peer tensors over NVLink); keep the handles as long as the buffers. Between phases
@@ -69,7 +74,8 @@ def allocate_symmetric(max_tokens: int, num_topk: int, num_experts: int, hidden:
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     group = group if group is not None else dist.group.WORLD
     out, handles = [{} for _ in range(R)], []
-    for name, (rows, width, dtype) in buffer_shapes(R, max_tokens, num_topk, num_experts, hidden).items():
+    shapes = buffer_shapes(R, max_tokens, num_topk, num_experts, hidden, shared_intermediate)
+    for name, (rows, width, dtype) in shapes.items():
         local = symm_mem.empty(rows, width, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
         local.zero_()
         handles.append(symm_mem.rendezvous(local, group))
@@ -83,11 +89,6 @@ def peers(buffers: list[dict]) -> dict:
     return {name: ops.Peers.of([b[name] for b in buffers]) for name in buffers[0]}
 
 
-def _all_tokens(p: ops.Peers, split: list) -> torch.Tensor:
-    """Every rank's first split[s] rows of a per-token buffer, rank-major: the tokens of all ranks in global order."""
-    return torch.cat([b[:n] for b, n in zip(p.keep, split)])
-
-
 @dataclass
 class PeerSaved:
     """What a rank's forward keeps for its backward."""
@@ -96,7 +97,7 @@ class PeerSaved:
     real: torch.Tensor  # bool [rows]: the rows holding a route (pull_rank >= 0)
     experts: object  # the fused level's saved state of its rows
     split: list  # every rank's token count
-    shared: tuple | None  # the shared expert's (x of every token, its (gate, up) rows or None, its weights)
+    shared: tuple | None  # the shared expert's (ep_shared.x_columns, its tokens' (gate, up) rows, its weights)
     swiglu_limit: float | None
 
 
@@ -115,7 +116,7 @@ def plan_rank(P: dict, rank: int, num_experts: int, x, w_gate, w_shared_gate) ->
     """After every rank's inputs are in place: (every rank's token count, the schedule of every rank's tokens, this
     rank's forward tables (mok.ep_build), its real rows (bool [rows]), the local expert of each real row [n, 1])."""
     split = [int(c[0, 0]) for c in P["count"].keep]
-    idx = _all_tokens(P["idx"], split)  # [T_all, K]: the all-gather
+    idx = ep_shared.every_token(P["idx"], split)  # [T_all, K]: the all-gather
     schedule = ops.make_schedule_cuda if idx.is_cuda and len(idx) else make_schedule
     sched = schedule(idx, num_experts, block_m=fused.BLOCK_M)
     t = build_tables(idx, split, num_experts, rank, "forward", hidden=x.shape[1], intermediate=w_gate.shape[1],
@@ -144,12 +145,10 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
                                swiglu_limit=swiglu_limit)
     own["y"][: real.shape[0]][real] = y
     shared_out, shared = None, None
-    if w_shared_gate is not None:  # every token at once: row t's bits are those of any split
-        x_all = _all_tokens(P["x"], split)  # [T_all, H]
+    if w_shared_gate is not None:  # this rank's tokens: row t's bits are those of any split
         ws = (w_shared_gate, w_shared_up, w_shared_down)
-        out_sh, rows = fused.shared_forward(x_all, ws, swiglu_limit, fused.DEFAULT_NUM_SMS)
-        first = sum(split[:rank])
-        shared_out, shared = out_sh[first: first + T], (x_all, rows, ws)
+        shared_out, rows = ep_shared.forward(x, ws, swiglu_limit)
+        shared = (ep_shared.x_columns(P, rank, split), rows, ws)
     yield  # every rank's y rows are in place
 
     out = ops.combine_peers(P["y"], t["combine_rank"], t["combine_row"], topk_weights, shared_out)
@@ -172,18 +171,16 @@ def backward_rank(P: dict, saved: PeerSaved, d_out):
     own["dx"][: real.shape[0]][real] = dx_rows
     own["dtw"][: real.shape[0]][real] = d_tw
     dx_shared, d_shared = None, [None, None, None]
-    if s.shared is not None:  # the fused level's shared-expert backward over every token
-        x_all, rows, ws = s.shared
-        if rows is None:  # its forward ran over this rank's tokens only (mok.ep_chain): every token's rows here
-            rows = fused.shared_forward(x_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)[1]
-        d_out_all = _all_tokens(P["d_out"], s.split)  # [T_all, H]
-        dx_all, d_shared = fused.shared_backward(x_all, rows, d_out_all, ws, s.swiglu_limit, fused.DEFAULT_NUM_SMS)
-        first = sum(s.split[: s.rank])
-        dx_shared = dx_all[first: first + d_out.shape[0]]
-    yield  # every rank's dx rows are in place
+    if s.shared is not None:  # its tokens' rows (mok.ep_shared)
+        dx_shared = ep_shared.backward_local(own, s.shared[1], d_out, s.shared[2], s.swiglu_limit)
+    yield  # every rank's dx rows (and the shared expert's rows) are in place
 
     d_x = ops.combine_peers(P["dx"], t["combine_rank"], t["combine_row"], None, dx_shared)
     d_topk_weights = torch.stack(P["dtw"].keep)[t["combine_rank"].long(), t["combine_row"].long(), 0]  # [T_r, K]
+    if s.shared is not None:  # its share of the shared expert's weight gradients, then every rank's
+        ep_shared.backward_share(P, s.rank, s.split, s.shared[0])
+        yield  # every rank's share is in place
+        d_shared = ep_shared.backward_gather(P, d_out.shape[1])
     return (d_x, d_topk_weights, *d_w, *d_shared)
 
 
@@ -221,7 +218,8 @@ def forward_ranks(xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs, w_shared
         fail("xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs", f"{R} entries each (one per rank)",
              [len(v) for v in (xs, topk_idxs, topk_weights, w_gates, w_ups, w_downs)])
     E = sum(w.shape[0] for w in w_gates)
-    P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device))
+    P = peers(allocate(R, max(x.shape[0] for x in xs), topk_idxs[0].shape[1], E, xs[0].shape[1], xs[0].device,
+                       0 if w_shared_gate is None else w_shared_gate.shape[0]))
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     results = lockstep([(rank_forward or forward_rank)(
         P, r, xs[r], topk_idxs[r], topk_weights[r], w_gates[r], w_ups[r], w_downs[r], *shared, num_experts=E,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok import ep_chain, ep_peer, fused, ops, twins
+from mok import ep_chain, ep_peer, ep_shared, fused, ops, twins
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
 from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator, row_mm
@@ -68,8 +68,11 @@ def test_every_ep_degree_gives_the_fused_levels_bits(name, precision):
 
 
 def test_every_ep_degree_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
-    """The same on the CPU with L0 twins: the wiring of the tables, pulls, combines and saved state, in CI."""
+    """The same on the CPU with L0 twins: the wiring of the tables, pulls, combines and saved state, in CI. The
+    shared expert runs on each rank's tokens and its weight gradients by columns (mok.ep_shared), so the GEMM is
+    row_mm (an output's bits alone, as on the GPU)."""
     twins.install(monkeypatch.setattr)
+    monkeypatch.setattr(twins, "mm", row_mm)
     for name in CASES:
         for precision in ("bf16", "mxfp8"):
             _check_every_degree(name, "cpu", precision)
@@ -112,7 +115,7 @@ def _checked_chain_ops(monkeypatch) -> list:
 def test_the_chain_over_ranks_gives_the_fused_levels_bits_with_l0_twins(monkeypatch):
     """The same with L0 twins: the row ids, route table, counters and saved state, in CI, every chain launch through
     the ops' own checks to their bindings' arguments. The shared expert runs on each rank's tokens here, so the GEMM
-    is row_mm (a row's bits alone, as on the GPU)."""
+    is row_mm (an output's bits alone, as on the GPU)."""
     twins.install(monkeypatch.setattr)
     monkeypatch.setattr(twins, "mm", row_mm)
     calls = _checked_chain_ops(monkeypatch)
@@ -181,8 +184,10 @@ def _symmetric_rank(rank: int, world_size: int, inputs: dict, split: list, want:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # NVLink multicast off (docs/ep.md)
     dev = torch.device("cuda", rank)
     inputs = {n: None if t is None else t.to(dev) for n, t in inputs.items()}
+    shared = inputs["w_shared_gate"]
     buffers, handles = ep_peer.allocate_symmetric(max(split), inputs["topk_idx"].shape[1],
-                                                  inputs["w_gate"].shape[0], inputs["x"].shape[1])
+                                                  inputs["w_gate"].shape[0], inputs["x"].shape[1],
+                                                  shared_intermediate=0 if shared is None else shared.shape[0])
     return _rank_mismatches(ep_peer.peers(buffers), rank, lambda: handles[0].barrier(channel=0), inputs, split,
                             want, passes)
 
@@ -192,7 +197,8 @@ def _run_processes(name: str, device: str, on_twins: bool, slow_rank: int = -1, 
     cfg, splits, seed, inp, want = _problem(name, device)
     split = splits[2]
     ctx = torch.multiprocessing.get_context("spawn")
-    buffers = ep_peer.allocate(len(split), max(split), cfg.num_topk, cfg.num_experts, cfg.hidden, device)
+    buffers = ep_peer.allocate(len(split), max(split), cfg.num_topk, cfg.num_experts, cfg.hidden, device,
+                               cfg.shared_intermediate)
     for b in buffers:
         for t in b.values():
             t.share_memory_()  # CPU: shared memory (CUDA tensors travel by IPC handle)
@@ -235,6 +241,42 @@ def test_one_rank_per_gpu_over_symmetric_memory_gives_the_same_bits(passes):
     got = run_local_ep(_symmetric_rank, 2, {n: cpu(t) for n, t in inp.items()}, splits[1],
                        tuple(cpu(w) for w in want), passes, backend="nccl", timeout_s=300)
     assert got == [[], []], f"seed {seed}"
+
+
+@pytest.mark.parametrize("hidden, R", [(256, 1), (256, 3), (7168, 8), (8, 2), (24, 4)])
+def test_the_shared_weight_gradients_columns_cover_hidden_in_16_byte_units(hidden, R):
+    cols = ep_shared.columns(hidden, R)
+    assert len(cols) == R and cols[0].start == 0 and cols[-1].stop == hidden
+    assert all(a.stop == b.start for a, b in zip(cols, cols[1:]))
+    assert all(c.start % ep_shared.UNIT == 0 and 0 <= c.stop - c.start <= -(-hidden // R) + ep_shared.UNIT
+               for c in cols)
+
+
+@pytest.mark.parametrize("module", [ep_peer, ep_chain])
+def test_the_shared_weight_gradients_are_computed_once_over_the_ranks(monkeypatch, module):
+    """Each rank computes its columns of the shared expert's three weight gradients, not all of them: the
+    one-expert weight-gradient calls of every rank together produce each gradient's elements once."""
+    twins.install(monkeypatch.setattr)
+    monkeypatch.setattr(twins, "mm", row_mm)
+    if module is ep_chain:
+        _checked_chain_ops(monkeypatch)
+    produced = []
+    real = ops.grouped_gemm_bf16_weight_grad
+
+    def recorded(a_rows, b_rows, sched, num_sms=None):
+        if sched.num_experts == 1 and sched.num_topk == 1 and sched.num_tokens == 300:  # the shared expert's
+            produced.append(a_rows.shape[1] * b_rows.shape[1])
+        return real(a_rows, b_rows, sched, num_sms=num_sms)
+
+    monkeypatch.setattr(ops, "grouped_gemm_bf16_weight_grad", recorded)
+    cfg, _ = CASES["shared"]
+    inp = make_inputs(cfg, "cpu", seed=fresh_seed())
+    split = [120, 0, 180]
+    experts = expert_ranges(cfg.num_experts, len(split))
+    part = [list(inp[n].split(split)) for n in ("x", "topk_idx", "topk_weights", "d_out")]
+    local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
+    module.backward_ranks(module.forward_ranks(*part[:3], *local, *moe_args(inp)[6:])[1], part[3])
+    assert sum(produced) == 3 * cfg.shared_intermediate * cfg.hidden and len(produced) == 3 * len(split)
 
 
 def test_bad_arguments_are_named():

@@ -116,7 +116,8 @@ def ranks_on_one_gpu(name: str, R: int) -> pd.DataFrame:
     cfg = get_shape(name)
     inp = make_inputs(cfg, "cuda", draw_on="cuda")
     split = [len(c) for c in torch.arange(cfg.num_tokens).tensor_split(R)]
-    buffers = ep_peer.allocate(R, max(split), cfg.num_topk, cfg.num_experts, cfg.hidden, "cuda")
+    buffers = ep_peer.allocate(R, max(split), cfg.num_topk, cfg.num_experts, cfg.hidden, "cuda",
+                               cfg.shared_intermediate)
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(R), ctx.Queue()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count // R
