@@ -38,7 +38,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     """Rank `rank`'s forward over the peers' buffers P (mok.ep_peer.peers): a generator yielding at each barrier,
     returning (out [T_r, H], PeerSaved) as mok.ep_peer.forward_rank does, with the experts in one chain launch
     (trace: its per-task times, ops.grouped_gemm_bf16_chain's)."""
-    check_rank_inputs(P, rank, x, w_gate, num_experts)
+    check_rank_inputs(P, rank, x, w_gate, num_experts, w_shared_gate)
     R, T = P["x"].num_ranks, x.shape[0]
     own = {name: p.keep[rank] for name, p in P.items()}
     own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T

@@ -101,8 +101,9 @@ class PeerSaved:
     swiglu_limit: float | None
 
 
-def check_rank_inputs(P: dict, rank: int, x, w_gate, num_experts: int) -> None:
-    """A rank's forward inputs against the peers' buffers: its rank, its token count, its block of experts."""
+def check_rank_inputs(P: dict, rank: int, x, w_gate, num_experts: int, w_shared_gate=None) -> None:
+    """A rank's forward inputs against the peers' buffers: its rank, its token count, its block of experts, and the
+    shared expert's buffers where it has one (allocate's shared_intermediate)."""
     R, T = P["x"].num_ranks, x.shape[0]
     check_int("rank", rank, 0, R - 1)
     if T > P["x"].keep[rank].shape[0]:
@@ -110,6 +111,9 @@ def check_rank_inputs(P: dict, rank: int, x, w_gate, num_experts: int) -> None:
     if w_gate.shape[0] != len(expert_ranges(num_experts, R)[rank]):
         fail("w_gate", f"rank {rank}'s {len(expert_ranges(num_experts, R)[rank])} experts of {num_experts}",
              w_gate.shape[0])
+    if w_shared_gate is not None and ("sdg" not in P or P["sdg"].keep[rank].shape[1] != w_shared_gate.shape[0]):
+        fail("P", f"buffers allocated with shared_intermediate={w_shared_gate.shape[0]} (w_shared_gate's)",
+             P["sdg"].keep[rank].shape[1] if "sdg" in P else 0)
 
 
 def plan_rank(P: dict, rank: int, num_experts: int, x, w_gate, w_shared_gate) -> tuple:
@@ -132,7 +136,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     """Rank `rank`'s forward over the peers' buffers P (peers()): a generator yielding at each barrier, returning
     (out [T_r, H], PeerSaved). topk_idx holds global expert ids; w_gate, w_up, w_down are its experts [E_r, ...]
     (mok.ep_plan.expert_ranges); the shared expert's weights are replicated."""
-    check_rank_inputs(P, rank, x, w_gate, num_experts)
+    check_rank_inputs(P, rank, x, w_gate, num_experts, w_shared_gate)
     T = x.shape[0]
     own = {name: p.keep[rank] for name, p in P.items()}
     own["x"][:T], own["w"][:T], own["idx"][:T], own["count"][0, 0] = x, topk_weights, topk_idx, T

@@ -287,3 +287,9 @@ def test_bad_arguments_are_named():
                               [experts(3), experts(2)])
     with pytest.raises(ValueError, match="d_outs"):
         ep_peer.backward_ranks([None, None], [x])
+    P = ep_peer.peers(ep_peer.allocate(1, 4, 2, 2, 16, "cpu"))  # no shared expert's buffers
+    shared = [torch.zeros(8, 16, dtype=torch.bfloat16)] * 2 + [torch.zeros(16, 8, dtype=torch.bfloat16)]
+    for module in (ep_peer, ep_chain):
+        with pytest.raises(ValueError, match="shared_intermediate=8"):
+            next(module.forward_rank(P, 0, x, idx % 2, w, experts(2), experts(2), experts(2).transpose(1, 2),
+                                     *shared, num_experts=2))
