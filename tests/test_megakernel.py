@@ -139,3 +139,6 @@ def test_the_timeline_tool_reads_a_trace():
     assert df.begin_us.tolist() == [0.0, 0.5] and df.end_us.tolist() == [4.0, 9.0] and df.wait_us.tolist() == [0, 2]
     s = tool.summary(df).set_index("kind")
     assert s.loc["down", "wait_us"] == 2 and s.loc["gate_up", "busy_us"] == 4
+    late = tool.rows_of(trace, ops.chain.FORWARD_KINDS, "fwd", t0=ns - 10_000)  # a rank's rows on a shared clock
+    assert late.begin_us.tolist() == [10.0, 10.5]
+    assert tool.summary(late).share_of_sm_time.sum() == pytest.approx((4 + 8.5) / (9 * 2))  # span from the first
