@@ -73,13 +73,16 @@ def backward_share(P: dict, rank: int, split: list, x_cols: torch.Tensor) -> Non
     R, hidden = len(split), P["d_out"].keep[rank].shape[1]
     cols = columns(hidden, R)[rank]
     c, width = cols.stop - cols.start, P["sdw"].keep[rank].shape[0] // 3
-    if c == 0 or sum(split) == 0:
+    sdw, wgrad, sms = P["sdw"].keep[rank], ops.grouped_gemm_bf16_weight_grad, fused.DEFAULT_NUM_SMS
+    if sum(split) == 0:  # no token anywhere: zero gradients (L0's), not an earlier pass's columns
+        sdw.zero_()
+        return
+    if c == 0:
         return
     sh = fused.shared_schedule(sum(split), x_cols.device)  # the fused level's rows: every token in order
     d_gate, d_up, h = (fused.pad_rows(every_token(P[n], split), sh.num_rows) for n in ("sdg", "sdu", "sh"))
     dy = fused.pad_rows(every_token(P["d_out"], split, cols), sh.num_rows)  # [R_all, c] each
     x = fused.pad_rows(x_cols, sh.num_rows)
-    sdw, wgrad, sms = P["sdw"].keep[rank], ops.grouped_gemm_bf16_weight_grad, fused.DEFAULT_NUM_SMS
     sdw[:c] = wgrad(d_gate, x, sh, num_sms=sms)[0].T  # d_w_gate's columns [I, c], transposed
     sdw[width: width + c] = wgrad(d_up, x, sh, num_sms=sms)[0].T
     sdw[2 * width: 2 * width + c] = wgrad(dy, h, sh, num_sms=sms)[0]  # d_w_down's rows [c, I]

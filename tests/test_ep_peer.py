@@ -279,6 +279,20 @@ def test_the_shared_weight_gradients_are_computed_once_over_the_ranks(monkeypatc
     assert sum(produced) == 3 * cfg.shared_intermediate * cfg.hidden and len(produced) == 3 * len(split)
 
 
+@pytest.mark.parametrize("module", [ep_peer, ep_chain])
+def test_a_batch_without_tokens_gives_zero_shared_gradients_over_stale_buffers(monkeypatch, module):
+    twins.install(monkeypatch.setattr)
+    x, idx, w = torch.zeros(0, 16, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int64), torch.ones(0, 2)
+    experts = [torch.randn(1, 8, 16).bfloat16() for _ in range(2)]
+    down = [torch.randn(1, 16, 8).bfloat16() for _ in range(2)]
+    shared = [torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16()]
+    _, saved = module.forward_ranks([x, x], [idx, idx], [w, w], experts, experts, down, *shared)
+    for b in saved[0][0]["sdw"].keep:
+        b.fill_(7)  # an earlier pass's columns
+    grads = module.backward_ranks(saved, [x, x])
+    assert all(not g[j].any() for g in grads for j in range(5, 8))
+
+
 def test_bad_arguments_are_named():
     x, idx, w = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
     experts = lambda n: torch.zeros(n, 8, 16, dtype=torch.bfloat16)  # noqa: E731
