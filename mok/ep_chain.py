@@ -79,7 +79,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
                                          num_sms=num_sms, mx_weights=megakernel.DEFAULT_MX_WEIGHTS)
         if precision == "mxfp8":  # the saved y rows, out of the buffer the next forward writes
             experts.y_rows = experts.y_rows.clone()
-    shared_saved = (ep_shared.x_columns(P, rank, split), rows[3][2:], weights[3:]) if shared else None
+    shared_saved = ep_shared.forward(P, rank, split, x, weights[3:], swiglu_limit, rows[3][2:])[1] if shared else None
     saved = ChainSaved(rank, t, real, experts, split, shared_saved, swiglu_limit, sched, ranks)
     yield  # every rank's launch has ended: its tokens' out is whole
 
@@ -102,7 +102,7 @@ def backward_rank(P: dict, saved, d_out, trace=None):
 
     d_shared = [None, None, None]
     if s.shared is not None:  # its tokens' shared dx rows (mok.ep_shared), for the combine of d_x
-        own["sy"][:T] = ep_shared.backward_local(own, s.shared[1], d_out, s.shared[2], s.swiglu_limit)
+        own["sy"][:T] = ep_shared.backward_local(own, s.shared, d_out, s.swiglu_limit)
     rank, token, k = (t[name][real].long() for name in ("pull_rank", "pull_token", "pull_k"))
     w_rows = torch.stack(P["w"].keep)[rank, token, k][:, None]  # [n, 1]: each row's route weight
     dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
@@ -119,7 +119,7 @@ def backward_rank(P: dict, saved, d_out, trace=None):
     d_w = [d[: t["tokens_per_expert"].shape[0]] for d in d_w]  # a rank without experts: no stand-in's gradient
     own["dtw"][: real.shape[0]][real] = d_tw
     if s.shared is not None:  # its share of the shared expert's weight gradients (every rank's rows are in place)
-        ep_shared.backward_share(P, s.rank, s.split, s.shared[0])
+        ep_shared.backward_share(P, s.rank, s.split, s.shared)
     yield  # every rank's launch has ended: its tokens' d_x is whole, every route's d_topk_weights row written
 
     d_x = own["out"][:T].clone()

@@ -97,7 +97,7 @@ class PeerSaved:
     real: torch.Tensor  # bool [rows]: the rows holding a route (pull_rank >= 0)
     experts: object  # the fused level's saved state of its rows
     split: list  # every rank's token count
-    shared: tuple | None  # the shared expert's (ep_shared.x_columns, its tokens' (gate, up) rows, its weights)
+    shared: ep_shared.Saved | None  # the shared expert's
     swiglu_limit: float | None
 
 
@@ -120,7 +120,7 @@ def plan_rank(P: dict, rank: int, num_experts: int, x, w_gate, w_shared_gate) ->
     """After every rank's inputs are in place: (every rank's token count, the schedule of every rank's tokens, this
     rank's forward tables (mok.ep_build), its real rows (bool [rows]), the local expert of each real row [n, 1])."""
     split = [int(c[0, 0]) for c in P["count"].keep]
-    idx = ep_shared.every_token(P["idx"], split)  # [T_all, K]: the all-gather
+    idx = P["idx"].tokens(split)  # [T_all, K]: the all-gather
     schedule = ops.make_schedule_cuda if idx.is_cuda and len(idx) else make_schedule
     sched = schedule(idx, num_experts, block_m=fused.BLOCK_M)
     t = build_tables(idx, split, num_experts, rank, "forward", hidden=x.shape[1], intermediate=w_gate.shape[1],
@@ -151,8 +151,7 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
     shared_out, shared = None, None
     if w_shared_gate is not None:  # this rank's tokens: row t's bits are those of any split
         ws = (w_shared_gate, w_shared_up, w_shared_down)
-        shared_out, rows = ep_shared.forward(x, ws, swiglu_limit)
-        shared = (ep_shared.x_columns(P, rank, split), rows, ws)
+        shared_out, shared = ep_shared.forward(P, rank, split, x, ws, swiglu_limit)
     yield  # every rank's y rows are in place
 
     out = ops.combine_peers(P["y"], t["combine_rank"], t["combine_row"], topk_weights, shared_out)
@@ -176,13 +175,13 @@ def backward_rank(P: dict, saved: PeerSaved, d_out):
     own["dtw"][: real.shape[0]][real] = d_tw
     dx_shared, d_shared = None, [None, None, None]
     if s.shared is not None:  # its tokens' rows (mok.ep_shared)
-        dx_shared = ep_shared.backward_local(own, s.shared[1], d_out, s.shared[2], s.swiglu_limit)
+        dx_shared = ep_shared.backward_local(own, s.shared, d_out, s.swiglu_limit)
     yield  # every rank's dx rows (and the shared expert's rows) are in place
 
     d_x = ops.combine_peers(P["dx"], t["combine_rank"], t["combine_row"], None, dx_shared)
     d_topk_weights = torch.stack(P["dtw"].keep)[t["combine_rank"].long(), t["combine_row"].long(), 0]  # [T_r, K]
     if s.shared is not None:  # its share of the shared expert's weight gradients, then every rank's
-        ep_shared.backward_share(P, s.rank, s.split, s.shared[0])
+        ep_shared.backward_share(P, s.rank, s.split, s.shared)
         yield  # every rank's share is in place
         d_shared = ep_shared.backward_gather(P, d_out.shape[1])
     return (d_x, d_topk_weights, *d_w, *d_shared)

@@ -12,6 +12,8 @@ whole on every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mok import fused, ops
@@ -36,42 +38,49 @@ def buffer_shapes(num_ranks: int, tokens: int, hidden: int, shared_intermediate:
     return {"sdg": rows, "sdu": rows, "sh": rows, "sdw": (3 * width, shared_intermediate, BF16)}
 
 
-def every_token(p: ops.Peers, split: list, cols: slice = slice(None)) -> torch.Tensor:
-    """Every rank's first split[s] rows of a per-token buffer (their columns cols), rank-major: global token order."""
-    return torch.cat([b[:n, cols] for b, n in zip(p.keep, split)])
+@dataclass
+class Saved:
+    """What a rank's forward keeps of the shared expert for its backward."""
+    x_cols: torch.Tensor  # [R_all, c]: its columns of every token's x in the all-token rows (a later forward
+    # overwrites the x buffers), zeros in padding
+    rows: tuple | None  # (gate, up) rows of its tokens (fused.shared_forward's), None for a rank of no tokens
+    weights: tuple  # (w_shared_gate, w_shared_up, w_shared_down)
 
 
-def x_columns(P: dict, rank: int, split: list) -> torch.Tensor:
-    """[T_all, c]: this rank's columns of every token's x (every rank's x in place), what its share of d_w_gate and
-    d_w_up reads: kept by the forward (a later forward overwrites the x buffers)."""
-    return every_token(P["x"], split, columns(P["x"].keep[rank].shape[1], len(split))[rank])
+def forward(P: dict, rank: int, split: list, x: torch.Tensor, weights: tuple, swiglu_limit,
+            rows: tuple | None = None) -> tuple:
+    """(out [T, H] or None, Saved) of this rank's tokens (every rank's x in place): fused.shared_forward, or with
+    rows (gate, up) its rows computed elsewhere (the chain launch's; out None)."""
+    out = None
+    if rows is None and x.shape[0]:
+        out, rows = fused.shared_forward(x, weights, swiglu_limit, fused.DEFAULT_NUM_SMS)
+    elif rows is None:
+        out = x.new_zeros(x.shape)
+    cols = columns(x.shape[1], len(split))[rank]
+    num_rows = fused.shared_schedule(sum(split), x.device).num_rows if sum(split) else 0  # the all-token rows
+    x_cols = P["x"].tokens(split, cols, num_rows)
+    return out, Saved(x_cols, rows, weights)
 
 
-def forward(x: torch.Tensor, weights: tuple, swiglu_limit) -> tuple:
-    """(out [T, H], (gate, up) rows) of this rank's tokens: fused.shared_forward (nothing for a rank of no tokens)."""
-    if x.shape[0] == 0:
-        return x.new_zeros(x.shape), None
-    return fused.shared_forward(x, weights, swiglu_limit, fused.DEFAULT_NUM_SMS)
-
-
-def backward_local(own: dict, rows, d_out: torch.Tensor, weights: tuple, swiglu_limit) -> torch.Tensor:
+def backward_local(own: dict, saved: Saved, d_out: torch.Tensor, swiglu_limit) -> torch.Tensor:
     """dx [T, H] of this rank's tokens (fused.shared_backward's rows of them), their d_gate, d_up and h rows written
     to its buffers `own` for every rank's share of the weight gradients."""
     T = d_out.shape[0]
     if T == 0:
         return d_out.new_zeros(d_out.shape)
-    ws_gate, ws_up, ws_down = (w[None] for w in weights)
+    ws_gate, ws_up, ws_down = (w[None] for w in saved.weights)
     sh, sms = fused.shared_schedule(T, d_out.device), fused.DEFAULT_NUM_SMS
-    d_gate, d_up, h = fused.dgrad_swiglu(fused.pad_rows(d_out, sh.num_rows), ws_down, *rows, sh, swiglu_limit, sms)
+    d_gate, d_up, h = fused.dgrad_swiglu(fused.pad_rows(d_out, sh.num_rows), ws_down, *saved.rows, sh, swiglu_limit,
+                                         sms)
     own["sdg"][:T], own["sdu"][:T], own["sh"][:T] = d_gate[:T], d_up[:T], h[:T]
     return fused.dgrad_gate_up(d_gate, d_up, ws_gate, ws_up, sh, sms)[:T]
 
 
-def backward_share(P: dict, rank: int, split: list, x_cols: torch.Tensor) -> None:
+def backward_share(P: dict, rank: int, split: list, saved: Saved) -> None:
     """This rank's columns of d_w_gate, d_w_up, d_w_down over every token's rows (every rank's backward_local
     done), into its buffer `sdw`."""
-    R, hidden = len(split), P["d_out"].keep[rank].shape[1]
-    cols = columns(hidden, R)[rank]
+    hidden = P["d_out"].keep[rank].shape[1]
+    cols = columns(hidden, len(split))[rank]
     c, width = cols.stop - cols.start, P["sdw"].keep[rank].shape[0] // 3
     sdw, wgrad, sms = P["sdw"].keep[rank], ops.grouped_gemm_bf16_weight_grad, fused.DEFAULT_NUM_SMS
     if sum(split) == 0:  # no token anywhere: zero gradients (L0's), not an earlier pass's columns
@@ -79,10 +88,9 @@ def backward_share(P: dict, rank: int, split: list, x_cols: torch.Tensor) -> Non
         return
     if c == 0:
         return
-    sh = fused.shared_schedule(sum(split), x_cols.device)  # the fused level's rows: every token in order
-    d_gate, d_up, h = (fused.pad_rows(every_token(P[n], split), sh.num_rows) for n in ("sdg", "sdu", "sh"))
-    dy = fused.pad_rows(every_token(P["d_out"], split, cols), sh.num_rows)  # [R_all, c] each
-    x = fused.pad_rows(x_cols, sh.num_rows)
+    sh = fused.shared_schedule(sum(split), sdw.device)  # the fused level's rows: every token in order
+    d_gate, d_up, h = (P[n].tokens(split, num_rows=sh.num_rows) for n in ("sdg", "sdu", "sh"))  # [R_all, I] each
+    dy, x = P["d_out"].tokens(split, cols, sh.num_rows), saved.x_cols  # [R_all, c] each
     sdw[:c] = wgrad(d_gate, x, sh, num_sms=sms)[0].T  # d_w_gate's columns [I, c], transposed
     sdw[width: width + c] = wgrad(d_up, x, sh, num_sms=sms)[0].T
     sdw[2 * width: 2 * width + c] = wgrad(dy, h, sh, num_sms=sms)[0]  # d_w_down's rows [c, I]

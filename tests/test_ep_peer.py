@@ -307,3 +307,11 @@ def test_bad_arguments_are_named():
         with pytest.raises(ValueError, match="shared_intermediate=8"):
             next(module.forward_rank(P, 0, x, idx % 2, w, experts(2), experts(2), experts(2).transpose(1, 2),
                                      *shared, num_experts=2))
+
+
+def test_peers_tokens_puts_every_ranks_first_rows_in_rank_order_then_zeros():
+    bufs = [torch.arange(s * 100, s * 100 + 12, dtype=torch.float32).view(4, 3) for s in range(3)]
+    p = ops.Peers.of(bufs)
+    assert torch.equal(p.tokens([2, 0, 1]), torch.cat([bufs[0][:2], bufs[2][:1]]))
+    padded = p.tokens([2, 0, 1], slice(1, 3), num_rows=5)
+    assert torch.equal(padded[:3], torch.cat([bufs[0][:2, 1:], bufs[2][:1, 1:]])) and not padded[3:].any()

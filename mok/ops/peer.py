@@ -36,6 +36,16 @@ class Peers:
     def num_ranks(self) -> int:
         return self.addresses.numel()
 
+    def tokens(self, split: list, cols: slice = slice(None), num_rows: int | None = None) -> torch.Tensor:
+        """Every rank's first split[s] rows (their columns cols), rank-major (a per-token buffer: the tokens of all
+        ranks in global order), in one copy; with num_rows, as the first rows of that many, the rest zeros."""
+        parts = [b[:n, cols] for b, n in zip(self.keep, split)]
+        if num_rows is None:
+            return torch.cat(parts)
+        out = parts[0].new_zeros(num_rows, parts[0].shape[1])
+        torch.cat(parts, out=out[: sum(split)])
+        return out
+
     @staticmethod
     def of(buffers: list[torch.Tensor]) -> Peers:
         """The table of this process's tensors, one per rank: the same shape, dtype and device each (a CPU
