@@ -150,7 +150,8 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
   const uint32_t chunk = thread % kChunksPerRow, row_in_tile = thread / kChunksPerRow;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   const auto task_of = [&](int task, const ChainTask& ct, auto group) {
-    const ChainGroup& g = L.group[decltype(group)::value];
+    constexpr int kGroup = decltype(group)::value;
+    const ChainGroup& g = L.group[kGroup];
     if (ct.kind == 1) {
       const Task t = decode_task<Gemm::kGateUp>(g.p1, ct.index, g.k_blocks1, ct.num);
       int32_t token[kRowsPerThread];
@@ -161,7 +162,7 @@ MOK_DEVICE void produce_chain(const ChainLaunch& L, const ChainCounts& n, uint8_
         if (thread == 0)
           issue_tma<Gemm::kGateUp>(nullptr, nullptr, &g.maps.w_gate, &g.maps.w_up, smem, &full[stage], stage, t, kb,
                                    g.p1.k);
-        if (decltype(group)::value == kRoutedGroup && g.over_ranks)  // row ids over ranks: x from the token's rank
+        if (kGroup == kRoutedGroup && g.over_ranks)  // row ids over ranks: x from the token's rank
           gather_rows_stage(g.p1, smem, stage, &full[stage], token, row_in_tile, chunk, kb, [&](int32_t id) {
             return g.a[id >> kRankShift] + static_cast<int64_t>(id & kLocalIdMask) * g.p1.k;
           });

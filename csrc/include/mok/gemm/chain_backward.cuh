@@ -117,7 +117,8 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
   if (threadIdx.x != 0) return;
   uint32_t it = 0;  // position in the (task, k-block) sequence, shared with the consumers
   const auto task_of = [&](int task, const BackwardTask& bt, auto group) {
-    const BackwardGroup& g = L.group[decltype(group)::value];
+    constexpr int kGroup = decltype(group)::value;
+    const BackwardGroup& g = L.group[kGroup];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
     if (bt.kind == kBwdDgrad) {
@@ -194,10 +195,11 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
   uint32_t it = 0;
   const bool traces = threadIdx.x == kNumProducerThreads;  // the first consumer thread marks its CTA's tasks
   const auto task_of = [&](int task, const BackwardTask& bt, auto group) {
-    const BackwardGroup& g = L.group[decltype(group)::value];
+    constexpr int kGroup = decltype(group)::value;
+    const BackwardGroup& g = L.group[kGroup];
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
-    if (traces) L.trace.begin(task, bt.kind * 2 + decltype(group)::value);
+    if (traces) L.trace.begin(task, bt.kind * 2 + kGroup);
     if (bt.kind == kBwdRows) {
       signal();  // before waiting: the count it waits for may be this warp's
       backward_rows(g, bt.index, warp_rows, lane, traces ? &L.trace : nullptr, task);
@@ -229,7 +231,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
                                     t.n_tile * Tile<Gemm::kGateUpDgrad>::kTaskN, t.expert, lane);
       epilogue_gate_up_dgrad.store_rest(g.gate_up_dgrad, out, staging, lane);
       combine_rows_done(L.combine, g.gate_up_dgrad, L.group[kRoutedGroup].gate_up_dgrad.n, row0, t.n_tile,
-                        decltype(group)::value == kSharedGroup, lane);
+                        kGroup == kSharedGroup, lane);
     } else {
       signal();
       const int which = bt.kind - kBwdWgradDown;
