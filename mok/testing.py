@@ -15,6 +15,7 @@ import torch
 
 from mok import routing
 from mok.config import MoEConfig
+from mok.ep_plan import expert_ranges
 from mok.ops.gemm import GEMM_BLOCK_M
 
 # DESIGN §9, keyed by (what is compared, against what).
@@ -119,6 +120,22 @@ def moe_args(inputs: dict) -> tuple:
     names = ("x", "topk_idx", "topk_weights", "w_gate", "w_up", "w_down",
              "w_shared_gate", "w_shared_up", "w_shared_down")
     return tuple(inputs[n] for n in names)
+
+
+def rank_inputs(inputs: dict, split: list) -> list[dict]:
+    """make_inputs' problem dealt over len(split) EP ranks, rank s's as a dict of the same names: its split[s]
+    tokens in order (x, topk_idx, topk_weights, d_out), its block of experts (w_gate, w_up, w_down: mok.ep_plan's
+    expert_ranges) and the shared expert's weights whole."""
+    tokens = {n: inputs[n].split(split) for n in ("x", "topk_idx", "topk_weights", "d_out")}
+    return [{**inputs, **{n: t[s] for n, t in tokens.items()},
+             **{n: inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")}}
+            for s, g in enumerate(expert_ranges(inputs["w_gate"].shape[0], len(split)))]
+
+
+def by_rank(ranks: list[dict]) -> tuple[list, list]:
+    """(the first six of moe_args as lists by rank, as mok.ep_peer.forward_ranks takes them, d_out by rank)."""
+    args = [moe_args(r) for r in ranks]
+    return [[a[i] for a in args] for i in range(6)], [r["d_out"] for r in ranks]
 
 
 def rel_err(actual: torch.Tensor, ref: torch.Tensor) -> float:

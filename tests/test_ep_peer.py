@@ -12,7 +12,7 @@ import torch
 from mok import ep_chain, ep_peer, ep_shared, fused, ops, twins
 from mok.config import MoEConfig
 from mok.ep_plan import expert_ranges
-from mok.testing import bitwise_equal, fresh_seed, make_inputs, moe_args, poison_allocator, row_mm
+from mok.testing import bitwise_equal, by_rank, fresh_seed, make_inputs, moe_args, poison_allocator, rank_inputs, row_mm
 
 CASES = {  # name: (config, splits of its tokens over the ranks)
     "shared": (MoEConfig("ep-shared", 300, 256, 192, 8, 3, shared_intermediate=128),
@@ -48,15 +48,12 @@ def _mismatches(outs: list, grads: list, want: tuple) -> list[str]:
 
 def _check_every_degree(name: str, device: str, precision: str = "bf16", module=ep_peer) -> None:
     cfg, splits, seed, inp, want = _problem(name, device, precision)
-    args = moe_args(inp)
     for split in splits:
-        experts = expert_ranges(cfg.num_experts, len(split))
-        part = [list(inp[n].split(split)) for n in ("x", "topk_idx", "topk_weights", "d_out")]
-        local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
+        args, d_outs = by_rank(rank_inputs(inp, split))
         if device == "cuda":
             poison_allocator(64 << 20)
-        outs, saved = module.forward_ranks(*part[:3], *local, *args[6:], precision=precision)
-        grads = module.backward_ranks(saved, part[3])
+        outs, saved = module.forward_ranks(*args, *moe_args(inp)[6:], precision=precision)
+        grads = module.backward_ranks(saved, d_outs)
         assert _mismatches(outs, grads, want) == [], f"{precision}, split {split}, seed {seed}"
 
 
@@ -140,12 +137,9 @@ def _rank_mismatches(P: dict, rank: int, barrier, inputs: dict, split: list, wan
     """One rank's pass over the peers' buffers P, barrier() between phases (its passes: PASSES[passes]'s): what
     differs from the EP = 1 results of its tokens and experts."""
     g = expert_ranges(inputs["w_gate"].shape[0], len(split))[rank]
-    mine = {n: inputs[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")}
-    experts = [inputs[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
-    shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+    mine = rank_inputs(inputs, split)[rank]
     module = PASSES[passes]
-    out, saved = ep_peer.run_rank(module.forward_rank(P, rank, mine["x"], mine["topk_idx"], mine["topk_weights"],
-                                                      *experts, *shared, num_experts=inputs["w_gate"].shape[0]),
+    out, saved = ep_peer.run_rank(module.forward_rank(P, rank, *moe_args(mine), num_experts=inputs["w_gate"].shape[0]),
                                   barrier)
     grads = ep_peer.run_rank(module.backward_rank(P, saved, mine["d_out"]), barrier)
     rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
@@ -271,12 +265,9 @@ def test_the_shared_weight_gradients_are_computed_once_over_the_ranks(monkeypatc
     monkeypatch.setattr(ops, "grouped_gemm_bf16_weight_grad", recorded)
     cfg, _ = CASES["shared"]
     inp = make_inputs(cfg, "cpu", seed=fresh_seed())
-    split = [120, 0, 180]
-    experts = expert_ranges(cfg.num_experts, len(split))
-    part = [list(inp[n].split(split)) for n in ("x", "topk_idx", "topk_weights", "d_out")]
-    local = [[inp[n][g.start: g.stop] for g in experts] for n in ("w_gate", "w_up", "w_down")]
-    module.backward_ranks(module.forward_ranks(*part[:3], *local, *moe_args(inp)[6:])[1], part[3])
-    assert sum(produced) == 3 * cfg.shared_intermediate * cfg.hidden and len(produced) == 3 * len(split)
+    args, d_outs = by_rank(rank_inputs(inp, [120, 0, 180]))
+    module.backward_ranks(module.forward_ranks(*args, *moe_args(inp)[6:])[1], d_outs)
+    assert sum(produced) == 3 * cfg.shared_intermediate * cfg.hidden and len(produced) == 3 * len(d_outs)
 
 
 @pytest.mark.parametrize("module", [ep_peer, ep_chain])

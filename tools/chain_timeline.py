@@ -17,8 +17,7 @@ import torch
 
 from mok import ep_chain, ep_peer, megakernel, ops
 from mok.config import get_shape
-from mok.ep_plan import expert_ranges
-from mok.testing import make_inputs, moe_args
+from mok.testing import make_inputs, moe_args, rank_inputs
 
 CAPACITY = 1 << 20  # task rows of a trace buffer: more than any standard shape's pass has tasks
 
@@ -97,15 +96,11 @@ def rank_passes(rank: int, buffers: list, barrier, inp: dict, split: list, num_s
             torch.cuda.synchronize()
             barrier.wait(120)
 
-        P, E = ep_peer.peers(buffers), inp["w_gate"].shape[0]
-        g = expert_ranges(E, len(split))[rank]
-        mine = [inp[n].split(split)[rank] for n in ("x", "topk_idx", "topk_weights", "d_out")]
-        weights = [inp[n][g.start: g.stop] for n in ("w_gate", "w_up", "w_down")]
-        weights += [inp[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
+        P, E, mine = ep_peer.peers(buffers), inp["w_gate"].shape[0], rank_inputs(inp, split)[rank]
         for traces in ([None, None], new_traces()):
-            _, saved = ep_peer.run_rank(ep_chain.forward_rank(P, rank, *mine[:3], *weights, num_experts=E,
+            _, saved = ep_peer.run_rank(ep_chain.forward_rank(P, rank, *moe_args(mine), num_experts=E,
                                                               num_sms=num_sms, trace=traces[0]), wait)
-            ep_peer.run_rank(ep_chain.backward_rank(P, saved, mine[3], trace=traces[1]), wait)
+            ep_peer.run_rank(ep_chain.backward_rank(P, saved, mine["d_out"], trace=traces[1]), wait)
         results.put((rank, [begun(t).numpy() for t in traces]))  # by value: the process ends
     except BaseException as e:  # noqa: BLE001 (the parent reports it)
         results.put((rank, repr(e)))

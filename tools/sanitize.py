@@ -63,18 +63,14 @@ if not words or "chain" in words:  # the passes in one launch: counters between 
         print(f"chain {name} {precision}: both passes in one launch give the fused level's bits", flush=True)
 if not words or "chain" in words:  # over ranks: counters, rows and out of other ranks (R ranks in this process)
     from mok import ep_chain
-    from mok.ep_plan import expert_ranges
 
     inputs = testing.make_inputs(SHAPES["tiny"], device="cuda", seed=2, draw_on="cuda")
     want = testing.run_level(fused, inputs)
     T = SHAPES["tiny"].num_tokens
     for split in ([T // 2, T - T // 2], [T - 3, 0, 3]):
-        part = [list(inputs[n].split(split)) for n in ("x", "topk_idx", "topk_weights", "d_out")]
-        local = [[inputs[n][g.start: g.stop] for g in expert_ranges(SHAPES["tiny"].num_experts, len(split))]
-                 for n in ("w_gate", "w_up", "w_down")]
-        shared = [inputs[n] for n in ("w_shared_gate", "w_shared_up", "w_shared_down")]
-        outs, saved = ep_chain.forward_ranks(*part[:3], *local, *shared)
-        grads = ep_chain.backward_ranks(saved, part[3])
+        args, d_outs = testing.by_rank(testing.rank_inputs(inputs, split))
+        outs, saved = ep_chain.forward_ranks(*args, *testing.moe_args(inputs)[6:])
+        grads = ep_chain.backward_ranks(saved, d_outs)
         torch.cuda.synchronize()
         assert testing.bitwise_equal(torch.cat(outs), want[0]), f"chain over ranks {split}: out not the fused level's"
         assert testing.bitwise_equal(torch.cat([g[0] for g in grads]), want[1][0]), f"chain over ranks {split}: d_x"
