@@ -433,16 +433,20 @@ void gemm_weight_grad(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
 
 // One expert group of the backward chain, its tensors in mok.ops.gemm.grouped_gemm_bf16_chain_backward's order:
 // dy_rows, x_rows, w_gate, w_up, w_down, gate, up, d_gate, d_up, h, dx_rows, d_w_gate, d_w_up, d_w_down,
-// row_to_token, tile_to_expert, expert_offsets, expert_rows, counters.
+// row_to_token, tile_to_expert, expert_offsets, expert_rows, counters. mx (the MXFP8 backward): gate_scales,
+// up_scales (gate, up: their E4M3 data), dy_cols, d_gate_cols, d_up_cols (mok::ChainBackwardGroup's).
 mok::ChainBackwardGroup chain_backward_group(std::vector<at::Tensor> t, const std::optional<at::Tensor>& counts,
-                                             double swiglu_limit, bool has_limit) {
+                                             double swiglu_limit, bool has_limit,
+                                             const std::optional<std::vector<at::Tensor>>& mx = std::nullopt) {
   TORCH_CHECK(t.size() == 19, "a group of the backward chain: expected 19 tensors");
+  TORCH_CHECK(!mx || mx->size() == 5, "mx: expected 5 tensors");
   at::Tensor &dy_rows = t[0], &x_rows = t[1], &w_gate = t[2], &w_up = t[3], &w_down = t[4], &gate = t[5], &up = t[6];
   at::Tensor &d_gate = t[7], &d_up = t[8], &h = t[9], &dx_rows = t[10], &counters = t[18];
   check_arg(x_rows, "x_rows"), check_arg(dx_rows, "dx_rows"), check_arg(counters, "counters");
   TORCH_CHECK(counters.scalar_type() == at::kInt, "counters: expected int32 zeros");
   mok::ChainBackwardGroup g{};
-  g.dgrad = down_dgrad(dy_rows, w_down, gate, up, {}, {}, d_gate, d_up, h, swiglu_limit, has_limit);
+  g.dgrad = mx ? down_dgrad(dy_rows, w_down, gate, up, (*mx)[0], (*mx)[1], d_gate, d_up, h, swiglu_limit, has_limit)
+               : down_dgrad(dy_rows, w_down, gate, up, {}, {}, d_gate, d_up, h, swiglu_limit, has_limit);
   g.gate_up_dgrad.d_gate = d_gate.data_ptr();
   g.gate_up_dgrad.d_up = d_up.data_ptr();
   g.gate_up_dgrad.w_gate = w_gate.data_ptr();
@@ -451,32 +455,38 @@ mok::ChainBackwardGroup chain_backward_group(std::vector<at::Tensor> t, const st
   g.gate_up_dgrad.hidden = w_gate.size(2);
   g.gate_up_dgrad.intermediate = w_gate.size(1);
   g.gate_up_dgrad.num_experts = w_gate.size(0);
-  g.wgrad[0] = weight_grad(dy_rows, h, t[16], t[17], t[13]);
-  g.wgrad[1] = weight_grad(d_gate, x_rows, t[16], t[17], t[11]);
-  g.wgrad[2] = weight_grad(d_up, x_rows, t[16], t[17], t[12]);
+  g.wgrad[0] = weight_grad(mx ? (*mx)[2] : dy_rows, h, t[16], t[17], t[13]);
+  g.wgrad[1] = weight_grad(mx ? (*mx)[3] : d_gate, x_rows, t[16], t[17], t[11]);
+  g.wgrad[2] = weight_grad(mx ? (*mx)[4] : d_up, x_rows, t[16], t[17], t[12]);
+  if (mx) g.d_gate_cols = (*mx)[3].data_ptr(), g.d_up_cols = (*mx)[4].data_ptr();
   g.sched = row_schedule(t[14], t[15], counts);
   g.counters = counters.data_ptr<int32_t>();
   return g;
 }
 
 void gemm_chain_backward(const std::vector<at::Tensor>& routed, const std::optional<at::Tensor>& counts,
-                         const at::Tensor& topk_weights, const at::Tensor& row_to_route, at::Tensor& d_topk_weights,
+                         const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& row_to_route,
+                         const std::optional<at::Tensor>& d_topk_weights,
                          const std::optional<std::vector<at::Tensor>>& shared, const at::Tensor& route_to_row,
                          at::Tensor& d_x, at::Tensor& token_done, double swiglu_limit, bool has_limit,
                          int64_t num_sms, const std::optional<std::vector<std::vector<at::Tensor>>>& ranks,
                          int64_t rank, const std::vector<int64_t>& token_offsets,
-                         const std::optional<at::Tensor>& trace) {
-  check_arg(topk_weights, "topk_weights"), check_arg(row_to_route, "row_to_route");
-  check_arg(d_topk_weights, "d_topk_weights"), check_arg(route_to_row, "route_to_row"), check_arg(d_x, "d_x");
-  check_arg(token_done, "token_done");
-  TORCH_CHECK(route_to_row.scalar_type() == at::kInt && token_done.scalar_type() == at::kInt &&
-                  row_to_route.scalar_type() == at::kLong,
-              "route_to_row, token_done: expected int32; row_to_route: int64");
+                         const std::optional<at::Tensor>& trace, const std::optional<std::vector<at::Tensor>>& mx) {
+  check_arg(route_to_row, "route_to_row"), check_arg(d_x, "d_x"), check_arg(token_done, "token_done");
+  TORCH_CHECK(route_to_row.scalar_type() == at::kInt && token_done.scalar_type() == at::kInt,
+              "route_to_row, token_done: expected int32");
+  TORCH_CHECK(mx.has_value() != (topk_weights && row_to_route && d_topk_weights),
+              "topk_weights, row_to_route, d_topk_weights: all set in BF16, all None with mx");
   mok::ChainBackward args{};
-  args.routed = chain_backward_group(routed, counts, swiglu_limit, has_limit);
-  args.routed.dgrad.route_weights = topk_weights.data_ptr<float>();
-  args.routed.dgrad.row_to_route = row_to_route.data_ptr<int64_t>();
-  args.routed.dgrad.d_topk_weights = d_topk_weights.data_ptr<float>();
+  args.routed = chain_backward_group(routed, counts, swiglu_limit, has_limit, mx);
+  if (!mx) {
+    check_arg(*topk_weights, "topk_weights"), check_arg(*row_to_route, "row_to_route");
+    check_arg(*d_topk_weights, "d_topk_weights");
+    TORCH_CHECK(row_to_route->scalar_type() == at::kLong, "row_to_route: expected int64");
+    args.routed.dgrad.route_weights = topk_weights->data_ptr<float>();
+    args.routed.dgrad.row_to_route = row_to_route->data_ptr<int64_t>();
+    args.routed.dgrad.d_topk_weights = d_topk_weights->data_ptr<float>();
+  }
   if (shared) args.shared = chain_backward_group(*shared, std::nullopt, swiglu_limit, has_limit);
   args.route_to_row = route_to_row.data_ptr<int32_t>();
   args.d_x = d_x.data_ptr();
@@ -806,11 +816,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_bf16_chain_backward", &gemm_chain_backward,
         "the backward at EP = 1 in one persistent launch, BF16: routed (19 tensors, chain_backward_group's order) with "
         "counts and the route gradients' tensors, shared: None or its 19, and the combine of d_x; ranks: as the "
-        "forward chain's (y: the dx rows, out: d_x, shared: the shared expert's dx rows)",
+        "forward chain's (y: the dx rows, out: d_x, shared: the shared expert's dx rows); mx: the routed group's "
+        "MXFP8 tensors (chain_backward_group's; then no route gradients' tensors)",
         py::kw_only(), py::arg("routed"), py::arg("counts"), py::arg("topk_weights"), py::arg("row_to_route"),
         py::arg("d_topk_weights"), py::arg("shared"), py::arg("route_to_row"), py::arg("d_x"), py::arg("token_done"),
         py::arg("swiglu_limit"), py::arg("has_limit"), py::arg("num_sms"), py::arg("ranks") = py::none(),
-        py::arg("rank") = 0, py::arg("token_offsets") = std::vector<int64_t>{}, py::arg("trace") = py::none());
+        py::arg("rank") = 0, py::arg("token_offsets") = std::vector<int64_t>{}, py::arg("trace") = py::none(),
+        py::arg("mx") = py::none());
   m.def("grouped_gemm_bf16_weight_grad", &gemm_weight_grad,
         "d_w[e] = Σ a_rowsᵀ · b_rows over expert e's segment",
         py::kw_only(), py::arg("a_rows"), py::arg("b_rows"), py::arg("expert_offsets"), py::arg("expert_rows"),

@@ -73,11 +73,13 @@ namespace {
 cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs* out) {
   const DownDgradSwiGLU& d = a.dgrad;
   const GateUpDgrad& gu = a.gate_up_dgrad;
-  if (d.gate_scales != nullptr || d.up_scales != nullptr || gu.d_gate != d.d_gate || gu.d_up != d.d_up ||
-      gu.hidden != d.hidden || gu.intermediate != d.intermediate || gu.num_experts != d.num_experts ||
-      a.counters == nullptr)
+  const bool mx = d.gate_scales != nullptr;  // the chain checks the rest of an MXFP8 group's fields
+  if (mx != (d.up_scales != nullptr) || gu.d_gate != d.d_gate || gu.d_up != d.d_up || gu.hidden != d.hidden ||
+      gu.intermediate != d.intermediate || gu.num_experts != d.num_experts || a.counters == nullptr)
     return cudaErrorInvalidValue;
-  const void* want_a[3] = {d.dy_rows, d.d_gate, d.d_up};  // and B: h, then the x rows twice
+  const void* want_a[3] = {mx ? a.wgrad[0].a_rows : d.dy_rows, mx ? a.d_gate_cols : d.d_gate,
+                           mx ? a.d_up_cols : d.d_up};  // and B: h, then the x rows twice
+  if (mx && want_a[0] == nullptr) return cudaErrorInvalidValue;
   if (a.wgrad[0].b_rows != d.h || a.wgrad[2].b_rows != a.wgrad[1].b_rows) return cudaErrorInvalidValue;
   gemm::BackwardGroupArgs& g = *out;
   g = {};
@@ -91,10 +93,11 @@ cudaError_t backward_group(const ChainBackwardGroup& a, gemm::BackwardGroupArgs*
     g.wgrad[w] = gemm::weight_grad_params(wg);
     g.b_rows[w] = wg.b_rows;
   }
-  g.rows = {static_cast<const uint16_t*>(d.d_gate), d.gate, d.up, nullptr, nullptr, a.sched.row_to_token,
-            d.route_weights, d.row_to_route, d.d_topk_weights, static_cast<uint16_t*>(d.d_gate),
-            static_cast<uint16_t*>(d.d_up), static_cast<uint16_t*>(d.h), d.intermediate, d.swiglu.limit,
-            d.swiglu.has_limit};
+  g.rows = {static_cast<const uint16_t*>(d.d_gate), d.gate, d.up, static_cast<const uint8_t*>(d.gate_scales),
+            static_cast<const uint8_t*>(d.up_scales), a.sched.row_to_token, d.route_weights, d.row_to_route,
+            d.d_topk_weights, static_cast<uint16_t*>(d.d_gate), static_cast<uint16_t*>(d.d_up),
+            static_cast<uint16_t*>(d.h), d.intermediate, d.swiglu.limit, d.swiglu.has_limit};
+  g.d_gate_cols = static_cast<uint16_t*>(a.d_gate_cols), g.d_up_cols = static_cast<uint16_t*>(a.d_up_cols);
   g.counters = a.counters;
   return cudaSuccess;
 }
@@ -106,7 +109,9 @@ cudaError_t grouped_gemm_bf16_chain_backward(const ChainBackward& args, int num_
   gemm::BackwardGroupArgs routed, shared{};
   cudaError_t err = backward_group(args.routed, &routed);
   if (err || (with_shared && (err = backward_group(args.shared, &shared)))) return err;
-  if (args.routed.dgrad.route_weights == nullptr || (with_shared && args.shared.dgrad.route_weights != nullptr) ||
+  const bool mx = args.routed.dgrad.gate_scales != nullptr;  // the MXFP8 backward: its route gradients come before
+  if ((args.routed.dgrad.route_weights == nullptr) != mx ||
+      (with_shared && (args.shared.dgrad.route_weights != nullptr || args.shared.dgrad.gate_scales != nullptr)) ||
       args.route_to_row == nullptr || args.d_x == nullptr || args.token_done == nullptr || args.num_topk < 1)
     return cudaErrorInvalidValue;
   gemm::ChainCombine combine =

@@ -2,10 +2,10 @@
 chain kernel (csrc/include/mok/gemm/chain.cuh) after the schedule's three small launches: the shared expert's and the
 routed experts' GEMM1 and GEMM2, and the combine behind GEMM2's tiles on completion counters. Its out and saved state
 are the fused level's bit for bit (tests/test_megakernel.py: on the CPU with every kernel an L0 twin; on a Hopper
-GPU). The backward in BF16 is one persistent launch of the backward chain (chain_backward.cuh) after the gathers of
-its rows, again the fused level's bits; in MXFP8 it is the fused level's launches (the operands' round trips between
-the GEMMs are not tasks yet). At EP > 1 mok.ep_chain runs the same chain kernels over ranks (run_chain with
-ops.ChainRanks, saved_state), outside the level's custom op.
+GPU). The backward is one persistent launch of the backward chain (chain_backward.cuh) after the gathers of its rows,
+again the fused level's bits; in MXFP8 the round trips of the launch's inputs (dy both ways, the x rows, the weights)
+come before it, and those of d_gate, d_up and h are its tasks. At EP > 1 mok.ep_chain runs the same chain kernels
+over ranks (run_chain with ops.ChainRanks, saved_state), outside the level's custom op.
 "auto" picks the fused level (mok.levels); `backend="megakernel"` this one.
 
 Same interface as mok.fused (forward, backward, saved_like), BF16 and MXFP8 (the "dequantize" weight path: the
@@ -74,26 +74,38 @@ def saved_state(x, topk_idx, topk_weights, weights, sched, rows, *, precision, s
 
 
 def backward(saved: FusedSaved, d_out):
-    """Gradients in mok.reference.moe_backward's order, the fused level's bits. In bf16 the experts' backward is one
-    launch of the chain kernel (ops.grouped_gemm_bf16_chain_backward) after the gathers of d_out's and x's rows (and
-    the shared expert's padded copies); in mxfp8 (and for an empty batch) the fused level's launches."""
-    if not isinstance(saved, FusedSaved) or saved.precision != "bf16":
+    """Gradients in mok.reference.moe_backward's order, the fused level's bits: the experts' backward is one launch
+    of the chain kernel (ops.grouped_gemm_bf16_chain_backward) after the gathers of d_out's and x's rows (and the
+    shared expert's padded copies); for an empty batch the fused level's."""
+    if not isinstance(saved, FusedSaved):
         return fused.backward(saved, d_out)
     return run_backward(saved, d_out)
 
 
 def run_backward(saved: FusedSaved, d_out, trace=None):
-    """backward's chain launch in bf16 (trace: the op's)."""
-    s, sched = saved, saved.sched
+    """backward's chain launch (trace: the op's). In mxfp8 its inputs as the fused level's mxfp8 backward computes
+    them: dy = bf16(w·d_out) and the route gradients from the saved y rows (route_grads_prep), dy's round trips
+    both ways, the x rows' column-wise, the routed weights' along their K; the saved MXFP8 gate/up as they are."""
+    s, sched, p = saved, saved.sched, saved.precision
     w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
     shared = None
     if ws_gate is not None:  # its rows: the tokens in order, then zero padding (fused.shared_backward's operands)
         sh = fused.shared_schedule(d_out.shape[0], d_out.device)  # cached
         shared = (fused.pad_rows(d_out, sh.num_rows), fused.pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
                   ws_down[None], *s.shared_rows, sh)
-    d_x, d_topk_weights, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(
-        ops.gather_rows_cuda(d_out, sched), fused.gather_x_rows(s.x, sched), w_gate, w_up, w_down, s.gate, s.up,
-        s.topk_weights, sched, swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared, trace=trace)
+    if p == "bf16":  # the unweighted d_out rows: the launch computes the route gradients
+        dy_rows, dy_cols, d_topk_weights = ops.gather_rows_cuda(d_out, sched), None, None
+        gate, up, topk_weights = s.gate, s.up, s.topk_weights
+    else:
+        dy, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
+        dy_rows, dy_cols = fused._mx_dual(dy, p, sched)  # [R, H] each: K along hidden, along the rows
+        del dy
+        gate, up, topk_weights = s.gate_mx, s.up_mx, None
+        w_gate, w_up, w_down = (fused._mx_weight(w, -2, p, s.mx_weights) for w in (w_gate, w_up, w_down))
+    d_x, d_topk_launch, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(
+        dy_rows, fused._x_rows(s.x, sched, p), w_gate, w_up, w_down, gate, up, topk_weights, sched,
+        swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared, trace=trace, dy_cols=dy_cols)
+    d_topk_weights = d_topk_launch if d_topk_weights is None else d_topk_weights
     bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     d_w_shared = [None] * 3 if d_w_shared is None else [w[0] for w in d_w_shared]
     return (d_x, d_topk_weights, *d_w, *d_w_shared)

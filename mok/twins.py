@@ -157,15 +157,24 @@ def _count_and_combine(ranks, ids, before: list, shared_counts: int) -> None:
 
 
 def grouped_gemm_bf16_chain_backward(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, sched,
-                                     swiglu_limit=None, num_sms=None, shared=None, ranks=None, trace=None):
+                                     swiglu_limit=None, num_sms=None, shared=None, ranks=None, trace=None,
+                                     dy_cols=None):
     """The expert backward (one launch on the GPU): the route-gradient dgrad and SwiGLU backward, the gate/up dgrad,
     the weight gradients and the combine of d_x, the shared expert's steps too: (d_x, d_topk_weights, [d_w_gate,
     d_w_up, d_w_down], the shared expert's [...] or None). ranks: one rank's launch among several (as
-    _chain_over_ranks: its dx rows into its y entry, d_x's combine of the tokens it completes into their out)."""
-    d_gate, d_up, h, d_topk_weights = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
-                                                                                  topk_weights, sched, swiglu_limit)
-    d_w = [grouped_gemm_bf16_weight_grad(d_gate, x_rows, sched), grouped_gemm_bf16_weight_grad(d_up, x_rows, sched),
-           grouped_gemm_bf16_weight_grad(dy_rows, h, sched)]
+    _chain_over_ranks: its dx rows into its y entry, d_x's combine of the tokens it completes into their out).
+    MXFP8 (gate, up (data, scales) pairs): the SwiGLU backward on their dequantization, no route gradients (None),
+    d_gate and d_up round-tripped both ways, h column-wise, dy_cols for d_w_down."""
+    if isinstance(gate, tuple):
+        d_gate, d_up, h = grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_rows, w_down, gate, up, sched, swiglu_limit)
+        (d_gate, d_gate_w), (d_up, d_up_w) = (mxfp8_fake_quantize_dual(t, sched.counts) for t in (d_gate, d_up))
+        h, d_topk_weights, dy_w = mxfp8_fake_quantize(h, -2, sched.counts), None, dy_cols
+    else:
+        d_gate, d_up, h, d_topk_weights = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
+                                                                                      topk_weights, sched, swiglu_limit)
+        d_gate_w, d_up_w, dy_w = d_gate, d_up, dy_rows
+    d_w = [grouped_gemm_bf16_weight_grad(d_gate_w, x_rows, sched), grouped_gemm_bf16_weight_grad(d_up_w, x_rows, sched),
+           grouped_gemm_bf16_weight_grad(dy_w, h, sched)]
     dx_rows = grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, w_gate, w_up, sched)
     if ranks is not None:
         ranks.y[ranks.rank][: sched.num_rows] = dx_rows

@@ -302,14 +302,45 @@ def test_chain_is_gemm1_then_gemm2_bit_for_bit(case):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"shared {name}: {where}"
 
 
+def _routed_backward_launches(x, wg, wu, wd, w, d_out, sched, precision: str) -> tuple:
+    """The routed experts' backward by the launches one by one, as the fused level runs them in `precision`:
+    (the chain's arguments dy_rows, x_rows, w_gate, w_up, w_down, gate, up, topk_weights, dy_cols; the launches'
+    d_topk_weights or None, [d_w_gate, d_w_up, d_w_down], dx_rows)."""
+    _, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=0.75)
+    wgrad = ops.grouped_gemm_bf16_weight_grad
+    dy_rows = ops.gather_rows_cuda(d_out, sched)
+    if precision == "bf16":
+        x_rows = ops.gather_rows_cuda(x, sched)
+        d_gate, d_up, h, d_tw = ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, wd, gate, up, w, sched,
+                                                                               swiglu_limit=0.75)
+        want_w = [wgrad(d_gate, x_rows, sched), wgrad(d_up, x_rows, sched), wgrad(dy_rows, h, sched)]
+        dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched)
+        return (dy_rows, x_rows, wg, wu, wd, gate, up, w, None), d_tw, want_w, dx_rows
+    counts = sched.counts  # every operand as fused._experts_backward's mxfp8 path reads it
+    gate_mx, up_mx = ops.mxfp8_quantize_rowwise(gate), ops.mxfp8_quantize_rowwise(up)
+    dy_k, dy_w = ops.mxfp8_fake_quantize_dual(dy_rows, counts=counts)
+    x_rows = ops.mxfp8_fake_quantize_gathered(x, sched)
+    wg, wu, wd = (ops.mxfp8_fake_quantize(t, -2) for t in (wg, wu, wd))
+    d_gate, d_up, h = ops.grouped_gemm_bf16_dgrad_swiglu_mxfp8(dy_k, wd, gate_mx, up_mx, sched, swiglu_limit=0.75)
+    (dg_k, dg_w), (du_k, du_w) = (ops.mxfp8_fake_quantize_dual(t, counts=counts) for t in (d_gate, d_up))
+    h_w = ops.mxfp8_fake_quantize(h, -2, counts=counts)
+    want_w = [wgrad(dg_w, x_rows, sched), wgrad(du_w, x_rows, sched), wgrad(dy_w, h_w, sched)]
+    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(dg_k, du_k, wg, wu, sched)
+    return (dy_k, x_rows, wg, wu, wd, gate_mx, up_mx, None, dy_w), None, want_w, dx_rows
+
+
+MX_CHAIN_CASES = [case for case, cfg in CHAIN_CASES.items() if cfg.hidden % 32 == 0 and cfg.intermediate % 32 == 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("case", list(CHAIN_CASES))
-def test_chain_backward_is_the_launches_bit_for_bit(case):
-    """The expert backward in one launch (the dgrad and SwiGLU backward, the gate/up dgrad with d_x's combine, the
-    weight gradients, on device counters) stores the bits of the launches one by one: the routed experts alone and
-    with a shared expert, at grids of 1 CTA, 3, 7 and every SM. Outputs poisoned first: a counter bug shows as a
-    timeout fault, a NaN or a tile left unwritten."""
+@pytest.mark.parametrize("case, precision", [(case, "bf16") for case in CHAIN_CASES]
+                         + [(case, "mxfp8") for case in MX_CHAIN_CASES])
+def test_chain_backward_is_the_launches_bit_for_bit(case, precision):
+    """The expert backward in one launch (the dgrad and SwiGLU backward, in MXFP8 the round trips of d_gate, d_up and
+    h, the gate/up dgrad with d_x's combine, the weight gradients, on device counters) stores the bits of the
+    launches one by one: the routed experts alone and with a (BF16) shared expert, at grids of 1 CTA, 3, 7 and every
+    SM. Outputs poisoned first: a counter bug shows as a timeout fault, a NaN or a tile left unwritten."""
     seed = fresh_seed()
     cfg = CHAIN_CASES[case]
     inputs = make_inputs(cfg, seed=seed, routing_fn=routing_of(CASES[case][1]) if case in CASES else None)
@@ -317,13 +348,8 @@ def test_chain_backward_is_the_launches_bit_for_bit(case):
     x, wg, wu, wd, w = (inputs[n].cuda() for n in ("x", "w_gate", "w_up", "w_down", "topk_weights"))
     g = torch.Generator(device="cuda").manual_seed(seed)
     d_out = torch.randn(cfg.num_tokens, cfg.hidden, generator=g, device="cuda").bfloat16()
-    _, gate, up = ops.grouped_gemm_bf16_swiglu_gather(x, wg, wu, sched, swiglu_limit=0.75)
-    dy_rows, x_rows = ops.gather_rows_cuda(d_out, sched), ops.gather_rows_cuda(x, sched)
-    d_gate, d_up, h, d_tw = ops.grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, wd, gate, up, w, sched,
-                                                                           swiglu_limit=0.75)
+    args, d_tw, want_w, dx_rows = _routed_backward_launches(x, wg, wu, wd, w, d_out, sched, precision)
     wgrad = ops.grouped_gemm_bf16_weight_grad
-    want_w = [wgrad(d_gate, x_rows, sched), wgrad(d_up, x_rows, sched), wgrad(dy_rows, h, sched)]
-    dx_rows = ops.grouped_gemm_bf16_dgrad_gate_up(d_gate, d_up, wg, wu, sched)
     I_sh = 192  # the shared expert: its own width, weights drawn here
     ws = tuple((torch.randn(*shape, generator=g, device="cuda") / shape[1] ** 0.5).bfloat16()[None]
                for shape in ((I_sh, cfg.hidden), (I_sh, cfg.hidden), (cfg.hidden, I_sh)))
@@ -338,13 +364,14 @@ def test_chain_backward_is_the_launches_bit_for_bit(case):
             True: ops.combine_rows(dx_rows, sched.route_to_row, None, dx_sh)}
     same = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # noqa: E731
     for num_sms, with_shared in ((1, True), (3, False), (7, True), (None, True), (None, False)):
-        poison_allocator(2 * sched.num_rows * (3 * cfg.intermediate + 2 * cfg.hidden) * 2)
+        poison_allocator(2 * sched.num_rows * (5 * cfg.intermediate + 2 * cfg.hidden) * 2)
         d_x, d_topk, d_w, d_w_sh = ops.grouped_gemm_bf16_chain_backward(
-            dy_rows, x_rows, wg, wu, wd, gate, up, w, sched, swiglu_limit=0.75, num_sms=num_sms,
-            shared=shared if with_shared else None)
-        where = f"{case} shared={with_shared} num_sms={num_sms} (seed {seed})"
+            *args[:8], sched, swiglu_limit=0.75, num_sms=num_sms, shared=shared if with_shared else None,
+            dy_cols=args[8])
+        where = f"{case} {precision} shared={with_shared} num_sms={num_sms} (seed {seed})"
         assert same(d_x, want[with_shared]), f"d_x: {where}"
-        assert torch.equal(d_topk.view(torch.int32), d_tw.view(torch.int32)), f"d_topk_weights: {where}"
+        assert (d_topk is None) == (d_tw is None), where
+        assert d_tw is None or torch.equal(d_topk.view(torch.int32), d_tw.view(torch.int32)), f"d_topk: {where}"
         for name, a, b in zip(("d_w_gate", "d_w_up", "d_w_down"), d_w, want_w):
             assert same(a, b), f"{name}: {where}"
         assert (d_w_sh is None) != with_shared, where

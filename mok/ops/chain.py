@@ -3,13 +3,15 @@ each one persistent launch of several of mok.ops.gemm's kinds whose tasks wait o
 those kinds launched one by one (docs/gemm.md, docs/megakernel.md).
 
     grouped_gemm_bf16_chain            GEMM1 and GEMM2, the shared expert's and the combine optional
-    grouped_gemm_bf16_chain_backward   the layer's backward (BF16): down dgrad, SwiGLU backward, gate/up dgrad with
-                                       the combine of d_x, the three weight gradients, the shared expert's too
+    grouped_gemm_bf16_chain_backward   the layer's backward (BF16, or MXFP8 for the routed experts): down dgrad,
+                                       SwiGLU backward, MXFP8's round trips, gate/up dgrad with the combine of d_x,
+                                       the three weight gradients, the shared expert's too
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -23,6 +25,7 @@ from mok.ops.gemm import (
     _check_gemm_dim,
     _check_limit,
     _check_num_sms,
+    _check_rowwise_mx,
     _gemm1_args,
     _limit_kwargs,
     _rowwise_mx_buffer,
@@ -37,7 +40,8 @@ RANK_SHIFT = 24  # a row id over ranks: rank << RANK_SHIFT | local id (csrc/incl
 MAX_RANKS = 8  # mok::kMaxRanks
 TRACE_FIELDS = ("where", "wait_begin", "wait_end", "begin", "end")  # a traced task's row (csrc/.../gemm/trace.cuh)
 FORWARD_KINDS = ("gate_up", "down")  # a forward task's kind: index · 2 + group (0: the shared expert, 1: routed)
-BACKWARD_KINDS = ("down_dgrad", "swiglu_rows", "gate_up_dgrad", "wgrad_down", "wgrad_gate", "wgrad_up")
+BACKWARD_KINDS = ("down_dgrad", "swiglu_rows", "round_trips", "gate_up_dgrad", "wgrad_down", "wgrad_gate",
+                  "wgrad_up")
 FORWARD_LISTS = ("x", "y", "topk_weights", "out", "token_done", "shared")  # the ChainRanks lists each pass reads
 BACKWARD_LISTS = ("y", "out", "token_done", "shared")
 
@@ -257,11 +261,12 @@ def _chain_shared_expert(x: torch.Tensor, weights: tuple, sched, y_buffer=None) 
 
 
 def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name: str,
-                    ranks: ChainRanks | None = None) -> tuple[list, dict]:
-    """One expert group's tensors as the backward chain's binding takes them (checked; outputs allocated) and its
+                    ranks: ChainRanks | None = None, dy_cols=None) -> tuple[list, dict, list | None]:
+    """One expert group's tensors as the backward chain's binding takes them (checked; outputs allocated), its
     outputs by name: d_gate, d_up, h [num_rows, I]; dx_rows [num_rows, H]; d_w_gate, d_w_up [E, I, H], d_w_down
-    [E, H, I]. name: how errors call the group ("" for the routed experts, "shared " for the shared expert). ranks:
-    the routed group's over ranks (its row ids, its dx rows a view of its y entry)."""
+    [E, H, I], and its MXFP8 tensors (None in BF16: gate is a tensor). name: how errors call the group ("" for the
+    routed experts, "shared " for the shared expert). ranks: the routed group's over ranks (its row ids, its dx rows
+    a view of its y entry). dy_cols: with gate, up row-wise MXFP8 pairs, the dy rows' column-wise round trip."""
     check_layout(f"{name}dy_rows", dy_rows, torch.bfloat16, (sched.num_rows, None), "[num_rows, hidden]")
     hidden = dy_rows.shape[1]
     _check_gemm_dim(f"{name}dy_rows", hidden, "hidden (dim 1)")
@@ -273,31 +278,44 @@ def _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, name
     check_layout(f"{name}w_up", w_up, torch.bfloat16, tuple(w_gate.shape), "[num_experts, intermediate, hidden]")
     check_layout(f"{name}w_down", w_down, torch.bfloat16, (sched.num_experts, hidden, intermediate),
                  "[num_experts, hidden, intermediate]")
-    for what, t in (("gate", gate), ("up", up)):
-        check_layout(f"{name}{what}", t, torch.bfloat16, (sched.num_rows, intermediate), "[num_rows, intermediate]")
+    mx = isinstance(gate, tuple)
+    if mx:  # the forward's row-wise MXFP8 (data, scales), and dy's other round trip
+        for what, t in (("gate", gate), ("up", up)):
+            _check_rowwise_mx(f"{name}{what}", t, sched.num_rows, intermediate)
+        check_layout(f"{name}dy_cols", dy_cols, torch.bfloat16, tuple(dy_rows.shape), "[num_rows, hidden]")
+    else:
+        for what, t in (("gate", gate), ("up", up)):
+            check_layout(f"{name}{what}", t, torch.bfloat16, (sched.num_rows, intermediate),
+                         "[num_rows, intermediate]")
+        if dy_cols is not None:
+            fail(f"{name}dy_cols", "None with bf16 gate and up (the MXFP8 backward's operand)", "a tensor")
+    gate_t, up_t = (gate[0], up[0]) if mx else (gate, up)
     _check_devices(dy_rows.device, **{f"{name}{n}": t for n, t in (("dy_rows", dy_rows), ("x_rows", x_rows),
-                   ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("gate", gate), ("up", up))})
+                   ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("gate", gate_t), ("up", up_t),
+                   *((("gate scales", gate[1]), ("up scales", up[1]), ("dy_cols", dy_cols)) if mx else ()))})
     if sched.block_m % GEMM_BLOCK_M:
         fail(f"{name}sched", f"block_m a multiple of {GEMM_BLOCK_M}", f"block_m={sched.block_m}")
     device, E, R = dy_rows.device, sched.num_experts, sched.num_rows
-    out = {"d_gate": torch.empty_like(gate), "d_up": torch.empty_like(gate), "h": torch.empty_like(gate),
+    rows = partial(torch.empty, R, intermediate, dtype=torch.bfloat16, device=device)  # [R, I]
+    out = {"d_gate": rows(), "d_up": rows(), "h": rows(),
            "dx_rows": torch.empty_like(dy_rows) if ranks is None else ranks.y[ranks.rank],  # ranks: whole
            "d_w_gate": torch.empty_like(w_gate), "d_w_up": torch.empty_like(w_gate),
            "d_w_down": torch.empty_like(w_down)}
     row_to_token, tile_to_expert = gemm_schedule_tensors(sched, device)
     row_to_token = row_to_token if ranks is None else ranks.row_ids
     offsets, expert_rows = weight_grad_schedule_tensors(sched, device)  # [E + 1], [E]
-    counters = torch.zeros(2 * (R // GEMM_BLOCK_M) + E, dtype=torch.int32, device=device)
-    tensors = [dy_rows, x_rows, w_gate, w_up, w_down, gate, up, *out.values(), row_to_token, tile_to_expert, offsets,
-               expert_rows, counters]
-    return tensors, out
+    counters = torch.zeros(3 * (R // GEMM_BLOCK_M) + E, dtype=torch.int32, device=device)
+    tensors = [dy_rows, x_rows, w_gate, w_up, w_down, gate_t, up_t, *out.values(), row_to_token, tile_to_expert,
+               offsets, expert_rows, counters]
+    mx_tensors = [gate[1], up[1], dy_cols, rows(), rows()] if mx else None  # the last two: d_gate's, d_up's columns
+    return tensors, out, mx_tensors
 
 
 def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor, w_gate: torch.Tensor,
-                                     w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                                     topk_weights: torch.Tensor, sched, swiglu_limit: float | None = None,
-                                     num_sms: int | None = None, shared=None, ranks: ChainRanks | None = None,
-                                     trace: torch.Tensor | None = None) -> tuple:
+                                     w_up: torch.Tensor, w_down: torch.Tensor, gate, up, topk_weights, sched,
+                                     swiglu_limit: float | None = None, num_sms: int | None = None, shared=None,
+                                     ranks: ChainRanks | None = None, trace: torch.Tensor | None = None,
+                                     dy_cols: torch.Tensor | None = None) -> tuple:
     """The layer's expert backward in BF16 in one persistent launch: the fused level's backward kernels over the
     routed schedule and, with `shared`, the shared expert's, and the combine of d_x, with their bits:
         (d_gate, d_up, h, d_topk_weights) = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
@@ -315,21 +333,39 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     a view of its entry) and, in ranks.shared, each home rank's shared-expert dx rows written before any launch;
     d_x is then its out entry, whole, and d_topk_weights is per row of sched (its routes). trace: as the forward
     chain's, the kinds BACKWARD_KINDS · 2 + group.
-    Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row),
-    [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or None)."""
+    MXFP8 (the fused level's mxfp8 backward of the routed experts, its bits; the shared expert stays BF16): gate, up
+    the forward's row-wise MXFP8 (data, scales) pairs; dy_rows the row-wise round trip of dy = bf16(w·d_out) and
+    dy_cols its column-wise one (mxfp8_fake_quantize_dual of route_grads_prep's rows); x_rows the column-wise round
+    trip of x's rows (mxfp8_fake_quantize_gathered); the weights their round trips along their K (dim -2); and
+    topk_weights None: the route gradients come from route_grads_prep. The SwiGLU backward reads the MXFP8 gate/up,
+    and the launch round-trips d_gate and d_up both ways and h column-wise (grouped_gemm_bf16_dgrad_swiglu_mxfp8,
+    then mxfp8_fake_quantize_dual and mxfp8_fake_quantize in the fused level). Not over ranks.
+    Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row; None in
+    MXFP8), [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or
+    None)."""
     _check_limit(swiglu_limit)
     sms = _check_num_sms(num_sms)
     T, K = sched.num_tokens, sched.num_topk
     if max(T, sched.num_rows) > 1 << RANK_SHIFT:
         fail("sched", f"at most 2^{RANK_SHIFT} tokens and rows (a row id's local part)", (T, sched.num_rows))
-    check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
+    mx = isinstance(gate, tuple)
+    if mx:
+        if topk_weights is not None:
+            fail("topk_weights", "None with MXFP8 gate and up (route_grads_prep gives their route gradients)",
+                 type(topk_weights).__name__)
+        if ranks is not None:
+            fail("ranks", "None with MXFP8 gate and up (the MXFP8 backward is not a chain over ranks)", "ChainRanks")
+    else:
+        check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
     if ranks is not None:
         if shared is not None:
             fail("shared", "None with ranks (the shared expert's dx rows come in ranks.shared)", "a tuple")
         _check_ranks(ranks, dy_rows.device, dy_rows.shape[-1], sched.num_rows, 0, BACKWARD_LISTS,
                      0 if len(ranks.shared) else None)
-    tensors, out = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "", ranks)
-    check_cuda("topk_weights", topk_weights, dy_rows.device, "dy_rows'")
+    tensors, out, mx_tensors = _backward_group(dy_rows, x_rows, w_gate, w_up, w_down, gate, up, sched, "", ranks,
+                                               dy_cols)
+    if not mx:
+        check_cuda("topk_weights", topk_weights, dy_rows.device, "dy_rows'")
     shared_tensors, shared_out = None, None
     if shared is not None:
         if not isinstance(shared, (tuple, list)) or len(shared) != 8:
@@ -339,11 +375,13 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
         if sh.num_experts != 1 or sh.num_tokens != T or sh.num_topk != 1:
             fail("shared", f"a one-expert schedule of the {T} tokens in order", f"{sh.num_experts} experts, "
                  f"{sh.num_tokens} tokens, {sh.num_topk} routes each")
-        shared_tensors, shared_out = _backward_group(*shared, "shared ")
+        if isinstance(shared[5], tuple):
+            fail("shared gate", "bf16 (the shared expert is BF16 in every precision)", "an MXFP8 pair")
+        shared_tensors, shared_out, _ = _backward_group(*shared, "shared ")
         if shared_out["dx_rows"].shape[1] != dy_rows.shape[1]:
             fail("shared dy_rows", f"hidden {dy_rows.shape[1]} (dy_rows')", shared_out["dx_rows"].shape[1])
     hidden = dy_rows.shape[1]
-    d_topk_weights = torch.full_like(topk_weights, float("nan"))  # [T, K]: every route with a row is written
+    d_topk_weights = None if mx else torch.full_like(topk_weights, float("nan"))  # [T, K]: each route with a row
     if ranks is not None:
         d_x, token_done, route_to_row = ranks.out[ranks.rank], ranks.token_done[ranks.rank], ranks.route_to_row
     else:
@@ -357,11 +395,11 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     counts = gemm_schedule_kwargs(sched, dy_rows.device)["counts"]
     load_extension().grouped_gemm_bf16_chain_backward(
         routed=tensors, counts=counts, topk_weights=topk_weights,
-        row_to_route=sched.row_to_route.to(dy_rows.device).contiguous(), d_topk_weights=d_topk_weights,
+        row_to_route=None if mx else sched.row_to_route.to(dy_rows.device).contiguous(), d_topk_weights=d_topk_weights,
         shared=shared_tensors, route_to_row=route_to_row, d_x=d_x, token_done=token_done,
         **_limit_kwargs(swiglu_limit), num_sms=sms, ranks=None if ranks is None else _rank_lists(ranks),
         rank=0 if ranks is None else ranks.rank, token_offsets=[] if ranks is None else list(ranks.token_offsets),
-        trace=_checked_trace(trace, dy_rows.device))
+        trace=_checked_trace(trace, dy_rows.device), mx=mx_tensors)
     d_w = [out["d_w_gate"], out["d_w_up"], out["d_w_down"]]
     d_w_shared = None if shared_out is None else [shared_out["d_w_gate"], shared_out["d_w_up"], shared_out["d_w_down"]]
     return d_x, d_topk_weights, d_w, d_w_shared

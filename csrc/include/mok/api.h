@@ -230,14 +230,20 @@ cudaError_t grouped_gemm_bf16_weight_grad(const WeightGrad& args, int num_sms, c
 // (grouped_gemm_bf16_weight_grad: wgrad[0] = d_w_down from dgrad's dy_rows and h, wgrad[1] = d_w_gate from d_gate and
 // the x rows, wgrad[2] = d_w_up from d_up and the x rows), and the combine of d_x behind the gate/up dgrad's tiles:
 // d_x bf16 [num_tokens, hidden] = combine_rows(routed dx_rows, route_to_row, no weights, the shared group's dx rows)
-// bit for bit. The bits of those launches one by one. counters: int32 zeros [2 · num_rows / 128 + num_experts] per
+// bit for bit. The bits of those launches one by one. counters: int32 zeros [3 · num_rows / 128 + num_experts] per
 // group; route_to_row int32 [num_tokens, num_topk]; token_done int32 zeros [num_tokens, ceil(hidden / 256)].
+// The MXFP8 backward (the routed group only; dgrad with gate/up scales, as grouped_gemm_bf16_dgrad_swiglu_mxfp8, and
+// no route fields): every operand as that precision's launches read it, the round trips of d_gate, d_up and h done
+// in the launch: d_gate and d_up row-wise in place (gate_up_dgrad's operands), column-wise into d_gate_cols and
+// d_up_cols (wgrad[1], wgrad[2]'s a_rows), h column-wise in place; wgrad[0]'s a_rows the dy rows' column-wise round
+// trip, wgrad[1..2]'s b_rows the x rows' (launches: mxfp8_fake_quantize and its dual, the gathered kind for x).
 struct ChainBackwardGroup {
-  DownDgradSwiGLU dgrad;  // bf16 gate/up (no scales)
+  DownDgradSwiGLU dgrad;
   GateUpDgrad gate_up_dgrad;
   WeightGrad wgrad[3];
   RowSchedule sched;
   int32_t* counters;
+  void *d_gate_cols, *d_up_cols;  // MXFP8: [num_rows, intermediate] bf16 each; null in BF16
 };
 // Over ranks (ranks.num_ranks > 0, no shared group in the launch): the combine of d_x as the forward chain's, with
 // y the ranks' routed dx rows, out their d_x, and shared the shared expert's dx rows of each home rank's tokens,

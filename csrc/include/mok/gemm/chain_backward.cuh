@@ -6,27 +6,38 @@
 //   2 rows (m)              the SwiGLU backward of the m-tile's rows, each consumer warp 16 of them, with
 //                           moe/swiglu_backward_rows.cuh's row body: d_gate, d_up, h; the routed group with the route
 //                           gradients (g unweighted, h written as w·h, d_topk_weights)   waits on g_ready[m]
-//   3 kGateUpDgrad (m, n)   dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e]), and the combine of d_x behind its tiles
+//   3 round trips (m)       MXFP8 groups only: the m-tile's rows of d_gate and d_up both ways (row-wise in place,
+//                           column-wise into d_gate_cols, d_up_cols) and h column-wise in place, in the
+//                           fused level's 32-row warp tiles (quant/mxfp8_quantize.cuh's tile body)   waits on rows_ready[m]
+//   4 kGateUpDgrad (m, n)   dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e]), and the combine of d_x behind its tiles
 //                           (chain.cuh's combine, weights 1, the shared group's rows counted)   waits on rows_ready[m]
-//   4 kWeightGrad (e, m, n) d_w_down[e], then d_w_gate[e], d_w_up[e], over e's rows          waits on expert_ready[e]
+//                           (MXFP8: round_ready[m])
+//   5 kWeightGrad (e, m, n) d_w_down[e], then d_w_gate[e], d_w_up[e], over e's rows          waits on expert_ready[e]
 // Same tiles, same fp32 sums, same row body as the fused level's launches: their bits. The dy rows (the unweighted
 // d_out rows) and the x rows are gathered before the launch: the weight gradients read them by TMA, MN-major.
+// An MXFP8 group (its gate/up the forward's row-wise MXFP8, read by the row body as the fused level's SwiGLU kernel
+// reads them) takes its operands' other round trips before the launch, as the fused level does: dy's both ways (dy
+// rows row-wise, dy_cols column-wise; dy = bf16(w·d_out), no route gradients in the launch), the x rows column-wise,
+// the weights along their K. Only the routed group can be MXFP8 (the shared expert is BF16 in every precision).
 //
 // Counters, per group, zero at launch: g_ready[m] (each consumer warp of a kDownDgrad task adds 1 once its stores
 // have finished: target kNumConsumerWarps · its n-tiles), rows_ready[m] and expert_ready[e] (each warp of a row
-// task adds 1 to both: targets kNumConsumerWarps and kNumConsumerWarps · e's m-tiles). The row tasks' stores are
-// st.global (generic proxy): the warp syncs, then lane 0 fences the async proxy and releases; the waiting producer
-// acquires and fences again before its TMA loads read them.
+// task adds 1 to both: targets kNumConsumerWarps and kNumConsumerWarps · e's m-tiles; in an MXFP8 group the row
+// task adds to rows_ready only, and each warp of the round-trip task to round_ready[m] and expert_ready[e]). The row
+// and round-trip tasks' stores are st.global (generic proxy): the warp syncs, then lane 0 fences the async proxy and
+// releases; the waiting producer acquires and fences again before its TMA loads read them.
 //
 // No deadlock, with every CTA resident (grid at most the SM count, one CTA per SM): a CTA takes its tasks in
 // increasing number, and every producer task has a smaller number than its consumers (phases in order). Phase 1
-// waits on nothing. A consumer warp sends its last kDownDgrad signal before it waits (a row task) and before the
-// mainloop of any task whose producer waits, so every count a waiter needs comes from a task that is running, or
-// is done with its signals sent. The producer waits only in phases 3 and 4, after it has loaded every earlier task.
+// waits on nothing. A consumer warp sends its last kDownDgrad signal before it waits (a row or round-trip task) and
+// before the mainloop of any task whose producer waits, so every count a waiter needs comes from a task that is
+// running, or is done with its signals sent. The producer waits only in phases 4 and 5, after it has loaded every
+// earlier task.
 #pragma once
 
 #include "mok/gemm/chain.cuh"
 #include "mok/moe/swiglu_backward_rows.cuh"
+#include "mok/quant/mxfp8_quantize.cuh"
 
 namespace mok::gemm {
 
@@ -43,7 +54,9 @@ static_assert(kNumProducerThreads * kBackwardProducerRegs + kNumConsumerGroups *
               "the register budgets fit the CTA's launch registers");
 
 // The kinds in task order; the weight gradients last.
-enum BackwardKind { kBwdDgrad, kBwdRows, kBwdGateUpDgrad, kBwdWgradDown, kBwdWgradGate, kBwdWgradUp, kBwdKinds };
+enum BackwardKind {
+  kBwdDgrad, kBwdRows, kBwdRound, kBwdGateUpDgrad, kBwdWgradDown, kBwdWgradGate, kBwdWgradUp, kBwdKinds
+};
 
 struct BackwardMaps {  // nothing but tensor maps (the kernel prefetches them as an array)
   CUtensorMap dy, w_down, g;                   // kDownDgrad: A, B (both halves), out (d_gate's buffer)
@@ -57,8 +70,10 @@ struct BackwardMaps {  // nothing but tensor maps (the kernel prefetches them as
 struct BackwardGroup {
   BackwardMaps maps;
   Params dgrad, gate_up_dgrad, wgrad[3];  // wgrad: down, gate, up
-  moe::SwiGLUBackwardRows rows;           // d_h = d_gate's buffer
-  int32_t *g_ready, *rows_ready, *expert_ready;
+  moe::SwiGLUBackwardRows rows;           // d_h = d_gate's buffer; gate_scales set: an MXFP8 group
+  uint16_t *d_gate_cols, *d_up_cols;      // MXFP8: d_gate's and d_up's column-wise round trips
+  int32_t *g_ready, *rows_ready, *round_ready, *expert_ready;
+  int32_t* a_ready;                       // what kGateUpDgrad waits on: rows_ready, or round_ready (MXFP8)
   int g_target;                           // kNumConsumerWarps · kDownDgrad's n-tiles
   int k_blocks_dgrad, k_blocks_gate_up_dgrad;
   int runs;                               // 0: no tasks (no shared expert)
@@ -127,7 +142,7 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
     } else if (bt.kind == kBwdGateUpDgrad) {
       const Task t = decode_task<Gemm::kGateUpDgrad>(g.gate_up_dgrad, bt.index, g.k_blocks_gate_up_dgrad, num);
       L.trace.mark(task, kTraceWaitBegin);
-      ptx::wait_counter(&g.rows_ready[t.m_tile], kNumConsumerWarps);
+      ptx::wait_counter(&g.a_ready[t.m_tile], kNumConsumerWarps);
       L.trace.mark(task, kTraceWaitEnd);
       ptx::fence_proxy_async_global();  // d_gate's and d_up's rows, announced by the counter, before TMA reads them
       it = load_task<Gemm::kGateUpDgrad>(t, g.gate_up_dgrad.k, &m.d_gate, &m.d_up, &m.w_gate, &m.w_up, smem, full,
@@ -143,30 +158,76 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
       const CUtensorMap* a = which == 0 ? &m.wd_a : which == 1 ? &m.wg_a : &m.wu_a;
       const CUtensorMap* b = which == 0 ? &m.wd_b : &m.wg_b;
       it = load_task<Gemm::kWeightGrad>(t, p.k, a, nullptr, b, b, smem, full, empty, it);
-    }  // kBwdRows: the consumers alone
+    }  // kBwdRows, kBwdRound: the consumers alone
   };
   for_each_group_task(n.total(), [&](int task) { return backward_task(n, task); }, task_of);
 }
 
-// One consumer warp's 16 rows of a row task (m-tile m): wait for the tile's g, the SwiGLU backward row by row,
-// then this warp's count. trace: the task's marks of its wait (the tracing thread's), or null.
-MOK_DEVICE void backward_rows(const BackwardGroup& g, int m, int warp_rows, uint32_t lane, const TaskTrace* trace,
-                              int task) {
+// A consumer warp's wait for `counter` to reach `target`, traced (trace: the task's marks, the tracing thread's, or
+// null); every lane's loads after the acquire.
+MOK_DEVICE void warp_wait(const int32_t* counter, int target, uint32_t lane, const TaskTrace* trace, int task) {
   if (trace != nullptr) trace->mark(task, kTraceWaitBegin);
-  if (lane == 0) ptx::wait_counter(&g.g_ready[m], g.g_target);
+  if (lane == 0) ptx::wait_counter(counter, target);
   if (trace != nullptr) trace->mark(task, kTraceWaitEnd);
-  __syncwarp();  // every lane's loads after the acquire
-  const int64_t row0 = static_cast<int64_t>(m) * BLOCK_M + kStoreBoxRows * warp_rows;
-  const uint16_t* d_h = g.rows.d_h;
-  for (int i = 0; i < kStoreBoxRows; ++i)
-    moe::swiglu_backward_row<false>(g.rows, row0 + i, static_cast<int>(lane),
-                                    [d_h](int64_t at) { return ptx::ld_cg_v4(d_h + at); });
+  __syncwarp();
+}
+
+// A consumer warp's release of its st.global rows to TMA loads: to `counter` and, unless null, `counter2`.
+MOK_DEVICE void warp_release(int32_t* counter, int32_t* counter2, uint32_t lane) {
   __syncwarp();  // every lane's stores before lane 0's release
   if (lane == 0) {
     ptx::fence_proxy_async_global();  // st.global rows that TMA loads will read
-    ptx::red_release_gpu_add(&g.rows_ready[m], 1);
-    ptx::red_release_gpu_add(&g.expert_ready[g.dgrad.tile_to_expert[m]], 1);
+    ptx::red_release_gpu_add(counter, 1);
+    if (counter2 != nullptr) ptx::red_release_gpu_add(counter2, 1);
   }
+}
+
+// One consumer warp's 16 rows of a row task (m-tile m): wait for the tile's g, the SwiGLU backward row by row (kMx:
+// gate/up the row-wise MXFP8 the forward saved), then this warp's count (an MXFP8 group's weight gradients wait
+// for the round trips instead).
+template <bool kMx>
+MOK_DEVICE void backward_rows(const BackwardGroup& g, int m, int warp_rows, uint32_t lane, const TaskTrace* trace,
+                              int task) {
+  warp_wait(&g.g_ready[m], g.g_target, lane, trace, task);
+  const int64_t row0 = static_cast<int64_t>(m) * BLOCK_M + kStoreBoxRows * warp_rows;
+  const uint16_t* d_h = g.rows.d_h;
+  for (int i = 0; i < kStoreBoxRows; ++i)
+    moe::swiglu_backward_row<kMx>(g.rows, row0 + i, static_cast<int>(lane),
+                                  [d_h](int64_t at) { return ptx::ld_cg_v4(d_h + at); });
+  warp_release(&g.rows_ready[m], kMx ? nullptr : &g.expert_ready[g.dgrad.tile_to_expert[m]], lane);
+}
+
+// One consumer warp's share of an MXFP8 group's round-trip task (m-tile m): the 32-row warp tiles of the m-tile's
+// d_gate and d_up (dual: row-wise in place, column-wise into d_gate_cols, d_up_cols) and h (column-wise in place),
+// tiles warp, warp + kNumConsumerWarps, ..., each loaded whole before it is stored (so in place is safe), by
+// quantize_and_store_tile: the fused level's round-trip kernels' bits. Then this warp's counts.
+MOK_DEVICE void backward_round_trips(const BackwardGroup& g, int m, int warp, uint32_t lane, const TaskTrace* trace,
+                                     int task) {
+  using Tile = mxfp8::ColTile<4>;
+  warp_wait(&g.rows_ready[m], kNumConsumerWarps, lane, trace, task);
+  const int64_t cols = g.rows.n, col_tiles = (cols + Tile::kCols - 1) / Tile::kCols;
+  constexpr int kBlocks = BLOCK_M / mxfp8::kBlockSize;  // 32-row blocks of the m-tile
+  const int row_lane = static_cast<int>(lane) / Tile::kColLanes, col_lane = static_cast<int>(lane) % Tile::kColLanes;
+  for (int64_t i = warp; i < 3 * kBlocks * col_tiles; i += kNumConsumerWarps) {
+    const int which = static_cast<int>(i / (kBlocks * col_tiles));  // 0 d_gate, 1 d_up, 2 h: warp-uniform
+    const int64_t in = i % (kBlocks * col_tiles);
+    const int64_t row0 = static_cast<int64_t>(m) * BLOCK_M + (in / col_tiles) * mxfp8::kBlockSize;
+    const int64_t col = (in % col_tiles) * Tile::kCols + col_lane * mxfp8::kChunkElems;
+    const bool valid = col < cols;
+    uint16_t* x = which == 0 ? g.rows.d_gate : which == 1 ? g.rows.d_up : g.rows.h;
+    uint4 v[Tile::kRowsPerThread];
+#pragma unroll
+    for (int r = 0; r < Tile::kRowsPerThread; ++r)
+      v[r] = valid ? ptx::ld_cg_v4(x + (row0 + row_lane + 4 * r) * cols + col) : make_uint4(0u, 0u, 0u, 0u);
+    mxfp8::TiledOut out{nullptr, nullptr, nullptr, nullptr};
+    out.round_trip_col = reinterpret_cast<uint8_t*>(which == 0 ? g.d_gate_cols : which == 1 ? g.d_up_cols : x);
+    out.round_trip_row = reinterpret_cast<uint8_t*>(x);
+    if (which < 2)
+      mxfp8::quantize_and_store_tile<4, true, true>(v, row0, col, cols, valid, row_lane, col_lane, out);
+    else
+      mxfp8::quantize_and_store_tile<4, false, true>(v, row0, col, cols, valid, row_lane, col_lane, out);
+  }
+  warp_release(&g.round_ready[m], &g.expert_ready[g.dgrad.tile_to_expert[m]], lane);
 }
 
 MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& n, uint8_t* smem, uint64_t* full,
@@ -200,9 +261,20 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
     const BackwardMaps& m = g.maps;
     const int num = bt.num;
     if (traces) L.trace.begin(task, bt.kind * 2 + kGroup);
-    if (bt.kind == kBwdRows) {
+    if (bt.kind == kBwdRows || bt.kind == kBwdRound) {
       signal();  // before waiting: the count it waits for may be this warp's
-      backward_rows(g, bt.index, warp_rows, lane, traces ? &L.trace : nullptr, task);
+      const TaskTrace* trace = traces ? &L.trace : nullptr;
+      if constexpr (kGroup == kRoutedGroup) {  // the shared expert is BF16 in every precision
+        if (g.rows.gate_scales != nullptr) {
+          if (bt.kind == kBwdRows)
+            backward_rows<true>(g, bt.index, warp_rows, lane, trace, task);
+          else
+            backward_round_trips(g, bt.index, warp_rows, lane, trace, task);
+          if (traces) L.trace.mark(task, kTraceEnd);
+          return;
+        }
+      }
+      backward_rows<false>(g, bt.index, warp_rows, lane, trace, task);  // kBwdRound has no tasks in a BF16 group
       if (traces) L.trace.mark(task, kTraceEnd);
       return;
     }
@@ -275,6 +347,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (!g.runs) continue;
     n.num[kBwdDgrad][i] = num_tasks_of<Gemm::kDownDgrad>(g.dgrad);
     n.num[kBwdRows][i] = n.num[kBwdDgrad][i] / (g.dgrad.num_n_tiles > 0 ? g.dgrad.num_n_tiles : 1);  // real m-tiles
+    n.num[kBwdRound][i] = g.rows.gate_scales != nullptr ? n.num[kBwdRows][i] : 0;
     n.num[kBwdGateUpDgrad][i] = num_tasks_of<Gemm::kGateUpDgrad>(g.gate_up_dgrad);
     for (int w = 0; w < 3; ++w) n.num[kBwdWgradDown + w][i] = num_tasks_of<Gemm::kWeightGrad>(g.wgrad[w]);
   }
@@ -291,13 +364,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // gate_up_dgrad: a = d_gate, a2 = d_up, out = the dx rows, n = hidden, k = intermediate; wgrad[0..2]: d_w_down (a = dy
 // rows, b = h rows), d_w_gate (a = d_gate, b = x rows), d_w_up (a = d_up, b = x rows), each with the schedule's
 // expert_offsets and expert_rows, m and n of its output; rows: the SwiGLU backward's pointers (d_h = d_gate's buffer);
-// counters: int32 zeros [2 · num_rows / 128 + num_experts] (g_ready, rows_ready, expert_ready).
+// counters: int32 zeros [3 · num_rows / 128 + num_experts] (g_ready, rows_ready, round_ready, expert_ready).
+// MXFP8 (rows.gate_scales set): d_gate_cols, d_up_cols [num_rows, intermediate] the round trips' outputs, and the
+// weight gradients' A rows dy_cols (the dy rows' column-wise round trip), d_gate_cols, d_up_cols.
 struct BackwardGroupArgs {
   const void *w_down, *w_gate, *w_up;
   const void* b_rows[3];  // the weight gradients' B rows: h, x rows, x rows
   int64_t num_experts;
   Params dgrad, gate_up_dgrad, wgrad[3];
   moe::SwiGLUBackwardRows rows;
+  uint16_t *d_gate_cols, *d_up_cols;
   int32_t* counters;
 };
 
@@ -313,7 +389,12 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
     const BackwardGroupArgs& a = *args[i];
     if (a.w_down == nullptr) continue;  // no shared expert: its group runs no task
     BackwardGroup& g = launch.group[i];
+    const bool mx = a.rows.gate_scales != nullptr;
+    if (mx && (i == kSharedGroup || a.rows.up_scales == nullptr || a.d_gate_cols == nullptr ||
+               a.d_up_cols == nullptr || a.rows.route_weights != nullptr || a.rows.n % mxfp8::kBlockSize != 0))
+      return cudaErrorInvalidValue;
     g.dgrad = a.dgrad, g.gate_up_dgrad = a.gate_up_dgrad, g.rows = a.rows;
+    g.d_gate_cols = a.d_gate_cols, g.d_up_cols = a.d_up_cols;
     for (int w = 0; w < 3; ++w) g.wgrad[w] = a.wgrad[w];
     TaskMaps md, mg, mw[3];
     int64_t num = 0, sum = 0;
@@ -335,12 +416,14 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
     g.maps = BackwardMaps{md.a,     md.b0,    md.out,    mg.a,  mg.a2, mg.b0,     mg.b1,    mg.out,
                           mw[0].a, mw[0].b0, mw[0].out, mw[1].a, mw[1].b0, mw[1].out, mw[2].a, mw[2].out};
     const int num_m_tiles = g.dgrad.num_rows / BLOCK_M;
-    g.g_ready = a.counters, g.rows_ready = a.counters + num_m_tiles, g.expert_ready = a.counters + 2 * num_m_tiles;
+    g.g_ready = a.counters, g.rows_ready = a.counters + num_m_tiles, g.round_ready = a.counters + 2 * num_m_tiles;
+    g.expert_ready = a.counters + 3 * num_m_tiles;
+    g.a_ready = mx ? g.round_ready : g.rows_ready;
     g.g_target = kNumConsumerWarps * g.dgrad.num_n_tiles;
     g.k_blocks_dgrad = num_k_blocks_of<Gemm::kDownDgrad>(g.dgrad.k);
     g.k_blocks_gate_up_dgrad = num_k_blocks_of<Gemm::kGateUpDgrad>(g.gate_up_dgrad.k);
     g.runs = sum > 0;
-    total += sum + num_m_tiles;
+    total += sum + (mx ? 2 : 1) * num_m_tiles;
   }
   if (total == 0) return cudaSuccess;
   if (combine.out[combine.rank] == nullptr || combine.topk_weights[0] != nullptr ||
