@@ -6,10 +6,11 @@ another rank, so the launches need no co-residency: R ranks in one process run t
 
 Around each launch: the inputs written and the counters zeroed on every rank (a barrier), every rank's routing read
 and this rank's rows planned (mok.ep_build's tables), then the launch, then a barrier before out is read. The
-backward in BF16: the shared expert's backward of this rank's tokens before the launch (its dx rows, for d_x's
-combine), its share of the weight gradients after it (mok.ep_shared); in MXFP8 mok.ep_peer's phases. R ranks in
-one process (forward_ranks) or one per process (the generators with mok.ep_peer.run_rank). The bits: the fused
-level's at EP = 1 (tests/test_ep_peer.py)."""
+backward: the shared expert's backward of this rank's tokens before the launch (its dx rows, for d_x's combine), its
+share of the weight gradients after it (mok.ep_shared); in MXFP8 the launch's operands as the fused level's mxfp8
+backward of the rank's rows makes them (mok.megakernel.run_backward's). R ranks in one process (forward_ranks) or one
+per process (the generators with mok.ep_peer.run_rank). The bits: the fused level's at EP = 1
+(tests/test_ep_peer.py)."""
 
 from __future__ import annotations
 
@@ -87,12 +88,10 @@ def forward_rank(P: dict, rank: int, x, topk_idx, topk_weights, w_gate, w_up, w_
 
 
 def backward_rank(P: dict, saved, d_out, trace=None):
-    """The rank's gradients, as mok.ep_peer.backward_rank's (a generator yielding at each barrier): in BF16 the
-    routed experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the
-    tile completing a token, on any rank; trace: its per-task times), after the shared expert's backward of this
-    rank's tokens has written their dx rows (mok.ep_shared); in MXFP8 ep_peer's phases."""
-    if saved.experts.precision != "bf16":
-        return (yield from ep_peer.backward_rank(P, saved, d_out))
+    """The rank's gradients, as mok.ep_peer.backward_rank's (a generator yielding at each barrier): the routed
+    experts' backward one chain launch (ops.grouped_gemm_bf16_chain_backward over ranks: d_x's combine by the tile
+    completing a token, on any rank; trace: its per-task times), after the shared expert's backward of this rank's
+    tokens has written their dx rows (mok.ep_shared)."""
     s, t, real, T = saved, saved.tables, saved.real, d_out.shape[0]
     own = {name: p.keep[s.rank] for name, p in P.items()}
     own["d_out"][:T] = d_out
@@ -105,17 +104,11 @@ def backward_rank(P: dict, saved, d_out, trace=None):
         own["sy"][:T] = ep_shared.backward_local(own, s.shared, d_out, s.swiglu_limit)
     rank, token, k = (t[name][real].long() for name in ("pull_rank", "pull_token", "pull_k"))
     w_rows = torch.stack(P["w"].keep)[rank, token, k][:, None]  # [n, 1]: each row's route weight
-    dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
-    e = s.experts
-    w_gate, w_up, w_down = e.weights[:3]
     ranks = replace(s.ranks, x=[], y=list(P["dx"].keep), topk_weights=[], out=list(P["out"].keep),
                     token_done=list(P["done"].keep), shared=list(P["sy"].keep) if s.shared is not None else [])
     yield  # every rank's shared dx rows are in place
 
-    _, d_tw, d_w, _ = ops.grouped_gemm_bf16_chain_backward(dy_rows, fused.gather_x_rows(e.x, s.sched), w_gate, w_up,
-                                                           w_down, e.gate, e.up, w_rows, s.sched,
-                                                           swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks,
-                                                           trace=trace)
+    d_tw, d_w = _routed_backward(P, s, w_rows, ranks, trace)
     d_w = [d[: t["tokens_per_expert"].shape[0]] for d in d_w]  # a rank without experts: no stand-in's gradient
     own["dtw"][: real.shape[0]][real] = d_tw
     if s.shared is not None:  # its share of the shared expert's weight gradients (every rank's rows are in place)
@@ -127,6 +120,32 @@ def backward_rank(P: dict, saved, d_out, trace=None):
     if s.shared is not None:
         d_shared = ep_shared.backward_gather(P, d_out.shape[1])
     return (d_x, d_topk_weights, *d_w, *d_shared)
+
+
+def _routed_backward(P: dict, s, w_rows, ranks, trace) -> tuple:
+    """The rank's chain launch of the routed experts' backward over ranks: (d_topk_weights [n, 1] of its rows, its
+    [d_w_gate, d_w_up, d_w_down]). In MXFP8 its operands are those of fused.backward over the rank's rows (each row
+    a token of weight w_rows): dy = bf16(w·d_out) and the route gradients from the saved y rows (route_grads_prep),
+    dy's round trips both ways, the x rows' and the weights' (megakernel.run_backward's)."""
+    t, real, e = s.tables, s.real, s.experts
+    if e.precision == "bf16":
+        dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
+        _, d_tw, d_w, _ = ops.grouped_gemm_bf16_chain_backward(
+            dy_rows, fused.gather_x_rows(e.x, s.sched), *e.weights[:3], e.gate, e.up, w_rows, s.sched,
+            swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks, trace=trace)
+        return d_tw, d_w
+    if real.shape[0] == 0:  # no rows here (the forward saved L0's state of none): nothing to launch
+        return w_rows.new_zeros(0, 1), [torch.zeros_like(w) for w in e.weights[:3]]
+    d_rows = ops.pull_rows(P["d_out"], t["pull_rank"][real], t["pull_token"][real])  # [n, H] unweighted
+    p = e.precision
+    dy, d_tw = ops.route_grads_prep(d_rows, w_rows, e.y_rows, s.sched)  # [rows, H], [n, 1]
+    dy_rows, dy_cols = fused._mx_dual(dy, p, s.sched)  # [rows, H] each
+    del dy, d_rows
+    weights = (fused._mx_weight(w, -2, p, e.mx_weights) for w in e.weights[:3])
+    _, _, d_w, _ = ops.grouped_gemm_bf16_chain_backward(
+        dy_rows, fused._x_rows(e.x, s.sched, p), *weights, e.gate_mx, e.up_mx, None, s.sched,
+        swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks, trace=trace, dy_cols=dy_cols)
+    return d_tw, d_w
 
 
 @dataclass

@@ -339,7 +339,7 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
     trip of x's rows (mxfp8_fake_quantize_gathered); the weights their round trips along their K (dim -2); and
     topk_weights None: the route gradients come from route_grads_prep. The SwiGLU backward reads the MXFP8 gate/up,
     and the launch round-trips d_gate and d_up both ways and h column-wise (grouped_gemm_bf16_dgrad_swiglu_mxfp8,
-    then mxfp8_fake_quantize_dual and mxfp8_fake_quantize in the fused level). Not over ranks.
+    then mxfp8_fake_quantize_dual and mxfp8_fake_quantize in the fused level).
     Returns (d_x [num_tokens, hidden], d_topk_weights [num_tokens, num_topk] (NaN for a route without a row; None in
     MXFP8), [d_w_gate, d_w_up, d_w_down], and the shared expert's [d_w_gate, d_w_up, d_w_down] ([1, ...] each) or
     None)."""
@@ -353,8 +353,6 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
         if topk_weights is not None:
             fail("topk_weights", "None with MXFP8 gate and up (route_grads_prep gives their route gradients)",
                  type(topk_weights).__name__)
-        if ranks is not None:
-            fail("ranks", "None with MXFP8 gate and up (the MXFP8 backward is not a chain over ranks)", "ChainRanks")
     else:
         check_layout("topk_weights", topk_weights, torch.float32, (T, K), "[num_tokens, num_topk] (sched's)")
     if ranks is not None:
