@@ -7,8 +7,8 @@
 //                           moe/swiglu_backward_rows.cuh's row body: d_gate, d_up, h; the routed group with the route
 //                           gradients (g unweighted, h written as w·h, d_topk_weights)   waits on g_ready[m]
 //   3 round trips (m)       MXFP8 groups only: the m-tile's rows of d_gate and d_up both ways (row-wise in place,
-//                           column-wise into d_gate_cols, d_up_cols) and h column-wise in place, in the
-//                           fused level's 32-row warp tiles (quant/mxfp8_quantize.cuh's tile body)   waits on rows_ready[m]
+//                           column-wise into d_gate_cols, d_up_cols) and h column-wise in place, in the fused
+//                           level's 32-row warp tiles (quant/mxfp8_quantize.cuh's tile body)   waits on rows_ready[m]
 //   4 kGateUpDgrad (m, n)   dx[r] = bf16(d_gate[r]·Wg[e] + d_up[r]·Wu[e]), and the combine of d_x behind its tiles
 //                           (chain.cuh's combine, weights 1, the shared group's rows counted)   waits on rows_ready[m]
 //                           (MXFP8: round_ready[m])
