@@ -101,9 +101,9 @@ def test_backward_chain_counter_targets_match_the_schedule(kind, block_m):
     """The backward chain's weight-gradient tasks wait until expert e's counter reaches kNumConsumerWarps ·
     (expert_offsets[e + 1] - expert_offsets[e]) / 128, and each consumer warp of a row task (in MXFP8: of a round-trip
     task, one per row task) adds 1 to the counter of its tile's expert (tile_to_expert): the two agree only if the
-    real 128-row tiles of each expert are exactly its
-    segment's. On the schedules the kernels read (make_schedule_cuda without a sync: spare tiles past the real rows),
-    for skewed routings, empty experts and schedule tiles of two kernel tiles."""
+    real 128-row tiles of each expert are exactly its segment's. On the schedules the kernels read
+    (make_schedule_cuda without a sync: spare tiles past the real rows), for skewed routings, empty experts and
+    schedule tiles of two kernel tiles."""
     g = torch.Generator().manual_seed(fresh_seed())
     T, E, K = 300, 16, 4
     if kind == "hot":
