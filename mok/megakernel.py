@@ -94,18 +94,19 @@ def run_backward(saved: FusedSaved, d_out, trace=None):
         shared = (fused.pad_rows(d_out, sh.num_rows), fused.pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
                   ws_down[None], *s.shared_rows, sh)
     if p == "bf16":  # the unweighted d_out rows: the launch computes the route gradients
-        dy_rows, dy_cols, d_topk_weights = ops.gather_rows_cuda(d_out, sched), None, None
+        dy_rows, dy_cols, d_topk_prep = ops.gather_rows_cuda(d_out, sched), None, None
         gate, up, topk_weights = s.gate, s.up, s.topk_weights
     else:
-        dy, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
+        dy, d_topk_prep = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
         dy_rows, dy_cols = fused._mx_dual(dy, p, sched)  # [R, H] each: K along hidden, along the rows
         del dy
         gate, up, topk_weights = s.gate_mx, s.up_mx, None
         w_gate, w_up, w_down = (fused._mx_weight(w, -2, p, s.mx_weights) for w in (w_gate, w_up, w_down))
-    d_x, d_topk_launch, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(
+    d_x, d_topk_weights, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(  # d_topk_weights None in mxfp8
         dy_rows, fused._x_rows(s.x, sched, p), w_gate, w_up, w_down, gate, up, topk_weights, sched,
         swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared, trace=trace, dy_cols=dy_cols)
-    d_topk_weights = d_topk_launch if d_topk_weights is None else d_topk_weights
+    if d_topk_prep is not None:
+        d_topk_weights = d_topk_prep
     bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     d_w_shared = [None] * 3 if d_w_shared is None else [w[0] for w in d_w_shared]
     return (d_x, d_topk_weights, *d_w, *d_w_shared)
