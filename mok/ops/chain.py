@@ -316,7 +316,7 @@ def grouped_gemm_bf16_chain_backward(dy_rows: torch.Tensor, x_rows: torch.Tensor
                                      swiglu_limit: float | None = None, num_sms: int | None = None, shared=None,
                                      ranks: ChainRanks | None = None, trace: torch.Tensor | None = None,
                                      dy_cols: torch.Tensor | None = None) -> tuple:
-    """The layer's expert backward in BF16 in one persistent launch: the fused level's backward kernels over the
+    """The layer's expert backward in one persistent launch: the fused level's backward kernels over the
     routed schedule and, with `shared`, the shared expert's, and the combine of d_x, with their bits:
         (d_gate, d_up, h, d_topk_weights) = grouped_gemm_bf16_dgrad_swiglu_route_grads(dy_rows, w_down, gate, up,
                                                                                         topk_weights, sched)
