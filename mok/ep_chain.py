@@ -8,7 +8,7 @@ Around each launch: the inputs written and the counters zeroed on every rank (a 
 and this rank's rows planned (mok.ep_build's tables), then the launch, then a barrier before out is read. The
 backward: the shared expert's backward of this rank's tokens before the launch (its dx rows, for d_x's combine), its
 share of the weight gradients after it (mok.ep_shared); in MXFP8 the launch's operands as the fused level's mxfp8
-backward of the rank's rows makes them (mok.megakernel.run_backward's). R ranks in one process (forward_ranks) or one
+backward of the rank's rows makes them (mok.megakernel.mx_operands). R ranks in one process (forward_ranks) or one
 per process (the generators with mok.ep_peer.run_rank). The bits: the fused level's at EP = 1
 (tests/test_ep_peer.py)."""
 
@@ -124,9 +124,8 @@ def backward_rank(P: dict, saved, d_out, trace=None):
 
 def _routed_backward(P: dict, s, w_rows, ranks, trace) -> tuple:
     """The rank's chain launch of the routed experts' backward over ranks: (d_topk_weights [n, 1] of its rows, its
-    [d_w_gate, d_w_up, d_w_down]). In MXFP8 its operands are those of fused.backward over the rank's rows (each row
-    a token of weight w_rows): dy = bf16(w·d_out) and the route gradients from the saved y rows (route_grads_prep),
-    dy's round trips both ways, the x rows' and the weights' (megakernel.run_backward's)."""
+    [d_w_gate, d_w_up, d_w_down]). In MXFP8 its operands are those of the fused level's backward over the rank's rows
+    (each row a token of weight w_rows: megakernel.mx_operands)."""
     t, real, e = s.tables, s.real, s.experts
     if e.precision == "bf16":
         dy_rows = ops.pull_rows(P["d_out"], t["pull_rank"], t["pull_token"])  # [rows, H], zeros in padding
@@ -137,14 +136,11 @@ def _routed_backward(P: dict, s, w_rows, ranks, trace) -> tuple:
     if real.shape[0] == 0:  # no rows here (the forward saved L0's state of none): nothing to launch
         return w_rows.new_zeros(0, 1), [torch.zeros_like(w) for w in e.weights[:3]]
     d_rows = ops.pull_rows(P["d_out"], t["pull_rank"][real], t["pull_token"][real])  # [n, H] unweighted
-    p = e.precision
-    dy, d_tw = ops.route_grads_prep(d_rows, w_rows, e.y_rows, s.sched)  # [rows, H], [n, 1]
-    dy_rows, dy_cols = fused._mx_dual(dy, p, s.sched)  # [rows, H] each
-    del dy, d_rows
-    weights = (fused._mx_weight(w, -2, p, e.mx_weights) for w in e.weights[:3])
+    dy_rows, dy_cols, x_rows, routed, d_tw = megakernel.mx_operands(replace(e, topk_weights=w_rows), d_rows)
+    del d_rows
     _, _, d_w, _ = ops.grouped_gemm_bf16_chain_backward(
-        dy_rows, fused._x_rows(e.x, s.sched, p), *weights, e.gate_mx, e.up_mx, None, s.sched,
-        swiglu_limit=s.swiglu_limit, num_sms=e.num_sms, ranks=ranks, trace=trace, dy_cols=dy_cols)
+        dy_rows, x_rows, *routed, e.gate_mx, e.up_mx, None, s.sched, swiglu_limit=s.swiglu_limit, num_sms=e.num_sms,
+        ranks=ranks, trace=trace, dy_cols=dy_cols)
     return d_tw, d_w
 
 

@@ -83,33 +83,42 @@ def backward(saved: FusedSaved, d_out):
 
 
 def run_backward(saved: FusedSaved, d_out, trace=None):
-    """backward's chain launch (trace: the op's). In mxfp8 its inputs as the fused level's mxfp8 backward computes
-    them: dy = bf16(w·d_out) and the route gradients from the saved y rows (route_grads_prep), dy's round trips
-    both ways, the x rows' column-wise, the routed weights' along their K; the saved MXFP8 gate/up as they are."""
-    s, sched, p = saved, saved.sched, saved.precision
-    w_gate, w_up, w_down, ws_gate, ws_up, ws_down = s.weights
+    """backward's chain launch (trace: the op's); in mxfp8 its routed inputs from mx_operands."""
+    s, sched = saved, saved.sched
+    ws_gate, ws_up, ws_down = s.weights[3:]
     shared = None
     if ws_gate is not None:  # its rows: the tokens in order, then zero padding (fused.shared_backward's operands)
         sh = fused.shared_schedule(d_out.shape[0], d_out.device)  # cached
         shared = (fused.pad_rows(d_out, sh.num_rows), fused.pad_rows(s.x, sh.num_rows), ws_gate[None], ws_up[None],
                   ws_down[None], *s.shared_rows, sh)
-    if p == "bf16":  # the unweighted d_out rows: the launch computes the route gradients
-        dy_rows, dy_cols, d_topk_prep = ops.gather_rows_cuda(d_out, sched), None, None
+    if s.precision == "bf16":  # the unweighted d_out rows: the launch computes the route gradients
+        dy_rows, dy_cols, x_rows, routed, d_topk_prep = (ops.gather_rows_cuda(d_out, sched), None,
+                                                         fused.gather_x_rows(s.x, sched), s.weights[:3], None)
         gate, up, topk_weights = s.gate, s.up, s.topk_weights
     else:
-        dy, d_topk_prep = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
-        dy_rows, dy_cols = fused._mx_dual(dy, p, sched)  # [R, H] each: K along hidden, along the rows
-        del dy
+        dy_rows, dy_cols, x_rows, routed, d_topk_prep = mx_operands(s, d_out)
         gate, up, topk_weights = s.gate_mx, s.up_mx, None
-        w_gate, w_up, w_down = (fused._mx_weight(w, -2, p, s.mx_weights) for w in (w_gate, w_up, w_down))
     d_x, d_topk_weights, d_w, d_w_shared = ops.grouped_gemm_bf16_chain_backward(  # d_topk_weights None in mxfp8
-        dy_rows, fused._x_rows(s.x, sched, p), w_gate, w_up, w_down, gate, up, topk_weights, sched,
-        swiglu_limit=s.swiglu_limit, num_sms=s.num_sms, shared=shared, trace=trace, dy_cols=dy_cols)
+        dy_rows, x_rows, *routed, gate, up, topk_weights, sched, swiglu_limit=s.swiglu_limit, num_sms=s.num_sms,
+        shared=shared, trace=trace, dy_cols=dy_cols)
     if d_topk_prep is not None:
         d_topk_weights = d_topk_prep
     bad_ids.raise_landed()  # this forward's bad expert ids, if their count has landed (it never waits)
     d_w_shared = [None] * 3 if d_w_shared is None else [w[0] for w in d_w_shared]
     return (d_x, d_topk_weights, *d_w, *d_w_shared)
+
+
+def mx_operands(saved: FusedSaved, d_out) -> tuple:
+    """The mxfp8 backward chain's routed inputs as the fused level's mxfp8 backward computes them, from its saved
+    state and d_out [T, H]: (dy rows, dy_cols, x rows, the routed weights' round trips along their K, d_topk_weights
+    [T, K]): dy = bf16(w·d_out) and the route gradients from the saved y rows (route_grads_prep), dy's round trips
+    both ways (_mx_dual), the x rows' column-wise (_x_rows). The saved MXFP8 gate/up go to the launch as they are."""
+    s, sched, p = saved, saved.sched, saved.precision
+    dy, d_topk_weights = ops.route_grads_prep(d_out, s.topk_weights, s.y_rows, sched)  # [R, H], [T, K]
+    dy_rows, dy_cols = fused._mx_dual(dy, p, sched)  # [R, H] each: K along hidden, along the rows
+    del dy
+    weights = tuple(fused._mx_weight(w, -2, p, s.mx_weights) for w in s.weights[:3])
+    return dy_rows, dy_cols, fused._x_rows(s.x, sched, p), weights, d_topk_weights
 
 
 def saved_like(*args, num_sms=None, **kwargs):

@@ -73,10 +73,12 @@ struct BackwardGroup {
   moe::SwiGLUBackwardRows rows;           // d_h = d_gate's buffer; gate_scales set: an MXFP8 group
   uint16_t *d_gate_cols, *d_up_cols;      // MXFP8: d_gate's and d_up's column-wise round trips
   int32_t *g_ready, *rows_ready, *round_ready, *expert_ready;
-  int32_t* a_ready;                       // what kGateUpDgrad waits on: rows_ready, or round_ready (MXFP8)
   int g_target;                           // kNumConsumerWarps · kDownDgrad's n-tiles
   int k_blocks_dgrad, k_blocks_gate_up_dgrad;
   int runs;                               // 0: no tasks (no shared expert)
+  MOK_DEVICE bool mx() const { return rows.gate_scales != nullptr; }
+  // What kGateUpDgrad waits on: the row tasks' counts, or in MXFP8 the round-trip tasks'.
+  MOK_DEVICE const int32_t* gate_up_ready() const { return mx() ? round_ready : rows_ready; }
 };
 
 struct BackwardLaunch {
@@ -142,7 +144,7 @@ MOK_DEVICE void produce_backward(const BackwardLaunch& L, const BackwardCounts& 
     } else if (bt.kind == kBwdGateUpDgrad) {
       const Task t = decode_task<Gemm::kGateUpDgrad>(g.gate_up_dgrad, bt.index, g.k_blocks_gate_up_dgrad, num);
       L.trace.mark(task, kTraceWaitBegin);
-      ptx::wait_counter(&g.a_ready[t.m_tile], kNumConsumerWarps);
+      ptx::wait_counter(&g.gate_up_ready()[t.m_tile], kNumConsumerWarps);
       L.trace.mark(task, kTraceWaitEnd);
       ptx::fence_proxy_async_global();  // d_gate's and d_up's rows, announced by the counter, before TMA reads them
       it = load_task<Gemm::kGateUpDgrad>(t, g.gate_up_dgrad.k, &m.d_gate, &m.d_up, &m.w_gate, &m.w_up, smem, full,
@@ -265,7 +267,7 @@ MOK_DEVICE void consume_backward(const BackwardLaunch& L, const BackwardCounts& 
       signal();  // before waiting: the count it waits for may be this warp's
       const TaskTrace* trace = traces ? &L.trace : nullptr;
       if constexpr (kGroup == kRoutedGroup) {  // the shared expert is BF16 in every precision
-        if (g.rows.gate_scales != nullptr) {
+        if (g.mx()) {
           if (bt.kind == kBwdRows)
             backward_rows<true>(g, bt.index, warp_rows, lane, trace, task);
           else
@@ -347,7 +349,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (!g.runs) continue;
     n.num[kBwdDgrad][i] = num_tasks_of<Gemm::kDownDgrad>(g.dgrad);
     n.num[kBwdRows][i] = n.num[kBwdDgrad][i] / (g.dgrad.num_n_tiles > 0 ? g.dgrad.num_n_tiles : 1);  // real m-tiles
-    n.num[kBwdRound][i] = g.rows.gate_scales != nullptr ? n.num[kBwdRows][i] : 0;
+    n.num[kBwdRound][i] = g.mx() ? n.num[kBwdRows][i] : 0;
     n.num[kBwdGateUpDgrad][i] = num_tasks_of<Gemm::kGateUpDgrad>(g.gate_up_dgrad);
     for (int w = 0; w < 3; ++w) n.num[kBwdWgradDown + w][i] = num_tasks_of<Gemm::kWeightGrad>(g.wgrad[w]);
   }
@@ -418,7 +420,6 @@ inline cudaError_t launch_grouped_gemm_bf16_chain_backward(const BackwardGroupAr
     const int num_m_tiles = g.dgrad.num_rows / BLOCK_M;
     g.g_ready = a.counters, g.rows_ready = a.counters + num_m_tiles, g.round_ready = a.counters + 2 * num_m_tiles;
     g.expert_ready = a.counters + 3 * num_m_tiles;
-    g.a_ready = mx ? g.round_ready : g.rows_ready;
     g.g_target = kNumConsumerWarps * g.dgrad.num_n_tiles;
     g.k_blocks_dgrad = num_k_blocks_of<Gemm::kDownDgrad>(g.dgrad.k);
     g.k_blocks_gate_up_dgrad = num_k_blocks_of<Gemm::kGateUpDgrad>(g.gate_up_dgrad.k);
